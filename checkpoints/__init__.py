@@ -1,0 +1,1 @@
+"""Checkpoints shipped with servelab: the trained `tiny` target and `tiny-draft` models."""

@@ -1,0 +1,1 @@
+"""Hydra configs: the primary ``config.yaml``, model presets and experiment presets."""

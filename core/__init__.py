@@ -1,0 +1,1 @@
+"""servelab core: contracts, registry, engine loop, model runner and entry points."""

@@ -1,0 +1,210 @@
+"""The engine loop: validated requests in, one scheduled step at a time, outputs out."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from servelab.core.attention import AttentionSpec
+from servelab.core.checkpoint import load_checkpoint, resolve_device, resolve_dtype
+from servelab.core.decoding import DecodeResult
+from servelab.core.errors import ConfigError, InvalidRequestError
+from servelab.core.kv_cache import KVCacheSpec
+from servelab.core.model_runner import ModelRunner
+from servelab.core.output_processor import OUTPUT_KINDS, OutputProcessor
+from servelab.core.outputs import RequestOutput
+from servelab.core.registry import Registry, get_registry
+from servelab.core.request import Request
+from servelab.core.sampling_params import SamplingParams
+from servelab.core.scheduler import SchedulerContext
+from servelab.core.step_stats import StepStats
+from servelab.core.stop_checker import StopChecker
+from servelab.core.validate import validate
+
+log = logging.getLogger(__name__)
+
+
+class EngineContext:
+    """What decoding strategies may use from the engine that builds them."""
+
+    def __init__(self, cfg: DictConfig, registry: Registry, device: torch.device, dtype: torch.dtype,
+                 vocab_size: int, max_model_len: int, tokenizer: Any):
+        self.cfg = cfg
+        self.registry = registry
+        self.device = device
+        self.dtype = dtype
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.tokenizer = tokenizer
+
+
+class LLMEngine:
+    """Builds every component from a composed config and runs the step loop."""
+
+    def __init__(self, cfg: DictConfig, registry: Registry | None = None):
+        self.cfg = cfg
+        self.registry = registry or get_registry()
+        checkpoint = load_checkpoint(cfg.model)
+        hf = checkpoint.hf_config
+        self.tokenizer = checkpoint.tokenizer
+        self.device = resolve_device(cfg.device)
+        self.dtype = resolve_dtype(cfg.model.dtype, hf, self.device)
+        model_cls = self.registry.get("model", checkpoint.architecture).cls
+        shape = model_cls.shape_of(hf)
+        self.max_model_len = cfg.model.max_model_len or shape.max_positions
+        self.vocab_size = shape.vocab_size
+        window = shape.sliding_window if shape.sliding_window and shape.sliding_window < self.max_model_len else None
+        attention_spec = AttentionSpec(shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.head_dim ** -0.5,
+                                       self.dtype, self.device, window)
+        kv_spec = KVCacheSpec(shape.num_layers, shape.num_kv_heads, shape.head_dim, self.dtype, self.max_model_len)
+        problems: list[str] = []
+        cache = None
+        try:
+            cache = self.registry.build("cache", cfg.cache, kv_spec)
+        except ConfigError as exc:
+            problems += exc.problems
+        problems += validate(cfg, self.registry, self.max_model_len, shape.max_positions, attention_spec, cache)
+        if problems:
+            raise ConfigError(problems)
+        self.cache = cache
+        attention = self.registry.build("attention", cfg.attention, attention_spec)
+        model = model_cls(hf, attention, self.dtype, self.max_model_len)
+        model.load_weights(checkpoint.weights())
+        self.model = model.to(self.device).eval()
+        self.context = EngineContext(cfg, self.registry, self.device, self.dtype, self.vocab_size,
+                                     self.max_model_len, self.tokenizer)
+        self.strategy = self.registry.build("decoding", cfg.decoding, self.context)
+        self.stop_checker = StopChecker(self.tokenizer, self.max_model_len)
+        self.scheduler = self.registry.build("scheduler", cfg.scheduler, SchedulerContext(
+            cache, self.max_model_len, self.strategy.num_lookahead_tokens, self.stop_checker,
+            self.strategy.on_request_finished))
+        self.runner = ModelRunner(self.model, attention, cache, self.strategy, shape.num_layers,
+                                  self.max_model_len, self.device, self.dtype)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+        self.num_prompt_tokens = 0
+        self.num_generated_tokens = 0
+        self.num_steps = 0
+        self.registry.hook.servelab_engine_started(engine=self)
+
+    # -- requests ----------------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a text prompt (token-id prompts pass through)."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("prompt", "this model has no tokenizer: pass token ids")
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return list(prompt)
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ``InvalidRequestError`` naming the field and the limit if the request
+        cannot be served; nothing enters the engine."""
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt", "must not be empty")
+        if any(not isinstance(t, int) or t < 0 or t >= self.vocab_size for t in prompt_token_ids):
+            bad = next(t for t in prompt_token_ids if not isinstance(t, int) or t < 0 or t >= self.vocab_size)
+            raise InvalidRequestError("prompt_token_ids", f"token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise InvalidRequestError("prompt", (
+                f"This model's maximum context length is {self.max_model_len} tokens, but the prompt has "
+                f"{len(prompt_token_ids)} tokens (at most {self.max_model_len - 1}, so that one can be generated)"))
+        if params.use_beam_search:
+            raise InvalidRequestError("use_beam_search", "beam search is not supported by this engine")
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
+                    arrival_time: float | None = None, output_kind: str = "final") -> str:
+        """Validate and queue a prompt; returns its request id. ``output_kind``: final |
+        cumulative | delta (see ``OutputProcessor``)."""
+        params = params or SamplingParams()
+        if output_kind not in OUTPUT_KINDS:
+            raise InvalidRequestError("output_kind", f"must be one of {', '.join(OUTPUT_KINDS)}")
+        token_ids = self.tokenize(prompt)
+        self.check_request(token_ids, params)
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id in self.outputs.groups:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already running")
+        arrival = time.perf_counter() if arrival_time is None else arrival_time
+        text = prompt if isinstance(prompt, str) else None
+        children = [self._child(request_id, i, token_ids, params, arrival, text) for i in range(params.n)]
+        self.outputs.add(request_id, children, output_kind)
+        for child in children:
+            if output_kind != "final" or params.stop_strings:
+                self.stop_checker.attach_detokenizer(child)
+            self.scheduler.add_request(child)
+        self.num_prompt_tokens += len(token_ids) * len(children)
+        return request_id
+
+    def _child(self, request_id: str, index: int, token_ids: list[int], params: SamplingParams,
+               arrival: float, text: str | None) -> Request:
+        child_params = params
+        if params.n > 1:
+            from dataclasses import replace
+
+            child_params = replace(params, n=1, seed=None if params.seed is None else params.seed + index)
+        child_id = request_id if params.n == 1 else f"{request_id}#{index}"
+        return Request(child_id, token_ids, child_params, self._eos_token_id(), text, arrival, index, request_id)
+
+    def _eos_token_id(self) -> int | None:
+        return getattr(self.tokenizer, "eos_token_id", None)
+
+    def abort_request(self, request_ids: list[str] | str) -> None:
+        """Abort prompts by id; their cache is freed at once."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        self.scheduler.abort(self.outputs.child_ids(ids))
+        for rid in ids:
+            self.outputs.groups.pop(rid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request waits or runs."""
+        return self.scheduler.has_unfinished()
+
+    # -- the loop -----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run and apply one step; returns the outputs it produced."""
+        started = time.perf_counter()
+        output = self.scheduler.schedule()
+        result = self.runner.execute(output)
+        sampled_before = self._record_before(output)
+        changed = self.scheduler.update_from_output(output, result.token_ids if result else None)
+        generated = self._record_after(output, result, sampled_before)
+        self.num_steps += 1
+        self.num_generated_tokens += generated
+        outputs = self.outputs.process(changed)
+        self.registry.hook.servelab_step_end(engine=self, stats=StepStats(
+            step_index=output.step_index, num_prefill_tokens=output.num_prefill_tokens,
+            num_decode_tokens=output.num_decode_tokens, num_scheduled=len(output.scheduled),
+            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+            num_preempted=len(output.preempted), num_finished=sum(r.is_finished for r in changed),
+            num_generated_tokens=generated, kv=self.cache.usage, step_time_s=time.perf_counter() - started))
+        return outputs
+
+    @staticmethod
+    def _record_before(output) -> list[int]:
+        return [g.request.num_tokens for g in output.scheduled if g.samples]
+
+    @staticmethod
+    def _record_after(output, result: DecodeResult | None, before: list[int]) -> int:
+        """Count generated tokens and attach logprobs for the tokens each request kept."""
+        if result is None:
+            return 0
+        generated = 0
+        sampling = [g.request for g in output.scheduled if g.samples]
+        for i, (request, old) in enumerate(zip(sampling, before)):
+            kept = request.num_tokens - old
+            generated += kept
+            if result.logprobs is not None and request.logprobs is not None:
+                entries = result.logprobs[i][:kept]
+                request.logprobs.extend(entries)
+                for token, entry in zip(request.token_ids[old:], entries):
+                    request.cumulative_logprob += entry[token].logprob
+        return generated
+
+    def shutdown(self) -> None:
+        """Abort everything and tell observers the engine stopped."""
+        self.abort_request(list(self.outputs.groups))
+        self.registry.hook.servelab_engine_stopped(engine=self)

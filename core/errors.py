@@ -1,0 +1,18 @@
+"""Errors servelab raises for bad configuration and bad requests."""
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work; ``problems`` lists every reason found."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        bullet = "\n  - "
+        super().__init__("invalid servelab configuration:" + bullet + bullet.join(self.problems))
+
+
+class InvalidRequestError(ValueError):
+    """A request rejected before it enters the engine; ``field`` names the culprit."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        super().__init__(f"{field}: {message}")

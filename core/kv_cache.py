@@ -1,0 +1,142 @@
+"""The KV cache manager contract: who owns which cache slots."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import torch
+
+from servelab.core.request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheSpec:
+    """What one model needs stored per token.
+
+    Fields: ``num_layers`` attention layers, each caching ``num_kv_heads`` x ``head_dim``
+    keys and values in ``dtype``; ``max_model_len`` tokens at most per sequence.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    max_model_len: int
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of K and V for one token across all layers."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """Result of a successful ``allocate``.
+
+    ``new_block_ids``: blocks added to the request's table by this call.
+    ``blocks_to_copy``: (source, destination) pairs the runner must copy before the step
+    (copy-on-write of a shared partial block).
+    """
+
+    new_block_ids: tuple[int, ...] = ()
+    blocks_to_copy: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheUsage:
+    """A snapshot of cache occupancy, in token slots and blocks.
+
+    ``used_slots``: slots holding a token of a live request. ``reserved_slots``: slots
+    held by live requests (used or not). ``waste`` is the reserved-but-unused fraction of
+    the reserved slots. ``cached_blocks``: blocks kept only for prefix reuse.
+    """
+
+    total_slots: int
+    reserved_slots: int
+    used_slots: int
+    total_blocks: int
+    used_blocks: int
+    cached_blocks: int = 0
+
+    @property
+    def usage(self) -> float:
+        """Fraction of all slots reserved by live requests."""
+        return self.reserved_slots / self.total_slots if self.total_slots else 0.0
+
+    @property
+    def waste(self) -> float:
+        """Fraction of reserved slots that hold no token."""
+        return 1.0 - self.used_slots / self.reserved_slots if self.reserved_slots else 0.0
+
+
+class KVCacheManager(abc.ABC):
+    """Owns the mapping from requests to cache blocks; never touches tensors.
+
+    Every cache, paged or contiguous, is a pool of ``num_blocks`` blocks of ``block_size``
+    token slots; a request's ``block_table`` lists its blocks in position order. The
+    runner allocates the tensors (``AttentionBackend.kv_cache_shape``) from these numbers.
+    """
+
+    block_size: int
+    num_blocks: int
+
+    @abc.abstractmethod
+    def allocate(self, request: Request, num_new_tokens: int, num_lookahead_tokens: int = 0) -> Allocation | None:
+        """Make room for ``request.num_computed_tokens + num_new_tokens + num_lookahead_tokens``
+        tokens. Returns None, with nothing changed, when there is no room."""
+
+    @abc.abstractmethod
+    def free(self, request: Request) -> None:
+        """Release every block of ``request``; calling it again is harmless."""
+
+    @abc.abstractmethod
+    def truncate(self, request: Request, num_tokens: int) -> None:
+        """Keep room for ``num_tokens`` tokens only (rolls back rejected speculative slots)."""
+
+    @abc.abstractmethod
+    def block_table(self, request: Request) -> list[int]:
+        """The request's block ids in position order (read-only view)."""
+
+    @property
+    @abc.abstractmethod
+    def usage(self) -> KVCacheUsage:
+        """Current occupancy."""
+
+    @property
+    @abc.abstractmethod
+    def num_free_blocks(self) -> int:
+        """Blocks that an allocation may take now."""
+
+    def max_tokens_per_request(self) -> int:
+        """The most tokens one request can ever hold in this cache."""
+        return self.num_blocks * self.block_size
+
+    def lookup_prefix(self, request: Request) -> int:
+        """Attach cached blocks matching the request's prompt; return the number of tokens
+        found (a multiple of ``block_size``). Caches without prefix caching return 0."""
+        return 0
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Share ``parent``'s blocks with ``child`` (copy-on-write)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support sharing blocks between sequences")
+
+    @property
+    def supports_swap(self) -> bool:
+        """True when ``swap_out``/``swap_in`` are implemented."""
+        return False
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
+        """Move the request's blocks to host memory; returns (device, host) block pairs or
+        None when the host pool is full."""
+        raise NotImplementedError(f"{type(self).__name__} does not support swapping")
+
+    def swap_in(self, request: Request) -> list[tuple[int, int]] | None:
+        """Bring a swapped request back; returns (host, device) block pairs or None when
+        there is no room on the device."""
+        raise NotImplementedError(f"{type(self).__name__} does not support swapping")
+
+    def can_swap_in(self, request: Request) -> bool:
+        """True when ``swap_in`` would succeed now."""
+        return False

@@ -1,0 +1,90 @@
+"""The offline API: ``LLM(model, ...).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+from omegaconf import DictConfig
+
+from servelab.core.compose import compose_config
+from servelab.core.engine import LLMEngine
+from servelab.core.outputs import RequestOutput
+from servelab.core.sampling_params import SamplingParams
+
+
+def model_overrides(model: str | None) -> list[str]:
+    """Overrides selecting ``model``: a folder becomes ``model=local model.path=...``, any
+    other name a preset (``model=tiny``)."""
+    if model is None:
+        return []
+    if os.path.isdir(model):
+        return ["model=local", f"model.path='{os.path.abspath(model)}'"]
+    return [f"model={model}"]
+
+
+class LLM:
+    """Offline generation over one engine.
+
+    ``LLM("/ckpt", scheduler="static", cache="contiguous", overrides=["cache.block_size=32"])``:
+    ``model`` is a preset name or a Hugging Face folder, keyword arguments choose an option
+    of a config group, ``overrides`` takes any other Hydra override.
+    """
+
+    def __init__(self, model: str | None = None, overrides: Sequence[str] = (), **choices: Any):
+        selected = model_overrides(model) + [f"{group}={option}" for group, option in choices.items()]
+        self.engine = LLMEngine(compose_config(selected + list(overrides)))
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig) -> "LLM":
+        """An LLM over an already composed config."""
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine(cfg)
+        return llm
+
+    def get_tokenizer(self) -> Any:
+        """The model's tokenizer."""
+        return self.engine.tokenizer
+
+    def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Complete every prompt (text or token ids); one ``RequestOutput`` per prompt, in order.
+
+        Every prompt is validated before any enters the engine, so a bad one raises
+        ``InvalidRequestError`` and nothing runs.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
+        engine = self.engine
+        tokenized = [engine.tokenize(p) for p in prompts]
+        for token_ids, p in zip(tokenized, params):
+            engine.check_request(token_ids, p)
+        ids = [engine.add_request(p if isinstance(p, str) else t, sp)
+               for p, t, sp in zip(prompts, tokenized, params)]
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm.auto import tqdm
+
+        engine = self.engine
+        finished: dict[str, RequestOutput] = {}
+        start_tokens = engine.num_generated_tokens
+        with tqdm(total=len(ids), desc="Processed prompts", unit="req", disable=not use_tqdm,
+                  dynamic_ncols=True) as bar:
+            try:
+                while engine.has_unfinished_requests():
+                    for output in engine.step():
+                        if output.finished:
+                            finished[output.request_id] = output
+                            bar.update(1)
+                    elapsed = bar.format_dict["elapsed"] or 1e-9
+                    bar.set_postfix_str(f"output {(engine.num_generated_tokens - start_tokens) / elapsed:.1f} tok/s",
+                                        refresh=False)
+            except BaseException:
+                engine.abort_request([i for i in ids if i not in finished])
+                raise
+        return [finished[i] for i in ids]

@@ -1,0 +1,56 @@
+"""The model contract: a causal LM that runs on flat token batches."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """Sizes the engine needs before building a model: ``num_layers`` attention layers of
+    ``num_heads`` query and ``num_kv_heads`` KV heads of ``head_dim``; ``sliding_window``
+    (None = full attention); ``max_positions`` and ``vocab_size``."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    sliding_window: int | None
+    max_positions: int
+    vocab_size: int
+
+
+class CausalLM(nn.Module, abc.ABC):
+    """A decoder-only language model over a flat batch of new tokens.
+
+    Implementations are registered under the architecture names of ``config.json``
+    (``LlamaForCausalLM``, ...). Each attention layer calls
+    ``attention.forward(q, k, v, kv_caches[layer], attn_meta, layer)``.
+    """
+
+    @classmethod
+    @abc.abstractmethod
+    def shape_of(cls, hf_config: Any) -> ModelShape:
+        """The model's sizes, read from its Hugging Face config."""
+
+    @abc.abstractmethod
+    def __init__(self, hf_config: Any, attention: Any, dtype: torch.dtype, max_positions: int):
+        super().__init__()
+
+    @abc.abstractmethod
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (Hugging Face names) into the parameters."""
+
+    @abc.abstractmethod
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                attn_meta: Any) -> torch.Tensor:
+        """input_ids, positions: [T]. Returns the final hidden states [T, hidden]."""
+
+    @abc.abstractmethod
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] -> logits [N, vocab] in float32."""

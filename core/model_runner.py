@@ -1,0 +1,59 @@
+"""Runs one scheduled step: inputs, forward pass, logits, decoding."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from servelab.core.batch_builder import build_step_inputs
+from servelab.core.decoding import DecodeBatch, DecodeResult, DecodingStrategy
+from servelab.core.scheduler import SchedulerOutput
+
+
+class ModelRunner:
+    """Owns the model, the per-layer KV cache tensors and the decoding strategy."""
+
+    def __init__(self, model: torch.nn.Module, attention: Any, cache: Any, strategy: DecodingStrategy,
+                 num_layers: int, max_model_len: int, device: torch.device, dtype: torch.dtype):
+        self.model = model
+        self.attention = attention
+        self.cache = cache
+        self.strategy = strategy
+        self.max_model_len = max_model_len
+        self.device = device
+        shape = attention.kv_cache_shape(cache.num_blocks, cache.block_size)
+        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    def copy_blocks(self, pairs: tuple[tuple[int, int], ...]) -> None:
+        """Copy cache blocks (source, destination) in every layer."""
+        if not pairs:
+            return
+        source = torch.tensor([s for s, _ in pairs], device=self.device)
+        destination = torch.tensor([d for _, d in pairs], device=self.device)
+        for kv in self.kv_caches:
+            kv[:, destination] = kv[:, source]
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> DecodeResult | None:
+        """Run the step; returns the tokens of the requests that sample (None if none do)."""
+        self.copy_blocks(output.blocks_to_copy)
+        if not output.scheduled:
+            return None
+        sampling = tuple(g.request for g in output.scheduled if g.samples)
+        proposal = None
+        if sampling and self.strategy.num_lookahead_tokens:
+            allowance = tuple(
+                min(output.num_lookahead_tokens, self.max_model_len - g.request.num_tokens)
+                if g.samples and g.num_new_tokens == 1 else 0
+                for g in output.scheduled if g.samples)
+            proposal = self.strategy.propose(DecodeBatch(sampling, allowance, output))
+        drafts = proposal.draft_token_ids if proposal is not None else ()
+        inputs = build_step_inputs(output.scheduled, drafts, self.cache.block_size, self.device)
+        meta = self.attention.build_metadata(inputs.layout)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
+        if not sampling:
+            return None
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        counts = tuple(len(d) for d in drafts) if drafts else (0,) * len(sampling)
+        return self.strategy.accept(logits, DecodeBatch(sampling, counts, output), proposal)

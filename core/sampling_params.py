@@ -1,0 +1,94 @@
+"""Per-request sampling parameters, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from servelab.core.errors import InvalidRequestError
+
+
+@dataclass
+class SamplingParams:
+    """How one request is decoded and when it stops.
+
+    temperature 0 means greedy (argmax). ``top_k`` 0 or -1 disables top-k; ``top_p`` 1
+    and ``min_p`` 0 disable nucleus and min-p filtering. Penalties follow the OpenAI
+    (presence/frequency) and CTRL (repetition) definitions. ``n`` sequences are generated
+    per prompt; with ``use_beam_search`` the ``n`` best of ``best_of`` beams are returned.
+    """
+
+    n: int = 1
+    best_of: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    stop_strings: tuple[str, ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop_strings = tuple(s for s in (self.stop or []) if s)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._validate()
+
+    def _validate(self) -> None:
+        def fail(name: str, message: str) -> None:
+            raise InvalidRequestError(name, message)
+
+        if not isinstance(self.n, int) or self.n < 1:
+            fail("n", f"must be an integer >= 1, got {self.n!r}")
+        if self.best_of is not None and (not isinstance(self.best_of, int) or self.best_of < self.n):
+            fail("best_of", f"must be an integer >= n ({self.n}), got {self.best_of!r}")
+        if self.temperature < 0.0:
+            fail("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            fail("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            fail("top_k", f"must be -1 or 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            fail("min_p", f"must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                fail(name, f"must be in [-2, 2], got {value}")
+        if self.repetition_penalty <= 0.0:
+            fail("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            fail("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            fail("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            fail("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            fail("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            fail("seed", f"must be an integer, got {self.seed!r}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            fail("stop_token_ids", f"must be non-negative integers, got {self.stop_token_ids!r}")
+        if self.use_beam_search and self.temperature != 0.0:
+            fail("temperature", "beam search is deterministic: temperature must be 0")
+
+    @property
+    def greedy(self) -> bool:
+        """True when this request takes the argmax token at every step."""
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def needs_penalties(self) -> bool:
+        """True when any presence, frequency or repetition penalty is active."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0

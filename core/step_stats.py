@@ -1,0 +1,33 @@
+"""Per-step statistics for observers and benchmarks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from servelab.core.kv_cache import KVCacheUsage
+
+
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    """What one engine step did.
+
+    Token counts split prefill and decode work; ``kv`` is the cache after the step;
+    ``num_preempted`` counts requests preempted while scheduling it; ``prefix_hit_tokens``
+    counts prompt tokens found in the prefix cache at admission; ``spec_proposed`` /
+    ``spec_accepted`` count draft tokens verified and kept; ``step_time_s`` is wall time.
+    """
+
+    step_index: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_scheduled: int
+    num_running: int
+    num_waiting: int
+    num_preempted: int
+    num_finished: int
+    num_generated_tokens: int
+    kv: KVCacheUsage
+    step_time_s: float
+    prefix_hit_tokens: int = 0
+    spec_proposed: int = 0
+    spec_accepted: int = 0

@@ -1,0 +1,1 @@
+"""servelab's built-in plugins, one folder per component kind."""

@@ -1,0 +1,1 @@
+"""Attention backends: naive (reference), sdpa (fast CPU path) and flash (Triton)."""

@@ -1,0 +1,46 @@
+"""The reference attention: explicit scores and softmax per request, in float32."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from servelab.core.attention import AttentionBackend, BatchLayout
+from servelab.core.component import ComponentSpec
+from servelab.plugins.attention.cache_ops import attention_mask, context_slots, gather_kv, write_kv
+
+
+@dataclass
+class NaiveAttentionConfig:
+    """``attention=naive``: no options."""
+
+
+class NaiveAttention(AttentionBackend):
+    """Loops over requests, gathers each context through its block table, and computes
+    softmax(q k^T * scale) v with the causal mask; grouped-query heads are repeated."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: BatchLayout, layer_index: int) -> torch.Tensor:
+        """See ``AttentionBackend.forward``."""
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        out = torch.empty_like(q)
+        group = self.spec.num_heads // self.spec.num_kv_heads
+        start = 0
+        for r, (query_len, seq_len) in enumerate(zip(meta.query_lens, meta.seq_lens_list)):
+            slots = context_slots(meta.block_table[r], meta.block_size, seq_len)
+            keys, values = gather_kv(kv_cache, slots)
+            keys = keys.float().repeat_interleave(group, dim=1)
+            values = values.float().repeat_interleave(group, dim=1)
+            query = q[start:start + query_len].float()
+            scores = torch.einsum("qhd,khd->hqk", query, keys) * self.spec.scale
+            allowed = attention_mask(query_len, seq_len, self.spec.sliding_window, q.device)
+            probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
+            out[start:start + query_len] = torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
+            start += query_len
+        return out
+
+
+SPEC = ComponentSpec("attention", "naive", NaiveAttention, NaiveAttentionConfig,
+                     "pure-PyTorch reference: per-request softmax attention over the cache")

@@ -1,0 +1,1 @@
+"""KV cache managers: paged (PagedAttention) and contiguous (per-request reservation)."""

@@ -1,0 +1,1 @@
+"""Decoding strategies: greedy, sampling, and speculative decoding."""

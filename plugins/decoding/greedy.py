@@ -1,0 +1,35 @@
+"""``decoding=greedy``: the argmax of the model's logits for every request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from servelab.core.component import ComponentSpec
+from servelab.core.decoding import DecodeBatch, DecodeResult, DecodingStrategy, Proposal
+from servelab.plugins.decoding.logits_processing import suppress_stop_tokens
+from servelab.plugins.decoding.sampler import token_logprobs
+
+
+@dataclass
+class GreedyDecodingConfig:
+    """``decoding=greedy``: no options."""
+
+
+class GreedyDecoding(DecodingStrategy):
+    """The reference strategy: argmax of the raw logits. Temperature, top-k/p, min-p and
+    penalties are ignored; stop conditions, ``min_tokens``, ``max_tokens`` and logprobs
+    still apply."""
+
+    def accept(self, logits: torch.Tensor, batch: DecodeBatch, proposal: Proposal | None) -> DecodeResult:
+        """Take the argmax of each row."""
+        raw = logits.clone() if any(r.sampling_params.logprobs is not None for r in batch.requests) else logits
+        suppress_stop_tokens(logits, batch.requests)
+        tokens = logits.argmax(dim=-1).tolist()
+        logprobs = token_logprobs(raw, tokens, batch.requests)
+        return DecodeResult([[t] for t in tokens], None if logprobs is None else [[lp] for lp in logprobs])
+
+
+SPEC = ComponentSpec("decoding", "greedy", GreedyDecoding, GreedyDecodingConfig,
+                     "argmax of the raw logits (reference)")

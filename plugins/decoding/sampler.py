@@ -1,0 +1,79 @@
+"""Turn one logits row per request into a token, honouring each request's parameters."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from servelab.core.outputs import Logprob
+from servelab.core.request import Request
+from servelab.plugins.decoding.logits_processing import (
+    apply_penalties, apply_temperature_and_filters, suppress_stop_tokens)
+
+
+def request_generator(request: Request, device: torch.device) -> torch.Generator | None:
+    """The request's own random stream when it has a seed (created on first use)."""
+    seed = request.sampling_params.seed
+    if seed is None:
+        return None
+    if request.generator is None:
+        request.generator = torch.Generator(device=device).manual_seed(seed)
+    return request.generator
+
+
+def random_race(probs: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """Sample one token per row: argmax(probs / E) with E ~ Exp(1) is a draw from probs.
+
+    Seeded requests draw E from their own generator, so their tokens do not depend on
+    which other requests share the batch.
+    """
+    noise = torch.empty_like(probs)
+    for row, request in enumerate(requests):
+        generator = request_generator(request, probs.device)
+        noise[row].exponential_(generator=generator)
+    return probs.div(noise).argmax(dim=-1)
+
+
+def processed_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """Logits after min_tokens and penalties (what greedy rows take the argmax of)."""
+    suppress_stop_tokens(logits, requests)
+    apply_penalties(logits, requests)
+    return logits
+
+
+def sample_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """logits: [N, V] float32, row i for requests[i] (modified in place). Returns [N] ids."""
+    logits = processed_logits(logits, requests)
+    greedy = [r.sampling_params.greedy for r in requests]
+    if all(greedy):
+        return logits.argmax(dim=-1)
+    tokens = logits.argmax(dim=-1)
+    rows = [i for i, g in enumerate(greedy) if not g]
+    random_requests = [requests[i] for i in rows]
+    index = torch.tensor(rows, device=logits.device)
+    filtered = apply_temperature_and_filters(logits[index], random_requests)
+    tokens[index] = random_race(filtered.softmax(dim=-1), random_requests)
+    return tokens
+
+
+def token_logprobs(raw_logits: torch.Tensor, tokens: list[int], requests: Sequence[Request]) -> list[dict[int, Logprob]] | None:
+    """Per row: the chosen token's and the top-``logprobs`` tokens' log probabilities under
+    the model's raw distribution (None when no request asked for logprobs)."""
+    wanted = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
+    if not wanted:
+        return None
+    logprobs = raw_logits[wanted].log_softmax(dim=-1)
+    top_n = max(requests[i].sampling_params.logprobs for i in wanted)
+    top_values, top_ids = logprobs.topk(max(top_n, 1), dim=-1)
+    chosen_ids = torch.tensor([tokens[i] for i in wanted], device=raw_logits.device)
+    chosen = logprobs.gather(1, chosen_ids[:, None])[:, 0]
+    ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1
+    result: list[dict[int, Logprob]] = [{} for _ in requests]
+    for k, row in enumerate(wanted):
+        entry = {tokens[row]: Logprob(tokens[row], float(chosen[k]), int(ranks[k]))}
+        for rank in range(requests[row].sampling_params.logprobs):
+            token = int(top_ids[k, rank])
+            entry.setdefault(token, Logprob(token, float(top_values[k, rank]), rank + 1))
+        result[row] = entry
+    return result

@@ -1,0 +1,31 @@
+"""``decoding=sampling``: each request's temperature, top-k/p, min-p, penalties and seed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from servelab.core.component import ComponentSpec
+from servelab.core.decoding import DecodeBatch, DecodeResult, DecodingStrategy, Proposal
+from servelab.plugins.decoding.sampler import sample_tokens, token_logprobs
+
+
+@dataclass
+class SamplingDecodingConfig:
+    """``decoding=sampling``: no options; every knob is a per-request ``SamplingParams``."""
+
+
+class SamplingDecoding(DecodingStrategy):
+    """One token per request from its processed distribution (temperature 0 = argmax)."""
+
+    def accept(self, logits: torch.Tensor, batch: DecodeBatch, proposal: Proposal | None) -> DecodeResult:
+        """Sample one token per request."""
+        raw = logits.clone() if any(r.sampling_params.logprobs is not None for r in batch.requests) else logits
+        tokens = sample_tokens(logits, batch.requests).tolist()
+        logprobs = token_logprobs(raw, tokens, batch.requests)
+        return DecodeResult([[t] for t in tokens], None if logprobs is None else [[lp] for lp in logprobs])
+
+
+SPEC = ComponentSpec("decoding", "sampling", SamplingDecoding, SamplingDecodingConfig,
+                     "per-request temperature, top-k, top-p, min-p, penalties and seeds")

@@ -1,0 +1,67 @@
+"""Building blocks shared by the decoder models: RMSNorm and rotary embeddings."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from servelab.core.errors import ConfigError
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm computed in float32, as the Llama family defines it."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., size] -> same shape and dtype."""
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding with a precomputed cos/sin table over ``max_positions``.
+
+    The inverse frequencies come from the checkpoint's ``rope_parameters`` (default,
+    linear, llama3 and yarn scaling), computed exactly as the reference implementation.
+    """
+
+    def __init__(self, hf_config: Any, head_dim: int, max_positions: int, dtype: torch.dtype):
+        super().__init__()
+        params = getattr(hf_config, "rope_parameters", None) or {}
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ConfigError([f"rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"])
+        if rope_type == "default":
+            theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+            scaling = 1.0
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+        freqs = torch.arange(max_positions, dtype=torch.long)[:, None].float() * inv_freq.float()
+        table = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", (table.cos() * scaling).to(dtype), persistent=False)
+        self.register_buffer("sin", (table.sin() * scaling).to(dtype), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T]; q: [T, H, D]; k: [T, Hkv, D]. Returns rotated (q, k)."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

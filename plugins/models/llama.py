@@ -1,0 +1,211 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) on flat token batches.
+
+Differences between the members are read from the checkpoint's config: Qwen2 has q/k/v
+biases, Qwen3 normalises q and k per head and may set ``head_dim`` explicitly, Mistral
+may use a sliding window, and any of them may tie the embeddings. q/k/v and gate/up
+projections are fused into one matmul each.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from servelab.core.component import ComponentSpec
+from servelab.core.errors import ConfigError
+from servelab.core.model import CausalLM, ModelShape
+from servelab.plugins.models.layers import RMSNorm, RotaryEmbedding
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+def head_dim_of(hf_config: Any) -> int:
+    """The attention head size (explicit ``head_dim`` or hidden / heads)."""
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+def sliding_window_of(hf_config: Any) -> int | None:
+    """The sliding attention window, or None for full attention."""
+    if hf_config.model_type in ("qwen2", "qwen3"):
+        if getattr(hf_config, "use_sliding_window", False):
+            raise ConfigError([f"{hf_config.model_type} with use_sliding_window=true is not supported"])
+        return None
+    return getattr(hf_config, "sliding_window", None)
+
+
+class DecoderAttention(nn.Module):
+    """Fused qkv projection, optional per-head q/k norm, rotary embedding, backend attention."""
+
+    def __init__(self, hf_config: Any, layer_index: int, attention: Any, rotary: RotaryEmbedding):
+        super().__init__()
+        self.num_heads = hf_config.num_attention_heads
+        self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = head_dim_of(hf_config)
+        qkv_bias = bool(getattr(hf_config, "attention_bias", False)) or hf_config.model_type == "qwen2"
+        o_bias = bool(getattr(hf_config, "attention_bias", False))
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(hf_config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, hf_config.hidden_size, bias=o_bias)
+        self.qk_norm = hf_config.model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
+        self.layer_index = layer_index
+        self.attention = attention
+        self.rotary = rotary
+
+    def shard_sizes(self, name: str) -> tuple[int, ...]:
+        """Row sizes of the fused projection's shards."""
+        return (self.q_size, self.kv_size, self.kv_size)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: Any) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden]."""
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.attention.forward(q, k, v, kv_cache, meta, self.layer_index)
+        return self.o_proj(out.reshape(tokens, self.q_size))
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU feed-forward with fused gate/up projection."""
+
+    def __init__(self, hf_config: Any):
+        super().__init__()
+        bias = bool(getattr(hf_config, "mlp_bias", False))
+        self.intermediate = hf_config.intermediate_size
+        self.gate_up_proj = nn.Linear(hf_config.hidden_size, 2 * self.intermediate, bias=bias)
+        self.down_proj = nn.Linear(self.intermediate, hf_config.hidden_size, bias=bias)
+        from transformers.activations import ACT2FN
+
+        self.act = ACT2FN[hf_config.hidden_act]
+
+    def shard_sizes(self, name: str) -> tuple[int, ...]:
+        """Row sizes of the fused projection's shards."""
+        return (self.intermediate, self.intermediate)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden]."""
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP blocks with residual connections."""
+
+    def __init__(self, hf_config: Any, layer_index: int, attention: Any, rotary: RotaryEmbedding):
+        super().__init__()
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self.self_attn = DecoderAttention(hf_config, layer_index, attention, rotary)
+        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self.mlp = GatedMLP(hf_config)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: Any) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden]."""
+        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    """Embedding, decoder layers, final norm (Hugging Face's ``model.`` prefix)."""
+
+    def __init__(self, hf_config: Any, attention: Any, rotary: RotaryEmbedding):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(hf_config, i, attention, rotary)
+                                    for i in range(hf_config.num_hidden_layers))
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+
+
+class LlamaFamilyForCausalLM(CausalLM):
+    """Llama, Mistral, Qwen2 and Qwen3 causal LMs (see the module docstring)."""
+
+    @classmethod
+    def shape_of(cls, hf_config: Any) -> ModelShape:
+        """Sizes from the config (explicit ``head_dim`` wins over hidden / heads)."""
+        heads = hf_config.num_attention_heads
+        return ModelShape(hf_config.num_hidden_layers, heads, getattr(hf_config, "num_key_value_heads", None) or heads,
+                          head_dim_of(hf_config), sliding_window_of(hf_config), hf_config.max_position_embeddings,
+                          hf_config.vocab_size)
+
+    def __init__(self, hf_config: Any, attention: Any, dtype: torch.dtype, max_positions: int):
+        super().__init__(hf_config, attention, dtype, max_positions)
+        self.hf_config = hf_config
+        self.rotary = RotaryEmbedding(hf_config, head_dim_of(hf_config), max_positions, dtype)
+        self.model = DecoderModel(hf_config, attention, self.rotary)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        self.to(dtype)
+        self.rotary.to(dtype)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """The unembedding matrix [vocab, hidden]."""
+        return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face tensors in, fusing q/k/v and gate/up; every parameter must be set."""
+        params = dict(self.named_parameters())
+        pending = {name: 1 for name in params}
+        for name in params:
+            if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
+                pending[name] = 3
+            elif name.endswith(("gate_up_proj.weight", "gate_up_proj.bias")):
+                pending[name] = 2
+        with torch.no_grad():
+            for name, tensor in weights:
+                if "rotary_emb" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
+                    continue
+                self._load_one(params, pending, name, tensor)
+        missing = sorted(n for n, count in pending.items() if count > 0)
+        if missing:
+            raise ConfigError([f"checkpoint is missing weights: {', '.join(missing[:8])}"])
+
+    def _load_one(self, params: dict, pending: dict, name: str, tensor: torch.Tensor) -> None:
+        parts = name.split(".")
+        for source, (target, shard) in _STACKED.items():
+            if source in parts:
+                target_name = name.replace(source, target)
+                module = self.get_submodule(".".join(parts[:-2]))
+                sizes = module.shard_sizes(target)
+                start = sum(sizes[:shard])
+                params[target_name][start:start + sizes[shard]].copy_(tensor)
+                pending[target_name] -= 1
+                return
+        if name not in params:
+            raise ConfigError([f"checkpoint weight {name!r} has no place in {type(self).__name__}"])
+        if params[name].shape != tensor.shape:
+            raise ConfigError([f"checkpoint weight {name!r} has shape {tuple(tensor.shape)}, "
+                               f"expected {tuple(params[name].shape)}"])
+        params[name].copy_(tensor)
+        pending[name] -= 1
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                attn_meta: Any) -> torch.Tensor:
+        """input_ids, positions: [T] -> hidden states [T, hidden]."""
+        x = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            x = layer(x, positions, kv_cache, attn_meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] -> float32 logits [N, vocab]."""
+        return F.linear(hidden, self.output_weight).float()
+
+
+def model_specs() -> list[ComponentSpec]:
+    """Registry entries: every supported architecture name maps to the same class."""
+    return [ComponentSpec("model", name, LlamaFamilyForCausalLM, None, "Llama-family decoder (flat batches)")
+            for name in ARCHITECTURES]

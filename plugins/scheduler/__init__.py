@@ -1,0 +1,1 @@
+"""Scheduling policies: static, dynamic, continuous and chunked-prefill batching."""

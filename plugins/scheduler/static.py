@@ -1,0 +1,42 @@
+"""``scheduler=static``: request-level batching; a batch runs to completion."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from servelab.core.component import ComponentSpec
+from servelab.core.scheduler import SchedulerOutput
+from servelab.plugins.scheduler.base import QueueScheduler
+
+
+@dataclass
+class StaticSchedulerConfig:
+    """Up to ``max_batch_size`` requests per batch, whose prompts together fit
+    ``max_num_batched_tokens``."""
+
+    max_batch_size: int = 8
+    max_num_batched_tokens: int = 8192
+
+
+class StaticScheduler(QueueScheduler):
+    """Admits a batch only when the previous one has fully finished (FasterTransformer
+    style); finished requests leave early but nobody joins a running batch."""
+
+    def batch_ready(self) -> bool:
+        """Whether a new batch may start now (overridden by ``dynamic``)."""
+        return True
+
+    def schedule(self) -> SchedulerOutput:
+        """Prefill a new batch when idle, else advance the running batch."""
+        config = self.config
+        if not self.running:
+            if not self.waiting or not self.batch_ready():
+                return self._output([])
+            admitted, _ = self._admit(config.max_num_batched_tokens, config.max_batch_size)
+            return self._output(admitted)
+        grants, _, preempted = self._schedule_running(config.max_num_batched_tokens)
+        return self._output(grants, preempted)
+
+
+SPEC = ComponentSpec("scheduler", "static", StaticScheduler, StaticSchedulerConfig,
+                     "request-level batching: a batch runs to completion before the next")

@@ -1,0 +1,118 @@
+"""Helpers and the conformance suite for servelab and third-party plugin authors.
+
+A plugin package tests itself against the same oracle as the built-ins::
+
+    from servelab.testing import assert_engine_matches_transformers, tiny_checkpoint
+
+    def test_my_scheduler(tmp_path):
+        folder = tiny_checkpoint(tmp_path / "llama", "llama")
+        assert_engine_matches_transformers(folder, ["scheduler=my_scheduler"])
+
+The oracle is Hugging Face transformers' greedy ``generate`` in float32, token for token.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any, Sequence
+
+FAMILIES = ("llama", "llama3", "qwen2", "qwen3", "mistral")
+
+
+def tiny_config(family: str, vocab_size: int, **overrides: Any) -> Any:
+    """A small random-model config of ``family`` (see ``FAMILIES``)."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  bos_token_id=vocab_size - 1, eos_token_id=vocab_size - 1)
+    if family == "llama":
+        config = LlamaConfig(**common, tie_word_embeddings=False)
+    elif family == "llama3":
+        config = LlamaConfig(**common, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+                             rope_theta=500000.0)
+    elif family == "qwen2":
+        config = Qwen2Config(**common, tie_word_embeddings=True)
+    elif family == "qwen3":
+        config = Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
+    elif family == "mistral":
+        config = MistralConfig(**common, sliding_window=None)
+    else:
+        raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {family!r}")
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+def tiny_checkpoint(folder: str | os.PathLike, family: str = "llama", seed: int = 0, **overrides: Any) -> str:
+    """Write a random float32 ``family`` model and servelab's byte-level tokenizer to
+    ``folder`` with ``save_pretrained``; returns the folder."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from servelab.core.toy_model import byte_level_tokenizer
+
+    folder = str(folder)
+    tokenizer = byte_level_tokenizer()
+    config = tiny_config(family, len(tokenizer), **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def mixed_prompts(vocab_size: int, lengths: Sequence[int] = (3, 17, 40, 9, 64), seed: int = 0) -> list[list[int]]:
+    """Random token-id prompts of the given lengths."""
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab_size - 1) for _ in range(n)] for n in lengths]
+
+
+def transformers_greedy(folder: str, prompts: Sequence[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Generated token ids of transformers' greedy ``generate`` in float32, per prompt."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    results = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=False, pad_token_id=model.config.eos_token_id)
+            results.append(out[0, len(prompt):].tolist())
+    return results
+
+
+_reference_cache: dict[tuple, list[list[int]]] = {}
+
+
+def assert_engine_matches_transformers(folder: str, overrides: Sequence[str] = (), prompts: Sequence[list[int]] | None = None,
+                                       max_tokens: int = 12, llm: Any = None) -> Any:
+    """Build an engine on ``folder`` with ``overrides``, generate greedily, and assert the
+    tokens equal transformers' and that every cache block is free afterwards. Returns the LLM."""
+    from servelab import LLM, SamplingParams
+
+    llm = llm or LLM(folder, overrides=["model.dtype=float32", "device=cpu", *overrides])
+    prompts = prompts or mixed_prompts(llm.engine.vocab_size)
+    key = (folder, tuple(map(tuple, prompts)), max_tokens)
+    if key not in _reference_cache:
+        _reference_cache[key] = transformers_greedy(folder, prompts, max_tokens)
+    expected = _reference_cache[key]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
+    got = [o.outputs[0].token_ids for o in outputs]
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert g == e, f"prompt {i} (len {len(prompts[i])}) with {list(overrides)}: servelab {g} != transformers {e}"
+    assert_no_leaked_blocks(llm)
+    return llm
+
+
+def assert_no_leaked_blocks(llm: Any) -> None:
+    """Every KV block is back in the pool and no request is left in the engine."""
+    engine = llm.engine
+    assert not engine.has_unfinished_requests(), "requests left in the engine"
+    usage = engine.cache.usage
+    assert usage.used_blocks == 0, f"{usage.used_blocks} KV blocks leaked"
+    assert usage.reserved_slots == 0 and usage.used_slots == 0, f"cache not empty: {usage}"
