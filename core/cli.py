@@ -21,7 +21,19 @@ def _prompts(cfg: DictConfig) -> list[str]:
 
 
 def run(cfg: DictConfig) -> None:
-    """Build the engine from ``cfg``, complete its prompts, print them and a summary."""
+    """Build the engine from ``cfg``, complete its prompts, print them and a summary;
+    configuration and request errors exit with status 2 and a one-paragraph message."""
+    from servelab.core.errors import ConfigError, InvalidRequestError
+
+    try:
+        complete(cfg)
+    except (ConfigError, InvalidRequestError) as exc:
+        print(f"servelab: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+def complete(cfg: DictConfig) -> None:
+    """Complete the configured prompts and print them with a throughput summary."""
     from servelab.core.llm import LLM
     from servelab.core.sampling_params import SamplingParams
 
@@ -47,12 +59,5 @@ def main() -> None:
     """``servelab [overrides...]``: Hydra app over ``conf/config.yaml``."""
     import hydra
 
-    from servelab.core.errors import ConfigError, InvalidRequestError
-
     prepare_hydra()
-    app = hydra.main(config_path="pkg://servelab.conf", config_name="config", version_base=None)(run)
-    try:
-        app()
-    except (ConfigError, InvalidRequestError) as exc:
-        print(f"servelab: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    hydra.main(config_path="pkg://servelab.conf", config_name="config", version_base=None)(run)()

@@ -87,4 +87,3 @@ def store_schemas() -> None:
         OmegaConf.register_new_resolver("servelab_checkpoint", checkpoint_path)
     store = ConfigStore.instance()
     store.store(name="servelab_schema", node=ServelabConfig)
-    store.store(group="model", name="model_schema", node=ModelConfig)

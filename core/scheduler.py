@@ -12,17 +12,15 @@ from servelab.core.request import Request
 @dataclass(frozen=True, slots=True)
 class ScheduledRequest:
     """One request's share of a step: ``num_new_tokens`` tokens after the
-    ``num_computed_tokens`` already cached, stored in the blocks ``block_ids``."""
+    ``num_computed_tokens`` already cached, stored in the blocks ``block_ids``.
+    ``samples`` is True when the grant reaches the request's last token, so the step
+    yields a token for it (False for a partial prefill chunk)."""
 
     request: Request
     num_computed_tokens: int
     num_new_tokens: int
     block_ids: list[int]
-
-    @property
-    def samples(self) -> bool:
-        """True when this step reaches the request's last token, so it yields a token."""
-        return self.num_computed_tokens + self.num_new_tokens >= self.request.num_tokens
+    samples: bool
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,3 +18,16 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
 def llama(checkpoints) -> str:
     """The tiny Llama folder."""
     return checkpoints["llama"]
+
+
+@pytest.fixture
+def attention_env(monkeypatch):
+    """Prepare the environment an attention backend needs on this machine, or skip.
+
+    ``flash`` runs its Triton kernels in the interpreter (TRITON_INTERPRET=1) on CPU.
+    """
+    def prepare(name: str) -> None:
+        if name == "flash":
+            pytest.importorskip("triton")
+            monkeypatch.setenv("TRITON_INTERPRET", "1")
+    return prepare

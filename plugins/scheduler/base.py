@@ -76,7 +76,9 @@ class QueueScheduler(Scheduler):
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.perf_counter()
         request.status = RequestStatus.RUNNING
-        return ScheduledRequest(request, request.num_computed_tokens, num_new_tokens, self.cache.block_table(request))
+        computed = request.num_computed_tokens
+        return ScheduledRequest(request, computed, num_new_tokens, self.cache.block_table(request),
+                                computed + num_new_tokens >= request.num_tokens)
 
     def _lookahead(self, request: Request, num_new_tokens: int) -> int:
         """Speculative slots to reserve: only for requests already decoding."""
