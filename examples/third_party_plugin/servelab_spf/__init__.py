@@ -1,0 +1,1 @@
+"""servelab-spf: a shortest-prompt-first scheduler plugin for servelab."""
