@@ -135,7 +135,12 @@ class LLMEngine:
         for child in children:
             if output_kind != "final" or params.stop_strings:
                 self.stop_checker.attach_detokenizer(child)
-            self.scheduler.add_request(child)
+        if len(children) > 1 and self.cache.supports_fork:
+            children[0].forks = children[1:]
+            self.scheduler.add_request(children[0])
+        else:
+            for child in children:
+                self.scheduler.add_request(child)
         self.num_prompt_tokens += len(token_ids) * len(children)
         return request_id
 
@@ -168,6 +173,8 @@ class LLMEngine:
         """Schedule, run and apply one step; returns the outputs it produced."""
         started = time.perf_counter()
         output = self.scheduler.schedule()
+        if output.is_empty and self.scheduler.has_unfinished():
+            self._idle_until(self.scheduler.next_wakeup(), started)
         result = self.runner.execute(output)
         sampled_before = self._record_before(output)
         changed = self.scheduler.update_from_output(output, result.token_ids if result else None)
@@ -182,6 +189,11 @@ class LLMEngine:
             num_preempted=len(output.preempted), num_finished=sum(r.is_finished for r in changed),
             num_generated_tokens=generated, kv=self.cache.usage, step_time_s=time.perf_counter() - started))
         return outputs
+
+    @staticmethod
+    def _idle_until(wakeup: float | None, now: float) -> None:
+        """Nothing can run yet (a batching timer): sleep briefly instead of spinning."""
+        time.sleep(min(max(wakeup - now, 0.0), 0.01) if wakeup is not None else 0.001)
 
     @staticmethod
     def _record_before(output) -> list[int]:

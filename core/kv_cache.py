@@ -118,6 +118,11 @@ class KVCacheManager(abc.ABC):
         found (a multiple of ``block_size``). Caches without prefix caching return 0."""
         return 0
 
+    @property
+    def supports_fork(self) -> bool:
+        """True when ``fork`` is implemented."""
+        return False
+
     def fork(self, parent: Request, child: Request) -> None:
         """Share ``parent``'s blocks with ``child`` (copy-on-write)."""
         raise NotImplementedError(f"{type(self).__name__} does not support sharing blocks between sequences")

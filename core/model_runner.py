@@ -24,20 +24,31 @@ class ModelRunner:
         self.device = device
         shape = attention.kv_cache_shape(cache.num_blocks, cache.block_size)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        host_blocks = getattr(cache, "num_host_blocks", 0)
+        host_shape = attention.kv_cache_shape(host_blocks, cache.block_size)
+        self.host_caches = [torch.zeros(host_shape, dtype=dtype, pin_memory=device.type == "cuda")
+                            for _ in range(num_layers if host_blocks else 0)]
 
-    def copy_blocks(self, pairs: tuple[tuple[int, int], ...]) -> None:
-        """Copy cache blocks (source, destination) in every layer."""
+    @staticmethod
+    def _copy(sources: list[torch.Tensor], destinations: list[torch.Tensor], pairs) -> None:
+        """Copy blocks ``pairs`` (source, destination) from each source to each destination layer."""
         if not pairs:
             return
-        source = torch.tensor([s for s, _ in pairs], device=self.device)
-        destination = torch.tensor([d for _, d in pairs], device=self.device)
-        for kv in self.kv_caches:
-            kv[:, destination] = kv[:, source]
+        for source, destination in zip(sources, destinations):
+            src = torch.tensor([s for s, _ in pairs], device=source.device)
+            dst = torch.tensor([d for _, d in pairs], device=destination.device)
+            destination[:, dst] = source[:, src].to(destination.device, non_blocking=True)
+
+    def move_blocks(self, output: SchedulerOutput) -> None:
+        """Swap out, copy-on-write, then swap in, before the step's forward pass."""
+        self._copy(self.kv_caches, self.host_caches, output.blocks_to_swap_out)
+        self._copy(self.kv_caches, self.kv_caches, output.blocks_to_copy)
+        self._copy(self.host_caches, self.kv_caches, output.blocks_to_swap_in)
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> DecodeResult | None:
         """Run the step; returns the tokens of the requests that sample (None if none do)."""
-        self.copy_blocks(output.blocks_to_copy)
+        self.move_blocks(output)
         if not output.scheduled:
             return None
         sampling = tuple(g.request for g in output.scheduled if g.samples)

@@ -28,8 +28,9 @@ REGISTER_HOOKS = {
     "model": "servelab_register_models",
     "eviction": "servelab_register_eviction_policies",
 }
-CONFIG_GROUPS = ("cache", "attention", "scheduler", "decoding", "eviction")
-"""Kinds that are Hydra config groups (models are picked from ``config.json``)."""
+CONFIG_GROUPS = ("cache", "attention", "scheduler", "decoding")
+"""Kinds that are Hydra config groups (models are picked from ``config.json``; eviction
+policies by name with ``cache.eviction``)."""
 
 
 class Registry:

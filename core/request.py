@@ -23,7 +23,8 @@ class Request:
 
     Scheduling is token accounting: ``num_computed_tokens`` of ``num_tokens`` are in the
     KV cache; each step the scheduler grants some of the rest. ``token_ids`` holds the
-    prompt followed by the generated tokens.
+    prompt followed by the generated tokens. ``forks`` are sibling sequences (``n > 1``)
+    that share this request's prompt blocks once its prefill is done.
     """
 
     __slots__ = (
@@ -32,7 +33,7 @@ class Request:
         "finish_reason", "stop_reason", "arrival_time", "first_scheduled_time",
         "token_times", "finished_time", "num_preemptions", "generator", "logprobs",
         "cumulative_logprob", "detokenizer", "stop_text_len", "index", "group_id",
-        "spec_proposed", "spec_accepted",
+        "spec_proposed", "spec_accepted", "forks",
     )
 
     def __init__(
@@ -71,6 +72,7 @@ class Request:
         self.group_id = group_id if group_id is not None else request_id
         self.spec_proposed = 0
         self.spec_accepted = 0
+        self.forks: list[Request] = []
 
     @property
     def num_tokens(self) -> int:

@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import abc
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
 from servelab.core.request import Request
+
+
+class PreemptionMode(enum.Enum):
+    """How a scheduler frees memory: ``recompute`` drops the request's blocks and computes
+    its tokens again later; ``swap`` copies them to the host pool and back."""
+
+    recompute = "recompute"
+    swap = "swap"
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +93,11 @@ class Scheduler(abc.ABC):
     @abc.abstractmethod
     def has_unfinished(self) -> bool:
         """True while any request is waiting or running."""
+
+    def next_wakeup(self) -> float | None:
+        """For policies that wait on a timer with nothing to run: when to step again
+        (``time.perf_counter`` seconds); None otherwise."""
+        return None
 
     @property
     @abc.abstractmethod

@@ -7,10 +7,10 @@ from servelab.core.hookspecs import hookimpl
 
 @hookimpl
 def servelab_register_schedulers():
-    """static and continuous batching."""
-    from servelab.plugins.scheduler import continuous, static
+    """static, dynamic, continuous and chunked-prefill batching."""
+    from servelab.plugins.scheduler import chunked, continuous, dynamic, static
 
-    return [static.SPEC, continuous.SPEC]
+    return [static.SPEC, dynamic.SPEC, continuous.SPEC, chunked.SPEC]
 
 
 @hookimpl
@@ -43,3 +43,11 @@ def servelab_register_models():
     from servelab.plugins.models import llama
 
     return llama.model_specs()
+
+
+@hookimpl
+def servelab_register_eviction_policies():
+    """LRU eviction for the prefix cache."""
+    from servelab.plugins.cache import lru
+
+    return [lru.SPEC]

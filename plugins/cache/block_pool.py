@@ -6,7 +6,7 @@ from collections import deque
 
 
 class BlockPool:
-    """Hands out block ids; a block returns to the free list when its last holder frees it."""
+    """Hands out block ids; a block is free again when its last holder releases it."""
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
@@ -15,7 +15,7 @@ class BlockPool:
 
     @property
     def num_free(self) -> int:
-        """Blocks not held by anyone."""
+        """Blocks not held by anyone (and not kept for prefix reuse)."""
         return len(self._free)
 
     def take(self, count: int) -> list[int] | None:
@@ -33,14 +33,18 @@ class BlockPool:
             self.ref_counts[block] += 1
 
     def release(self, blocks: list[int]) -> list[int]:
-        """Drop one holder from each block; returns the blocks that became free."""
-        freed = []
+        """Drop one holder from each block; returns the blocks nobody holds any more.
+        They are not free yet: the caller keeps them (prefix cache) or ``put_free``s them."""
+        unheld = []
         for block in blocks:
             count = self.ref_counts[block] - 1
             if count < 0:
                 raise RuntimeError(f"block {block} released more often than taken")
             self.ref_counts[block] = count
             if count == 0:
-                freed.append(block)
-        self._free.extend(freed)
-        return freed
+                unheld.append(block)
+        return unheld
+
+    def put_free(self, blocks: list[int]) -> None:
+        """Return unheld blocks to the free list."""
+        self._free.extend(blocks)

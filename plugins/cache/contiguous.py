@@ -33,6 +33,11 @@ class ContiguousKVCacheManager(PagedKVCacheManager):
         num_slots = num_blocks_for(config.num_slots, config.memory_bytes, block_size, spec, group="cache (contiguous)")
         self._init_pool(config, spec, block_size, num_slots)
 
+    @property
+    def supports_fork(self) -> bool:
+        """The baseline never shares regions between sequences."""
+        return False
+
 
 SPEC = ComponentSpec("cache", "contiguous", ContiguousKVCacheManager, ContiguousCacheConfig,
                      "one max_model_len reservation per request (pre-PagedAttention baseline)")

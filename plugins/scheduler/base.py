@@ -5,15 +5,20 @@ from __future__ import annotations
 import time
 from collections import deque
 
+from servelab.core.kv_cache import Allocation
 from servelab.core.request import Request, RequestStatus
-from servelab.core.scheduler import ScheduledRequest, Scheduler, SchedulerContext, SchedulerOutput
+from servelab.core.scheduler import (PreemptionMode, ScheduledRequest, Scheduler, SchedulerContext,
+                                     SchedulerOutput)
 
 
 class QueueScheduler(Scheduler):
-    """A waiting deque and a running list; policies implement ``schedule``.
+    """A waiting deque, a running list and a swapped deque; policies implement ``schedule``.
 
-    Preemption is by recompute: the newest running request gives up its blocks and goes
-    back to the front of the queue with ``num_computed_tokens = 0``.
+    When blocks run out the newest running request is preempted. With
+    ``config.preemption = recompute`` it gives up its blocks and returns to the front of the
+    queue with ``num_computed_tokens = 0``; with ``swap`` its blocks move to the host pool
+    (falling back to recompute when the pool is full) and come back, oldest first, before
+    any new request is admitted.
     """
 
     def __init__(self, config, context: SchedulerContext):
@@ -22,8 +27,12 @@ class QueueScheduler(Scheduler):
         self.cache = context.cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.swapped: deque[Request] = deque()
         self.step_index = 0
         self.num_preemptions = 0
+        self._swap_out: list[tuple[int, int]] = []
+        self._swap_in: list[tuple[int, int]] = []
+        self._copies: list[tuple[int, int]] = []
 
     # -- queue bookkeeping -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -32,8 +41,8 @@ class QueueScheduler(Scheduler):
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        """True while any request waits or runs."""
-        return bool(self.waiting or self.running)
+        """True while any request waits, runs or is swapped out."""
+        return bool(self.waiting or self.running or self.swapped)
 
     @property
     def num_running(self) -> int:
@@ -42,16 +51,17 @@ class QueueScheduler(Scheduler):
 
     @property
     def num_waiting(self) -> int:
-        """Queued requests."""
-        return len(self.waiting)
+        """Queued and swapped-out requests."""
+        return len(self.waiting) + len(self.swapped)
 
     def abort(self, request_ids: list[str]) -> list[Request]:
         """Finish the given requests with reason ``abort`` and free their cache."""
         wanted = set(request_ids)
-        found = [r for r in (*self.waiting, *self.running) if r.request_id in wanted]
+        found = [r for r in (*self.waiting, *self.running, *self.swapped) if r.request_id in wanted]
         if found:
             self.waiting = deque(r for r in self.waiting if r.request_id not in wanted)
             self.running = [r for r in self.running if r.request_id not in wanted]
+            self.swapped = deque(r for r in self.swapped if r.request_id not in wanted)
             for request in found:
                 request.finish_reason = "abort"
                 self._finish(request)
@@ -64,12 +74,35 @@ class QueueScheduler(Scheduler):
         self.context.on_request_finished(request)
 
     def _preempt(self, request: Request) -> None:
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        if getattr(self.config, "preemption", PreemptionMode.recompute) is PreemptionMode.swap and self.cache.supports_swap:
+            pairs = self.cache.swap_out(request)
+            if pairs is not None:
+                request.status = RequestStatus.SWAPPED
+                self._swap_out += pairs
+                self.swapped.append(request)
+                return
         self.cache.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
-        request.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.appendleft(request)
+
+    def _swap_in_ready(self) -> None:
+        """Bring swapped requests back (oldest first) while the device has room."""
+        while self.swapped and self.cache.can_swap_in(self.swapped[0]):
+            request = self.swapped.popleft()
+            self._swap_in += self.cache.swap_in(request)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+
+    def _allocate(self, request: Request, num_new_tokens: int, num_lookahead_tokens: int = 0) -> bool:
+        """Ask the cache for room; remember copy-on-write work for this step."""
+        allocation: Allocation | None = self.cache.allocate(request, num_new_tokens, num_lookahead_tokens)
+        if allocation is None:
+            return False
+        self._copies += allocation.blocks_to_copy
+        return True
 
     # -- building a step -----------------------------------------------------------------
     def _grant(self, request: Request, num_new_tokens: int) -> ScheduledRequest:
@@ -101,7 +134,7 @@ class QueueScheduler(Scheduler):
             if num_new <= 0 or (lookahead and used + num_new + lookahead > budget):
                 kept.append(request)
                 continue
-            while self.cache.allocate(request, num_new, lookahead) is None:
+            while not self._allocate(request, num_new, lookahead):
                 victim = queue.pop() if queue else request
                 self._preempt(victim)
                 preempted.append(victim.request_id)
@@ -128,7 +161,7 @@ class QueueScheduler(Scheduler):
             num_new = min(remaining, budget - used) if chunk else remaining
             if num_new <= 0 or num_new > budget - used:
                 break
-            if self.cache.allocate(request, num_new) is None:
+            if not self._allocate(request, num_new):
                 break
             self.waiting.popleft()
             self.running.append(request)
@@ -140,9 +173,12 @@ class QueueScheduler(Scheduler):
         self.step_index += 1
         prefill = sum(g.num_new_tokens for g in grants if g.request.num_tokens - g.num_computed_tokens > 1)
         decode = sum(g.num_new_tokens for g in grants) - prefill
-        return SchedulerOutput(tuple(grants), num_prefill_tokens=prefill, num_decode_tokens=decode,
-                               preempted=tuple(preempted), num_lookahead_tokens=self.context.num_lookahead_tokens,
-                               step_index=self.step_index)
+        output = SchedulerOutput(tuple(grants), num_prefill_tokens=prefill, num_decode_tokens=decode,
+                                 blocks_to_swap_out=tuple(self._swap_out), blocks_to_swap_in=tuple(self._swap_in),
+                                 blocks_to_copy=tuple(self._copies), preempted=tuple(preempted),
+                                 num_lookahead_tokens=self.context.num_lookahead_tokens, step_index=self.step_index)
+        self._swap_out, self._swap_in, self._copies = [], [], []
+        return output
 
     # -- applying a step's result ---------------------------------------------------------
     def update_from_output(self, output: SchedulerOutput, token_ids: list[list[int]] | None) -> list[Request]:
@@ -161,6 +197,8 @@ class QueueScheduler(Scheduler):
             new_tokens = next(samples)
             if request.is_finished:
                 continue
+            if request.forks:
+                self._fork(request)
             kept = stop_checker.append(request, new_tokens, now)
             request.num_computed_tokens += kept - 1
             changed.append(request)
@@ -172,3 +210,13 @@ class QueueScheduler(Scheduler):
         if finished:
             self.running = [r for r in self.running if not r.is_finished]
         return changed
+
+    def _fork(self, parent: Request) -> None:
+        """The parent's prompt is cached: its siblings share those blocks and each
+        recomputes only the last prompt token (copy-on-write) to sample its own first token."""
+        for child in parent.forks:
+            child.num_computed_tokens = parent.num_prompt_tokens - 1
+            self.cache.fork(parent, child)
+            child.status = RequestStatus.RUNNING
+            self.running.append(child)
+        parent.forks = []

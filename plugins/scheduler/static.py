@@ -5,17 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from servelab.core.component import ComponentSpec
-from servelab.core.scheduler import SchedulerOutput
+from servelab.core.scheduler import PreemptionMode, SchedulerOutput
 from servelab.plugins.scheduler.base import QueueScheduler
 
 
 @dataclass
 class StaticSchedulerConfig:
     """Up to ``max_batch_size`` requests per batch, whose prompts together fit
-    ``max_num_batched_tokens``."""
+    ``max_num_batched_tokens``; ``preemption``: recompute | swap."""
 
     max_batch_size: int = 8
     max_num_batched_tokens: int = 8192
+    preemption: PreemptionMode = PreemptionMode.recompute
 
 
 class StaticScheduler(QueueScheduler):
@@ -29,7 +30,8 @@ class StaticScheduler(QueueScheduler):
     def schedule(self) -> SchedulerOutput:
         """Prefill a new batch when idle, else advance the running batch."""
         config = self.config
-        if not self.running:
+        self._swap_in_ready()
+        if not self.running and not self.swapped:
             if not self.waiting or not self.batch_ready():
                 return self._output([])
             admitted, _ = self._admit(config.max_num_batched_tokens, config.max_batch_size)
