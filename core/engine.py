@@ -11,6 +11,7 @@ import torch
 from omegaconf import DictConfig
 
 from servelab.core.attention import AttentionSpec
+from servelab.core.beam_search import BeamGroup, advance_ready_groups
 from servelab.core.checkpoint import load_checkpoint, resolve_device, resolve_dtype
 from servelab.core.decoding import DecodeResult
 from servelab.core.errors import ConfigError, InvalidRequestError
@@ -86,6 +87,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, attention, cache, self.strategy, shape.num_layers,
                                   self.max_model_len, self.device, self.dtype)
         self.outputs = OutputProcessor(self.tokenizer)
+        self.beam_groups: dict[str, BeamGroup] = {}
         self._ids = itertools.count()
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
@@ -114,7 +116,11 @@ class LLMEngine:
                 f"This model's maximum context length is {self.max_model_len} tokens, but the prompt has "
                 f"{len(prompt_token_ids)} tokens (at most {self.max_model_len - 1}, so that one can be generated)"))
         if params.use_beam_search:
-            raise InvalidRequestError("use_beam_search", "beam search is not supported by this engine")
+            width = params.best_of or params.n
+            if width > 10:
+                raise InvalidRequestError("best_of", f"beam width (best_of or n) must be <= 10, got {width}")
+            if self.strategy.num_lookahead_tokens:
+                raise InvalidRequestError("use_beam_search", "beam search cannot run with speculative decoding")
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
                     arrival_time: float | None = None, output_kind: str = "final") -> str:
@@ -130,6 +136,8 @@ class LLMEngine:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         arrival = time.perf_counter() if arrival_time is None else arrival_time
         text = prompt if isinstance(prompt, str) else None
+        if params.use_beam_search:
+            return self._add_beam_search(request_id, token_ids, params, arrival, text, output_kind)
         children = [self._child(request_id, i, token_ids, params, arrival, text) for i in range(params.n)]
         self.outputs.add(request_id, children, output_kind)
         for child in children:
@@ -142,6 +150,20 @@ class LLMEngine:
             for child in children:
                 self.scheduler.add_request(child)
         self.num_prompt_tokens += len(token_ids) * len(children)
+        return request_id
+
+    def _add_beam_search(self, request_id: str, token_ids: list[int], params: SamplingParams, arrival: float,
+                         text: str | None, output_kind: str) -> str:
+        if output_kind != "final":
+            raise InvalidRequestError("stream", "beam search returns final outputs only")
+        group = BeamGroup(request_id, params, self._eos_token_id(), self.max_model_len)
+        first = Request(request_id, token_ids, BeamGroup.beam_params(params), self._eos_token_id(), text, arrival,
+                        0, request_id)
+        group.start(first)
+        self.beam_groups[request_id] = group
+        self.outputs.add(request_id, [first], "final", beam=group)
+        self.scheduler.add_request(first)
+        self.num_prompt_tokens += len(token_ids)
         return request_id
 
     def _child(self, request_id: str, index: int, token_ids: list[int], params: SamplingParams,
@@ -160,7 +182,8 @@ class LLMEngine:
     def abort_request(self, request_ids: list[str] | str) -> None:
         """Abort prompts by id; their cache is freed at once."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        self.scheduler.abort(self.outputs.child_ids(ids))
+        beams = [b.request_id for rid in ids if rid in self.beam_groups for b in self.beam_groups.pop(rid).live]
+        self.scheduler.abort(self.outputs.child_ids(ids) + beams)
         for rid in ids:
             self.outputs.groups.pop(rid, None)
 
@@ -172,6 +195,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run and apply one step; returns the outputs it produced."""
         started = time.perf_counter()
+        hits_before = self.cache.prefix_hit_tokens
         output = self.scheduler.schedule()
         if output.is_empty and self.scheduler.has_unfinished():
             self._idle_until(self.scheduler.next_wakeup(), started)
@@ -182,13 +206,24 @@ class LLMEngine:
         self.num_steps += 1
         self.num_generated_tokens += generated
         outputs = self.outputs.process(changed)
+        if self.beam_groups and result is not None:
+            outputs += self._advance_beams(output, result)
         self.registry.hook.servelab_step_end(engine=self, stats=StepStats(
             step_index=output.step_index, num_prefill_tokens=output.num_prefill_tokens,
             num_decode_tokens=output.num_decode_tokens, num_scheduled=len(output.scheduled),
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
             num_preempted=len(output.preempted), num_finished=sum(r.is_finished for r in changed),
-            num_generated_tokens=generated, kv=self.cache.usage, step_time_s=time.perf_counter() - started))
+            num_generated_tokens=generated, kv=self.cache.usage, step_time_s=time.perf_counter() - started,
+            prefix_hit_tokens=self.cache.prefix_hit_tokens - hits_before))
         return outputs
+
+    def _advance_beams(self, output, result: DecodeResult) -> list[RequestOutput]:
+        sampling = [g.request for g in output.scheduled if g.samples]
+        for i, request in enumerate(sampling):
+            if request.beam is not None and not request.is_finished:
+                request.beam.collect(request, result.logprobs[i][0])
+        finished = advance_ready_groups(self.beam_groups, self.scheduler, self.cache)
+        return [self.outputs.render_beam(group) for group in finished]
 
     @staticmethod
     def _idle_until(wakeup: float | None, now: float) -> None:

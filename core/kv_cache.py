@@ -113,6 +113,16 @@ class KVCacheManager(abc.ABC):
         """The most tokens one request can ever hold in this cache."""
         return self.num_blocks * self.block_size
 
+    @property
+    def prefix_hit_tokens(self) -> int:
+        """Prompt tokens found in the prefix cache so far (0 without prefix caching)."""
+        return 0
+
+    @property
+    def prefix_queried_tokens(self) -> int:
+        """Tokens looked up in the prefix cache so far."""
+        return 0
+
     def lookup_prefix(self, request: Request) -> int:
         """Attach cached blocks matching the request's prompt; return the number of tokens
         found (a multiple of ``block_size``). Caches without prefix caching return 0."""

@@ -24,7 +24,8 @@ class Request:
     Scheduling is token accounting: ``num_computed_tokens`` of ``num_tokens`` are in the
     KV cache; each step the scheduler grants some of the rest. ``token_ids`` holds the
     prompt followed by the generated tokens. ``forks`` are sibling sequences (``n > 1``)
-    that share this request's prompt blocks once its prefill is done.
+    that share this request's prompt blocks once its prefill is done. ``beam`` is the
+    ``BeamGroup`` of a beam-search sequence, which chooses its tokens instead of the sampler.
     """
 
     __slots__ = (
@@ -33,7 +34,7 @@ class Request:
         "finish_reason", "stop_reason", "arrival_time", "first_scheduled_time",
         "token_times", "finished_time", "num_preemptions", "generator", "logprobs",
         "cumulative_logprob", "detokenizer", "stop_text_len", "index", "group_id",
-        "spec_proposed", "spec_accepted", "forks",
+        "spec_proposed", "spec_accepted", "forks", "beam",
     )
 
     def __init__(
@@ -73,6 +74,7 @@ class Request:
         self.spec_proposed = 0
         self.spec_accepted = 0
         self.forks: list[Request] = []
+        self.beam = None
 
     @property
     def num_tokens(self) -> int:

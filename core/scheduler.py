@@ -87,6 +87,10 @@ class Scheduler(abc.ABC):
         whose state changed."""
 
     @abc.abstractmethod
+    def adopt(self, request: Request) -> None:
+        """Run a request that already holds cache blocks (a forked beam) from now on."""
+
+    @abc.abstractmethod
     def abort(self, request_ids: list[str]) -> list[Request]:
         """Stop these requests now and free their cache; returns those found."""
 

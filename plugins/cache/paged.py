@@ -188,6 +188,16 @@ class PagedKVCacheManager(KVCacheManager):
         return hit
 
     @property
+    def prefix_hit_tokens(self) -> int:
+        """Tokens served from the prefix cache so far."""
+        return self.prefix.hit_tokens if self.prefix else 0
+
+    @property
+    def prefix_queried_tokens(self) -> int:
+        """Tokens looked up in the prefix cache so far."""
+        return self.prefix.queried_tokens if self.prefix else 0
+
+    @property
     def supports_fork(self) -> bool:
         """Blocks can be shared between sequences."""
         return True

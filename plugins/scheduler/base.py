@@ -40,6 +40,11 @@ class QueueScheduler(Scheduler):
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
+    def adopt(self, request: Request) -> None:
+        """Add a forked sequence straight to the running list."""
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
     def has_unfinished(self) -> bool:
         """True while any request waits, runs or is swapped out."""
         return bool(self.waiting or self.running or self.swapped)
@@ -199,6 +204,9 @@ class QueueScheduler(Scheduler):
                 continue
             if request.forks:
                 self._fork(request)
+            if request.beam is not None:  # its BeamGroup picks the token once every beam reported
+                changed.append(request)
+                continue
             kept = stop_checker.append(request, new_tokens, now)
             request.num_computed_tokens += kept - 1
             changed.append(request)
