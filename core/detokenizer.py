@@ -35,3 +35,16 @@ class IncrementalDetokenizer:
             self.text += delta
             return delta
         return ""
+
+    def flush(self) -> str:
+        """At the end of the sequence: emit the held-back tail even if it ends in a partial
+        character (as a replacement character, like a full decode does)."""
+        if self.read_offset == len(self.ids):
+            return ""
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip_special_tokens)
+        full = decode(self.ids[self.prefix_offset:], skip_special_tokens=self.skip_special_tokens)
+        delta = full[len(prefix):]
+        self.prefix_offset = self.read_offset = len(self.ids)
+        self.text += delta
+        return delta

@@ -82,8 +82,11 @@ class OutputProcessor:
 
     def _text(self, request: Request) -> str:
         if request.detokenizer is not None:
-            text = request.detokenizer.text
-            return text if request.stop_text_len is None else text[:request.stop_text_len]
+            if request.stop_text_len is not None:
+                return request.detokenizer.text[:request.stop_text_len]
+            if request.is_finished:
+                request.detokenizer.flush()
+            return request.detokenizer.text
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(request.output_token_ids,

@@ -23,10 +23,10 @@ def servelab_register_kv_caches():
 
 @hookimpl
 def servelab_register_attention_backends():
-    """naive and sdpa attention."""
-    from servelab.plugins.attention import naive, sdpa
+    """naive, sdpa and flash (Triton) attention."""
+    from servelab.plugins.attention import flash, naive, sdpa
 
-    return [naive.SPEC, sdpa.SPEC]
+    return [naive.SPEC, sdpa.SPEC, flash.SPEC]
 
 
 @hookimpl

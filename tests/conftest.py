@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run in the interpreter on CPU
 
 from servelab.core.hookspecs import hookimpl
 from servelab.testing import tiny_checkpoint
@@ -22,15 +28,11 @@ def llama(checkpoints) -> str:
 
 
 @pytest.fixture
-def attention_env(monkeypatch):
-    """Prepare the environment an attention backend needs on this machine, or skip.
-
-    ``flash`` runs its Triton kernels in the interpreter (TRITON_INTERPRET=1) on CPU.
-    """
+def attention_env():
+    """``attention_env(name)`` skips when the backend cannot run here (``flash`` without triton)."""
     def prepare(name: str) -> None:
         if name == "flash":
             pytest.importorskip("triton")
-            monkeypatch.setenv("TRITON_INTERPRET", "1")
     return prepare
 
 

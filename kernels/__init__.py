@@ -1,0 +1,25 @@
+"""Triton kernels for servelab's attention path.
+
+Ops (each module holds the Triton kernel and its checked Python wrapper;
+the pure-torch references live in the ``*_reference`` modules):
+
+- ``cache_write.write_kv_cache``: scatter new tokens' K/V into their cache slots.
+- ``varlen_attention.varlen_paged_attention``: FlashAttention-2 style causal
+  attention over a flat (unpadded) batch, reading the context through a block
+  table; covers prefill, chunked prefill, speculative verification and decode.
+- ``decode_attention.paged_decode_attention``: flash-decoding (split-K) for
+  batches where every request has exactly one new token.
+- ``availability.triton_unavailable_reason``: says why the kernels cannot run
+  here (``None`` when they can).
+
+KV cache layout, one tensor per layer:
+``kv_cache[2, num_blocks, block_size, num_kv_heads, head_dim]`` with keys in
+``kv_cache[0]`` and values in ``kv_cache[1]``; slot = block_id * block_size +
+offset.  A contiguous cache is the same layout with one block of
+``max_model_len`` tokens per request.
+
+This package does not import triton at import time; the kernel modules do.
+
+Imports nothing itself: run from the repository root, this folder is also importable as a
+top-level ``kernels`` module, which other libraries probe for.
+"""

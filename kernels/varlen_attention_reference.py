@@ -1,0 +1,70 @@
+"""Pure-torch reference for causal attention over a flat batch and a paged KV cache.
+
+Slow and simple on purpose (a loop over requests, the context gathered
+through the block table, an explicit causal mask, GQA by repeat_interleave);
+the Triton kernels in ``varlen_attention`` and ``decode_attention`` are tested
+against it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def gather_context(
+    kv_cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return one request's keys and values ``[seq_len, Hkv, D]`` in position order."""
+    block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
+    num_blocks = -(-seq_len // block_size)
+    if num_blocks > block_table_row.shape[0]:
+        raise ValueError(f"seq_len {seq_len} needs {num_blocks} blocks, table has {block_table_row.shape[0]}")
+    blocks = block_table_row[:num_blocks].long()
+    k = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+    v = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+    return k, v
+
+
+def varlen_paged_attention_reference(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    max_query_len: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reference for ``varlen_paged_attention`` (same arguments; max_query_len is unused).
+
+    Request r owns q rows ``query_start_loc[r]:query_start_loc[r+1]``; they are the
+    last positions of its ``seq_lens[r]``-token context and attend causally to it.
+    Computes in float32 and casts to q's dtype.
+    """
+    num_heads = q.shape[1]
+    num_kv_heads = kv_cache.shape[3]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for r, seq_len in enumerate(lens):
+        q_lo, q_hi = starts[r], starts[r + 1]
+        q_len = q_hi - q_lo
+        if q_len == 0:
+            continue
+        if q_len > seq_len:
+            raise ValueError(f"request {r}: query_len {q_len} > seq_len {seq_len}")
+        k, v = gather_context(kv_cache, block_table[r], seq_len)
+        k = k.float().repeat_interleave(group, dim=1)
+        v = v.float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[q_lo:q_hi].float(), k) * scale
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        k_pos = torch.arange(seq_len, device=q.device)
+        causal = k_pos[None, :] <= q_pos[:, None]
+        scores = scores.masked_fill(~causal, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[q_lo:q_hi] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
+    return out

@@ -1,0 +1,5 @@
+"""``python -m servelab.server [overrides...]``: the same as ``servelab-serve``."""
+
+from servelab.server.cli import main
+
+main()

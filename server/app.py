@@ -1,0 +1,175 @@
+"""The FastAPI application: routes, API-key check, draining, and the engine's lifespan."""
+
+from __future__ import annotations
+
+import hmac
+import importlib.metadata
+import logging
+import time
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from servelab.core.errors import InvalidRequestError
+from servelab.server.async_engine import AsyncEngine
+from servelab.server.chat import create_chat_completion
+from servelab.server.chat_template import render_chat
+from servelab.server.completions import create_completion
+from servelab.server.config import ServerConfig
+from servelab.server.errors import APIError, RequestAbortedError, install_error_handlers, shutting_down
+from servelab.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+
+log = logging.getLogger(__name__)
+
+
+class ServerState:
+    """What the handlers share: the engine, the server settings, the served model name,
+    and whether the server is draining (then new requests get 503)."""
+
+    def __init__(self, engine: AsyncEngine, config: ServerConfig, model_name: str):
+        self.engine = engine
+        self.config = config
+        self.model_name = model_name
+        self.draining = False
+        self.created = int(time.time())
+
+    def check_model(self, name: str | None) -> None:
+        """404 unless ``name`` is the served model (or omitted)."""
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
+                           param="model", code="model_not_found")
+
+    async def drain(self, timeout: float) -> None:
+        """Refuse new requests, give in-flight ones ``timeout`` seconds, abort the rest."""
+        self.draining = True
+        if not await self.engine.wait_idle(timeout):
+            log.warning("drain timeout (%.1fs): aborting %d requests", timeout, self.engine.num_in_flight)
+            self.engine.abort_all(RequestAbortedError())
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.servelab
+
+
+def accepting(request: Request) -> None:
+    """503 while the server drains."""
+    if _state(request).draining:
+        raise shutting_down()
+
+
+def authorized(request: Request) -> None:
+    """401 unless the request carries ``Authorization: Bearer <server.api_key>`` (when set)."""
+    key = _state(request).config.api_key
+    if not key:
+        return
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
+        raise APIError(401, "invalid or missing API key: send Authorization: Bearer <key>",
+                       code="invalid_api_key")
+
+
+guarded = APIRouter(dependencies=[Depends(accepting), Depends(authorized)])
+
+
+@guarded.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request):
+    """Text completion (OpenAI ``/v1/completions``)."""
+    return await create_completion(body, request, _state(request))
+
+
+@guarded.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    """Chat completion (OpenAI ``/v1/chat/completions``)."""
+    return await create_chat_completion(body, request, _state(request))
+
+
+@guarded.get("/v1/models")
+async def models(request: Request) -> dict:
+    """The served model."""
+    state = _state(request)
+    return {"object": "list", "data": [{
+        "id": state.model_name, "object": "model", "created": state.created, "owned_by": "servelab",
+        "max_model_len": state.engine.engine.max_model_len}]}
+
+
+@guarded.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request) -> dict:
+    """Token ids of a prompt, or of a conversation rendered with the chat template."""
+    state = _state(request)
+    state.check_model(body.model)
+    body.check()
+
+    def encode(engine) -> list[int]:
+        if engine.tokenizer is None:
+            raise InvalidRequestError("prompt", "this model has no tokenizer")
+        text = body.prompt if body.messages is None else render_chat(engine.tokenizer, body.messages,
+                                                                     body.add_generation_prompt)
+        return engine.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+
+    tokens = await state.engine.call(encode)
+    return {"count": len(tokens), "max_model_len": state.engine.engine.max_model_len, "tokens": tokens}
+
+
+@guarded.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
+    """Text of token ids."""
+    state = _state(request)
+    state.check_model(body.model)
+
+    def decode(engine) -> str:
+        bad = [t for t in body.tokens if not 0 <= t < engine.vocab_size]
+        if bad:
+            raise InvalidRequestError("tokens", f"token id {bad[0]} is outside the vocabulary [0, {engine.vocab_size})")
+        if engine.tokenizer is None:
+            raise InvalidRequestError("tokens", "this model has no tokenizer")
+        return engine.tokenizer.decode(body.tokens)
+
+    return {"prompt": await state.engine.call(decode)}
+
+
+open_routes = APIRouter()
+
+
+@open_routes.get("/health")
+async def health(request: Request) -> Response:
+    """200 while serving; 503 while draining or after the engine failed."""
+    state = _state(request)
+    if state.draining:
+        raise shutting_down()
+    if state.engine.dead is not None:
+        raise APIError(503, f"the engine loop failed: {state.engine.dead!r}", "server_error", code="engine_dead")
+    return Response(status_code=200)
+
+
+@open_routes.get("/metrics")
+async def metrics(request: Request) -> Response:
+    """Prometheus metrics (text exposition format)."""
+    return Response(_state(request).engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+@open_routes.get("/version")
+async def version() -> JSONResponse:
+    """servelab's version."""
+    return JSONResponse({"version": importlib.metadata.version("servelab")})
+
+
+def create_app(state: ServerState) -> FastAPI:
+    """The application over ``state``; its lifespan starts the engine thread and, at
+    shutdown, drains (``server.drain_timeout_s``) and stops it."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.engine.start()
+        yield
+        await state.drain(state.config.drain_timeout_s)
+        await state.engine.stop()
+
+    app = FastAPI(title="servelab", version=importlib.metadata.version("servelab"), lifespan=lifespan)
+    app.state.servelab = state
+    install_error_handlers(app)
+    app.include_router(guarded)
+    app.include_router(open_routes)
+    return app

@@ -1,0 +1,101 @@
+"""Maps the engine's delta outputs of one API call onto OpenAI choices."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from servelab.core.outputs import Logprob, RequestOutput
+
+
+@dataclass
+class ChoiceDelta:
+    """What one engine output adds to one choice.
+
+    ``finish_reason`` is set on the choice's last delta only, so it reaches the client
+    exactly once; ``first`` marks the choice's first delta (where chat sends the role and
+    completions echo the prompt).
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+    first: bool
+
+    def worth_sending(self) -> bool:
+        """True when a streamed chunk for this delta carries anything."""
+        return bool(self.text or self.finish_reason or (self.token_ids and self.logprobs is not None))
+
+
+@dataclass
+class Choice:
+    """A whole choice, accumulated from its deltas (non-streamed responses)."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChoiceTracker:
+    """Choice ``i * n + k`` is completion ``k`` of the API call's prompt ``i``.
+
+    ``update`` turns an engine output into per-choice deltas, dropping what follows a
+    choice's finish; ``collect=True`` also accumulates whole choices. Counts usage.
+    """
+
+    def __init__(self, request_ids: list[str], n: int, prompt_tokens: int, collect: bool = False):
+        self.n = n
+        self._base = {request_id: i * n for i, request_id in enumerate(request_ids)}
+        self._started: set[int] = set()
+        self._finished: set[int] = set()
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = 0
+        self.choices: dict[int, Choice] | None = {} if collect else None
+
+    @property
+    def num_choices(self) -> int:
+        """Choices in the response."""
+        return len(self._base) * self.n
+
+    def update(self, output: RequestOutput) -> list[ChoiceDelta]:
+        """The deltas ``output`` brings, in choice order."""
+        base = self._base[output.request_id]
+        deltas = []
+        for completion in output.outputs:
+            index = base + completion.index
+            if index in self._finished:
+                continue
+            finish = completion.finish_reason
+            if finish is not None:
+                self._finished.add(index)
+            first = index not in self._started
+            self._started.add(index)
+            self.completion_tokens += len(completion.token_ids)
+            delta = ChoiceDelta(index, completion.text, list(completion.token_ids), completion.logprobs, finish,
+                                completion.stop_reason if finish else None, first)
+            if self.choices is not None:
+                self._collect(delta)
+            deltas.append(delta)
+        return deltas
+
+    def _collect(self, delta: ChoiceDelta) -> None:
+        choice = self.choices.setdefault(delta.index, Choice(delta.index))
+        choice.text += delta.text
+        choice.token_ids += delta.token_ids
+        if delta.logprobs is not None:
+            choice.logprobs = (choice.logprobs or []) + list(delta.logprobs)
+        choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
+
+    def collected(self) -> list[Choice]:
+        """Every choice in index order (after the stream ended)."""
+        return [self.choices.get(i, Choice(i)) for i in range(self.num_choices)]
+
+    def usage(self) -> dict:
+        """The OpenAI ``usage`` object."""
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}

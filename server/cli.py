@@ -1,0 +1,48 @@
+"""Console entry point ``servelab-serve``: the OpenAI-compatible server as a Hydra app."""
+
+from __future__ import annotations
+
+import sys
+
+from omegaconf import DictConfig
+
+from servelab.core.compose import prepare_hydra
+from servelab.server.config import store_serve_schema
+
+GRACEFUL_SHUTDOWN_TIMEOUT_S = 5
+"""After draining, how long uvicorn waits for connections to close."""
+
+
+def serve(cfg: DictConfig) -> None:
+    """Build the engine from ``cfg`` and serve it on ``server.host:server.port`` until
+    SIGTERM/SIGINT; configuration errors exit with status 2."""
+    import uvicorn
+
+    from servelab.core.engine import LLMEngine
+    from servelab.core.errors import ConfigError
+    from servelab.server.app import ServerState, create_app
+    from servelab.server.async_engine import AsyncEngine
+    from servelab.server.config import served_model_name
+    from servelab.server.draining_server import DrainingServer
+    from servelab.server.metrics import ServerMetrics
+
+    try:
+        engine = LLMEngine(cfg)
+    except ConfigError as exc:
+        print(f"servelab-serve: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    server_cfg = cfg.server
+    state = ServerState(AsyncEngine(engine, ServerMetrics(engine)), server_cfg, served_model_name(cfg))
+    config = uvicorn.Config(create_app(state), host=server_cfg.host, port=server_cfg.port,
+                            log_level=server_cfg.log_level, access_log=server_cfg.access_log, lifespan="on",
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_TIMEOUT_S)
+    DrainingServer(config, state).run()
+
+
+def main() -> None:
+    """``servelab-serve [overrides...]``: Hydra app over ``conf/serve.yaml``."""
+    import hydra
+
+    prepare_hydra()
+    store_serve_schema()
+    hydra.main(config_path="pkg://servelab.conf", config_name="serve", version_base=None)(serve)()

@@ -1,0 +1,105 @@
+"""``POST /v1/completions``: text completion, streamed or not."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import TYPE_CHECKING, AsyncIterator
+
+from fastapi import Request
+
+from servelab.server.choices import ChoiceDelta, ChoiceTracker
+from servelab.server.errors import stream_error
+from servelab.server.logprobs import completion_logprobs
+from servelab.server.output_stream import OutputStream
+from servelab.server.protocol import CompletionRequest, Prompt
+from servelab.server.streaming import DONE, EventStreamResponse, sse, until_disconnected
+
+if TYPE_CHECKING:
+    from servelab.server.app import ServerState
+
+
+class CompletionResponder:
+    """Builds the response of one completion request from its engine outputs."""
+
+    def __init__(self, body: CompletionRequest, model: str, tracker: ChoiceTracker, echoes: list[str] | None):
+        self.body = body
+        self.tracker = tracker
+        self.echoes = echoes
+        self.header = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                       "model": model}
+        self._offsets = [0] * tracker.num_choices
+
+    def _echo(self, index: int) -> str:
+        return self.echoes[index // self.tracker.n] if self.echoes else ""
+
+    def _logprobs(self, index: int, token_ids: list[int], entries: list | None) -> dict | None:
+        if entries is None:
+            return None
+        logprobs, self._offsets[index] = completion_logprobs(token_ids, entries, self._offsets[index])
+        return logprobs
+
+    def _chunk_choice(self, delta: ChoiceDelta) -> dict:
+        echo = self._echo(delta.index) if delta.first else ""
+        self._offsets[delta.index] += len(echo)
+        text = echo + delta.text
+        return {"index": delta.index, "text": text,
+                "logprobs": self._logprobs(delta.index, delta.token_ids, delta.logprobs),
+                "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
+
+    async def events(self, stream: OutputStream) -> AsyncIterator[str]:
+        """The SSE chunks: one per choice delta, a usage chunk when asked, ``[DONE]``."""
+        async with stream:
+            try:
+                async for output in stream:
+                    for delta in self.tracker.update(output):
+                        if delta.worth_sending() or (delta.first and self.echoes):
+                            yield sse({**self.header, "choices": [self._chunk_choice(delta)]})
+                if self.body.include_usage:
+                    yield sse({**self.header, "choices": [], "usage": self.tracker.usage()})
+            except Exception as exc:
+                yield sse(stream_error(exc))
+        yield DONE
+
+    async def whole(self, stream: OutputStream) -> dict:
+        """The non-streamed response, once every choice finished."""
+        async with stream:
+            async for output in stream:
+                self.tracker.update(output)
+        choices = []
+        for choice in self.tracker.collected():
+            echo = self._echo(choice.index)
+            self._offsets[choice.index] = len(echo)
+            choices.append({"index": choice.index, "text": echo + choice.text,
+                            "logprobs": self._logprobs(choice.index, choice.token_ids, choice.logprobs),
+                            "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason})
+        return {**self.header, "choices": choices, "usage": self.tracker.usage()}
+
+
+async def _echo_texts(state: "ServerState", prompts: list[Prompt]) -> list[str]:
+    ids = [p for p in prompts if not isinstance(p, str)]
+    decoded = iter(await state.engine.call(lambda engine: [engine.tokenizer.decode(p) for p in ids]) if ids else ())
+    return [p if isinstance(p, str) else next(decoded) for p in prompts]
+
+
+async def create_completion(body: CompletionRequest, request: Request, state: "ServerState"):
+    """Validate, queue every prompt, and answer with the whole response or an SSE stream."""
+    state.check_model(body.model)
+    params = body.sampling_params()
+    prompts = body.prompts()
+    arrival = time.perf_counter()
+    stream = state.engine.open_stream()
+    request_ids = [f"cmpl-{uuid.uuid4().hex}" for _ in prompts]
+    try:
+        prompt_tokens = 0
+        for prompt, request_id in zip(prompts, request_ids):
+            prompt_tokens += await stream.add(prompt, params, request_id, arrival)
+        echoes = await _echo_texts(state, prompts) if body.echo else None
+    except BaseException:
+        stream.abort()
+        raise
+    tracker = ChoiceTracker(request_ids, params.n, prompt_tokens, collect=not body.stream)
+    responder = CompletionResponder(body, state.model_name, tracker, echoes)
+    if body.stream:
+        return EventStreamResponse(responder.events(stream), stream)
+    return await until_disconnected(request, responder.whole(stream))

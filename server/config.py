@@ -1,0 +1,72 @@
+"""The ``servelab-serve`` config schema: the engine groups of ``servelab`` plus ``server``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig
+
+from servelab.core.config import ModelConfig
+
+
+@dataclass
+class ServerConfig:
+    """The HTTP side of ``servelab-serve``.
+
+    ``host``/``port``: where to listen. ``api_key``: when set, ``/v1/*``, ``/tokenize`` and
+    ``/detokenize`` require ``Authorization: Bearer <api_key>`` (conf/serve.yaml reads it
+    from ``$SERVELAB_API_KEY``). ``served_model_name``: the ``model`` clients must send
+    (default: the model preset or folder). ``drain_timeout_s``: on SIGTERM, how long
+    in-flight requests may run before they are aborted. ``log_level``/``access_log``:
+    uvicorn logging.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: Optional[str] = None
+    served_model_name: Optional[str] = None
+    drain_timeout_s: float = 30.0
+    log_level: str = "info"
+    access_log: bool = True
+
+
+@dataclass
+class ServeConfig:
+    """The ``servelab-serve`` app: the engine components of ``ServelabConfig`` plus ``server``."""
+
+    model: ModelConfig = MISSING
+    cache: Any = MISSING
+    attention: Any = MISSING
+    scheduler: Any = MISSING
+    decoding: Any = MISSING
+    device: str = "auto"
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+
+def store_serve_schema() -> None:
+    """Register ``servelab_serve_schema`` (used by conf/serve.yaml) in Hydra's ConfigStore."""
+    ConfigStore.instance().store(name="servelab_serve_schema", node=ServeConfig)
+
+
+def compose_serve_config(overrides: list[str] | None = None) -> DictConfig:
+    """Compose ``conf/serve.yaml`` with Hydra overrides, outside a running Hydra app."""
+    from servelab.core.compose import compose_config
+
+    store_serve_schema()
+    return compose_config(overrides, config_name="serve")
+
+
+def served_model_name(cfg: DictConfig) -> str:
+    """The model name the API answers to: ``server.served_model_name``, else the model
+    preset chosen on the command line (``toy``), else the model folder."""
+    if cfg.server.served_model_name:
+        return cfg.server.served_model_name
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        choice = HydraConfig.get().runtime.choices.get("model")
+        if choice and choice != "local":
+            return choice
+    return cfg.model.path or "servelab"

@@ -1,0 +1,114 @@
+"""Errors in the OpenAI JSON shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from servelab.core.errors import InvalidRequestError
+
+log = logging.getLogger(__name__)
+
+CONTEXT_LENGTH_PHRASE = "maximum context length"
+
+
+class APIError(Exception):
+    """An error the server answers with ``status`` and an OpenAI error body."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        """The JSON body: ``{"error": {...}}``."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        """This error as an HTTP response."""
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+class EngineDeadError(APIError):
+    """500: the engine loop failed; the server cannot generate any more."""
+
+    def __init__(self, message: str):
+        super().__init__(500, message, "server_error", code="engine_dead")
+
+
+class RequestAbortedError(APIError):
+    """503: the server aborted the request (the shutdown drain timed out)."""
+
+    def __init__(self, message: str = "request aborted: the server is shutting down"):
+        super().__init__(503, message, "server_error", code="service_unavailable")
+
+
+def shutting_down() -> APIError:
+    """503: the server is draining and accepts no new work."""
+    return APIError(503, "the server is shutting down and accepts no new requests", "server_error",
+                    code="service_unavailable")
+
+
+def from_invalid_request(exc: InvalidRequestError) -> APIError:
+    """400 naming the offending field; prompts over the limit get ``context_length_exceeded``."""
+    code = "context_length_exceeded" if CONTEXT_LENGTH_PHRASE in str(exc) else "invalid_value"
+    return APIError(400, str(exc), param=exc.field, code=code)
+
+
+def from_validation_error(exc: RequestValidationError) -> APIError:
+    """400 for a body that does not parse or does not match the request model (unknown
+    fields included); ``param`` is the first offending field."""
+    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(loc) or None
+    messages = []
+    for error in exc.errors():
+        where = ".".join(str(p) for p in error.get("loc", ()) if p != "body")
+        messages.append(f"{where}: {error.get('msg')}" if where else str(error.get("msg")))
+    return APIError(400, "; ".join(messages) or "invalid request", param=param, code="invalid_value")
+
+
+def stream_error(exc: Exception) -> dict:
+    """The error event that ends a stream whose response already started."""
+    if isinstance(exc, APIError):
+        return exc.body()
+    log.exception("unexpected error while streaming", exc_info=exc)
+    return _internal(exc).body()
+
+
+def _internal(exc: Exception) -> APIError:
+    return APIError(500, f"internal server error: {type(exc).__name__}: {exc}", "server_error", code="internal_error")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Answer every error, expected or not, in the OpenAI shape."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(InvalidRequestError)
+    async def _invalid_request(request: Request, exc: InvalidRequestError) -> JSONResponse:
+        return from_invalid_request(exc).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return from_validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return APIError(exc.status_code, str(exc.detail), kind).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error while serving %s", request.url.path, exc_info=exc)
+        return _internal(exc).response()

@@ -1,0 +1,112 @@
+"""Prometheus metrics of one served engine, named ``servelab:*`` in their own registry."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from servelab.core.hookspecs import hookimpl
+from servelab.core.outputs import RequestOutput
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
+                   2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+"""Seconds; from sub-millisecond CPU decode steps to long queued requests."""
+
+
+class ServerMetrics:
+    """Histograms, gauges and counters of the engine behind the server.
+
+    Request latencies are observed when a request finishes (``record_finished``), gauges
+    after every engine-loop iteration (``update_gauges``), token and preemption counters
+    from each step's ``StepStats`` (the ``servelab_step_end`` hook). Counters for prefix
+    cache hits and speculative decoding exist only when the engine uses those features.
+    """
+
+    def __init__(self, engine: Any):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("servelab:time_to_first_token_seconds", "Time to first token.",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("servelab:inter_token_latency_seconds", "Gap between consecutive output tokens "
+                             "of a sequence (n=1 requests).", buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("servelab:e2e_request_latency_seconds", "Arrival to last token.",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("servelab:request_queue_time_seconds", "Arrival to first scheduling.",
+                               buckets=LATENCY_BUCKETS, registry=r)
+        self.running = Gauge("servelab:num_requests_running", "Sequences holding KV cache.", registry=r)
+        self.waiting = Gauge("servelab:num_requests_waiting", "Sequences queued (new or preempted).", registry=r)
+        self.kv_usage = Gauge("servelab:kv_cache_usage_perc", "Fraction of KV cache slots held by live "
+                              "requests (0 to 1).", registry=r)
+        self.prompt_tokens = Counter("servelab:prompt_tokens", "Prompt tokens of accepted requests.", registry=r)
+        self.generation_tokens = Counter("servelab:generation_tokens", "Generated tokens.", registry=r)
+        self.preemptions = Counter("servelab:num_preemptions", "Sequences preempted.", registry=r)
+        self.success = Counter("servelab:request_success", "Finished sequences by finish reason "
+                               "(stop, length, abort).", ["finished_reason"], registry=r)
+        self.prefix_hits = self.spec_proposed = self.spec_accepted = None
+        if engine.cfg.cache.get("enable_prefix_caching", False):
+            self.prefix_hits = Counter("servelab:prefix_cache_hit_tokens", "Prompt tokens found in the "
+                                       "prefix cache.", registry=r)
+        if engine.strategy.num_lookahead_tokens > 0:
+            self.spec_proposed = Counter("servelab:spec_decode_num_draft_tokens", "Draft tokens verified.",
+                                         registry=r)
+            self.spec_accepted = Counter("servelab:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                                         registry=r)
+        self._engine = engine
+        self._observer = _StepObserver(self, engine)
+        engine.registry.plugin_manager.register(self._observer)
+
+    def observe_step(self, stats: Any) -> None:
+        """Add one step's ``StepStats`` to the counters."""
+        self.generation_tokens.inc(stats.num_generated_tokens)
+        self.preemptions.inc(stats.num_preempted)
+        if self.prefix_hits is not None:
+            self.prefix_hits.inc(getattr(stats, "prefix_hit_tokens", 0))
+        if self.spec_proposed is not None:
+            self.spec_proposed.inc(getattr(stats, "spec_proposed", 0))
+            self.spec_accepted.inc(getattr(stats, "spec_accepted", 0))
+
+    def update_gauges(self, engine: Any) -> None:
+        """Read running/waiting counts and KV usage (call on the engine thread)."""
+        self.running.set(engine.scheduler.num_running)
+        self.waiting.set(engine.scheduler.num_waiting)
+        self.kv_usage.set(engine.cache.usage.usage)
+
+    def record_finished(self, output: RequestOutput) -> None:
+        """Latencies of a finished request and one success count per sequence."""
+        m = output.metrics
+        for value, histogram in ((m.ttft, self.ttft), (m.e2e_latency, self.e2e), (m.queue_time, self.queue)):
+            if value is not None:
+                histogram.observe(value)
+        if len(output.outputs) == 1:
+            for gap in m.inter_token_latencies:
+                self.itl.observe(gap)
+        for completion in output.outputs:
+            self.success.labels(finished_reason=completion.finish_reason or "abort").inc()
+
+    def record_aborted(self, num_sequences: int) -> None:
+        """Count sequences aborted by a client disconnect or by shutdown."""
+        if num_sequences:
+            self.success.labels(finished_reason="abort").inc(num_sequences)
+
+    def render(self) -> bytes:
+        """The text exposition of every metric."""
+        return generate_latest(self.registry)
+
+    def close(self) -> None:
+        """Stop observing the engine's steps."""
+        self._engine.registry.plugin_manager.unregister(self._observer)
+
+
+class _StepObserver:
+    """The ``servelab_step_end`` hook implementation feeding ``ServerMetrics``."""
+
+    def __init__(self, metrics: ServerMetrics, engine: Any):
+        self.metrics = metrics
+        self.engine = engine
+
+    @hookimpl
+    def servelab_step_end(self, engine: Any, stats: Any) -> None:
+        """Count the step if it belongs to the served engine."""
+        if engine is self.engine:
+            self.metrics.observe_step(stats)

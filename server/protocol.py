@@ -1,0 +1,181 @@
+"""Request bodies of the OpenAI-compatible API (pydantic; unknown fields are rejected)."""
+
+from __future__ import annotations
+
+from typing import Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict
+
+from servelab.core.errors import InvalidRequestError
+from servelab.core.sampling_params import SamplingParams
+
+Prompt = Union[str, list[int]]
+
+
+class StrictModel(BaseModel):
+    """A request body: unknown fields are an error (400 naming the field)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(StrictModel):
+    """``include_usage``: send a last chunk with ``usage`` and no choices."""
+
+    include_usage: bool = False
+
+
+class GenerationRequest(StrictModel):
+    """Fields shared by completions and chat completions.
+
+    OpenAI fields plus the extensions vLLM accepts (``top_k``, ``min_p``,
+    ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
+    ``include_stop_str_in_output``, ``skip_special_tokens``). Values are checked by
+    ``SamplingParams``, which names the offending field.
+    """
+
+    model: Optional[str] = None
+    n: int = 1
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    seed: Optional[int] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    logit_bias: Optional[dict[str, float]] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None
+
+    @property
+    def include_usage(self) -> bool:
+        """True when a streamed response ends with a usage chunk."""
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        if self.logit_bias:
+            raise InvalidRequestError("logit_bias", "is not supported by this server")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("stream_options", "is only allowed when stream is true")
+        given = {name: getattr(self, name) for name in (
+            "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")}
+        chosen = {name: value for name, value in given.items() if value is not None}  # null = the default
+        return SamplingParams(
+            n=self.n, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
+            include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens, max_tokens=max_tokens,
+            logprobs=logprobs, **chosen)
+
+
+class CompletionRequest(GenerationRequest):
+    """``POST /v1/completions``: ``prompt`` is text, token ids, or a list of either
+    (choice ``i * n + k`` is completion ``k`` of prompt ``i``)."""
+
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    max_tokens: Optional[int] = 16
+    logprobs: Optional[int] = None
+    echo: bool = False
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+
+    def prompts(self) -> list[Prompt]:
+        """The prompts, one per engine request."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]
+        if not prompt:
+            raise InvalidRequestError("prompt", "must not be empty")
+        return list(prompt)
+
+    def sampling_params(self) -> SamplingParams:
+        """The engine's parameters for every prompt of this request."""
+        if self.suffix:
+            raise InvalidRequestError("suffix", "is not supported by this server")
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequestError("best_of", f"must equal n ({self.n}): this server returns every sequence")
+        if self.echo and self.logprobs is not None:
+            raise InvalidRequestError("echo", "echo with logprobs needs prompt logprobs, which this engine "
+                                              "does not compute")
+        return self._sampling_params(16 if self.max_tokens is None else self.max_tokens, self.logprobs)
+
+
+class TextPart(StrictModel):
+    """A text part of a message's content."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(StrictModel):
+    """One chat turn; ``content`` is text or a list of text parts."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[Union[str, list[TextPart]]] = None
+    name: Optional[str] = None
+
+    def text(self) -> str:
+        """The content as one string (text parts joined by newlines)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(GenerationRequest):
+    """``POST /v1/chat/completions``. ``max_completion_tokens`` wins over ``max_tokens``;
+    without either, generation runs to EOS or the context limit."""
+
+    messages: list[ChatMessage]
+    max_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+    add_generation_prompt: bool = True
+
+    def sampling_params(self) -> SamplingParams:
+        """The engine's parameters for this conversation."""
+        if not self.messages:
+            raise InvalidRequestError("messages", "must hold at least one message")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError("top_logprobs", "requires logprobs to be true")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        if logprobs is not None:
+            _check_top_logprobs(logprobs)
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self._sampling_params(max_tokens, logprobs)
+
+
+def _check_top_logprobs(value: int) -> None:
+    if not 0 <= value <= 20:
+        raise InvalidRequestError("top_logprobs", f"must be an integer in [0, 20], got {value}")
+
+
+class TokenizeRequest(StrictModel):
+    """``POST /tokenize``: exactly one of ``prompt`` (text) or ``messages`` (rendered with
+    the chat template). ``add_special_tokens`` defaults to false, as for completions."""
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: bool = False
+    add_generation_prompt: bool = True
+
+    def check(self) -> None:
+        """Raise ``InvalidRequestError`` unless exactly one input is given."""
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidRequestError("prompt", "give exactly one of prompt or messages")
+
+
+class DetokenizeRequest(StrictModel):
+    """``POST /detokenize``: token ids back to text."""
+
+    model: Optional[str] = None
+    tokens: list[int]
