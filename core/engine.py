@@ -10,12 +10,10 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from servelab.core.attention import AttentionSpec
 from servelab.core.beam_search import BeamGroup, advance_ready_groups
 from servelab.core.checkpoint import load_checkpoint, resolve_device, resolve_dtype
 from servelab.core.decoding import DecodeResult
 from servelab.core.errors import ConfigError, InvalidRequestError
-from servelab.core.kv_cache import KVCacheSpec
 from servelab.core.model_runner import ModelRunner
 from servelab.core.output_processor import OUTPUT_KINDS, OutputProcessor
 from servelab.core.outputs import RequestOutput
@@ -59,10 +57,8 @@ class LLMEngine:
         shape = model_cls.shape_of(hf)
         self.max_model_len = cfg.model.max_model_len or shape.max_positions
         self.vocab_size = shape.vocab_size
-        window = shape.sliding_window if shape.sliding_window and shape.sliding_window < self.max_model_len else None
-        attention_spec = AttentionSpec(shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.head_dim ** -0.5,
-                                       self.dtype, self.device, window)
-        kv_spec = KVCacheSpec(shape.num_layers, shape.num_kv_heads, shape.head_dim, self.dtype, self.max_model_len)
+        attention_spec = shape.attention_spec(self.dtype, self.device, self.max_model_len)
+        kv_spec = shape.kv_cache_spec(self.dtype, self.max_model_len)
         problems: list[str] = []
         cache = None
         try:
@@ -196,6 +192,7 @@ class LLMEngine:
         """Schedule, run and apply one step; returns the outputs it produced."""
         started = time.perf_counter()
         hits_before = self.cache.prefix_hit_tokens
+        spec_before = (self.runner.spec_proposed, self.runner.spec_accepted)
         output = self.scheduler.schedule()
         if output.is_empty and self.scheduler.has_unfinished():
             self._idle_until(self.scheduler.next_wakeup(), started)
@@ -214,7 +211,9 @@ class LLMEngine:
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
             num_preempted=len(output.preempted), num_finished=sum(r.is_finished for r in changed),
             num_generated_tokens=generated, kv=self.cache.usage, step_time_s=time.perf_counter() - started,
-            prefix_hit_tokens=self.cache.prefix_hit_tokens - hits_before))
+            prefix_hit_tokens=self.cache.prefix_hit_tokens - hits_before,
+            spec_proposed=self.runner.spec_proposed - spec_before[0],
+            spec_accepted=self.runner.spec_accepted - spec_before[1]))
         return outputs
 
     def _advance_beams(self, output, result: DecodeResult) -> list[RequestOutput]:

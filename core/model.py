@@ -9,6 +9,9 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from servelab.core.attention import AttentionSpec
+from servelab.core.kv_cache import KVCacheSpec
+
 
 @dataclass(frozen=True, slots=True)
 class ModelShape:
@@ -23,6 +26,16 @@ class ModelShape:
     sliding_window: int | None
     max_positions: int
     vocab_size: int
+
+    def attention_spec(self, dtype: torch.dtype, device: torch.device, max_model_len: int) -> AttentionSpec:
+        """The attention backend's spec (a window as long as the context is no window)."""
+        window = self.sliding_window if self.sliding_window and self.sliding_window < max_model_len else None
+        return AttentionSpec(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, dtype, device,
+                             window)
+
+    def kv_cache_spec(self, dtype: torch.dtype, max_model_len: int) -> KVCacheSpec:
+        """What the KV cache stores per token."""
+        return KVCacheSpec(self.num_layers, self.num_kv_heads, self.head_dim, dtype, max_model_len)
 
 
 class CausalLM(nn.Module, abc.ABC):

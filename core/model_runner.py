@@ -22,6 +22,8 @@ class ModelRunner:
         self.strategy = strategy
         self.max_model_len = max_model_len
         self.device = device
+        self.spec_proposed = 0
+        self.spec_accepted = 0
         shape = attention.kv_cache_shape(cache.num_blocks, cache.block_size)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         host_blocks = getattr(cache, "num_host_blocks", 0)
@@ -67,4 +69,15 @@ class ModelRunner:
             return None
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         counts = tuple(len(d) for d in drafts) if drafts else (0,) * len(sampling)
-        return self.strategy.accept(logits, DecodeBatch(sampling, counts, output), proposal)
+        result = self.strategy.accept(logits, DecodeBatch(sampling, counts, output), proposal)
+        if result.num_accepted_drafts is not None:
+            self._count_speculation(sampling, counts, result.num_accepted_drafts)
+        return result
+
+    def _count_speculation(self, requests, proposed: tuple[int, ...], accepted: list[int]) -> None:
+        """Per-request and running totals of drafted and accepted tokens."""
+        for request, drafted, kept in zip(requests, proposed, accepted):
+            request.spec_proposed += drafted
+            request.spec_accepted += kept
+        self.spec_proposed += sum(proposed)
+        self.spec_accepted += sum(accepted)

@@ -31,10 +31,10 @@ def servelab_register_attention_backends():
 
 @hookimpl
 def servelab_register_decoding_strategies():
-    """greedy and sampling decoding."""
-    from servelab.plugins.decoding import greedy, sampling
+    """greedy, sampling, and speculative (draft model, n-gram) decoding."""
+    from servelab.plugins.decoding import greedy, ngram, sampling, speculative
 
-    return [greedy.SPEC, sampling.SPEC]
+    return [greedy.SPEC, sampling.SPEC, speculative.SPEC, ngram.SPEC]
 
 
 @hookimpl

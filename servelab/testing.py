@@ -48,7 +48,8 @@ def tiny_config(family: str, vocab_size: int, **overrides: Any) -> Any:
 
 def tiny_checkpoint(folder: str | os.PathLike, family: str = "llama", seed: int = 0, **overrides: Any) -> str:
     """Write a random float32 ``family`` model and servelab's byte-level tokenizer to
-    ``folder`` with ``save_pretrained``; returns the folder."""
+    ``folder`` with ``save_pretrained``; returns the folder. ``overrides`` set config
+    fields (``vocab_size=8`` makes a model that only uses the first 8 byte tokens)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -56,7 +57,7 @@ def tiny_checkpoint(folder: str | os.PathLike, family: str = "llama", seed: int 
 
     folder = str(folder)
     tokenizer = byte_level_tokenizer()
-    config = tiny_config(family, len(tokenizer), **overrides)
+    config = tiny_config(family, overrides.pop("vocab_size", len(tokenizer)), **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(folder)

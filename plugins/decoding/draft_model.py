@@ -1,0 +1,127 @@
+"""A small model that drafts tokens for speculative decoding, with its own KV cache."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from servelab.core.batch_builder import build_step_inputs
+from servelab.core.checkpoint import load_checkpoint
+from servelab.core.errors import ConfigError
+from servelab.core.request import Request
+from servelab.core.scheduler import ScheduledRequest
+from servelab.plugins.cache.paged import PagedCacheConfig, PagedKVCacheManager
+from servelab.plugins.decoding.sampler import random_race
+from servelab.plugins.decoding.speculative_sampling import target_probabilities
+
+
+class DraftSequence:
+    """The draft model's copy of one request: its tokens (plus drafts) and how many of
+    them are in the draft's KV cache."""
+
+    __slots__ = ("request_id", "token_ids", "num_computed_tokens")
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self.token_ids: list[int] = []
+        self.num_computed_tokens = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens known, drafts included."""
+        return len(self.token_ids)
+
+
+class DraftModel:
+    """Loads the draft checkpoint beside the target (same vocabulary) and runs its forward
+    passes over a private paged cache, catching up on each request's accepted tokens
+    before drafting."""
+
+    def __init__(self, model_config: Any, context: Any, block_size: int, memory_bytes: int):
+        checkpoint = load_checkpoint(model_config)
+        registry = context.registry
+        model_cls = registry.get("model", checkpoint.architecture).cls
+        shape = model_cls.shape_of(checkpoint.hf_config)
+        max_len = context.max_model_len
+        problems = []
+        if shape.vocab_size != context.vocab_size:
+            problems.append(f"the draft model's vocabulary ({shape.vocab_size}) differs from the target's "
+                            f"({context.vocab_size}); draft and target must share a tokenizer")
+        if shape.max_positions < max_len:
+            problems.append(f"the draft model supports {shape.max_positions} positions, fewer than "
+                            f"model.max_model_len={max_len}")
+        if problems:
+            raise ConfigError(problems)
+        self.device, dtype = context.device, context.dtype
+        self.attention = registry.build("attention", context.cfg.attention,
+                                        shape.attention_spec(dtype, self.device, max_len))
+        self.cache = PagedKVCacheManager(PagedCacheConfig(block_size=block_size, memory_bytes=memory_bytes),
+                                         shape.kv_cache_spec(dtype, max_len))
+        self.model = model_cls(checkpoint.hf_config, self.attention, dtype, max_len)
+        self.model.load_weights(checkpoint.weights())
+        self.model.to(self.device).eval()
+        kv_shape = self.attention.kv_cache_shape(self.cache.num_blocks, self.cache.block_size)
+        self.kv_caches = [torch.zeros(kv_shape, dtype=dtype, device=self.device) for _ in range(shape.num_layers)]
+        self.sequences: dict[str, DraftSequence] = {}
+
+    @torch.inference_mode()
+    def propose(self, requests: Sequence[Request], allowances: Sequence[int]) -> tuple[list[list[int]], torch.Tensor]:
+        """Up to ``allowances[i]`` draft tokens per request and the draft distributions
+        they were drawn from ([total drafts, V], in request order)."""
+        drafts: list[list[int]] = [[] for _ in requests]
+        rows: list[list[torch.Tensor]] = [[] for _ in requests]
+        active = []
+        for i, (request, allowance) in enumerate(zip(requests, allowances)):
+            if allowance:
+                sequence = self.sequences.setdefault(request.request_id, DraftSequence(request.request_id))
+                sequence.token_ids = list(request.token_ids)
+                active.append(i)
+        for _ in range(max(allowances, default=0)):
+            active = [i for i in active if len(drafts[i]) < allowances[i]]
+            grants = self._grant([self.sequences[requests[i].request_id] for i in active])
+            active = [i for i, grant in zip(active, grants) if grant is not None]
+            if not active:
+                break
+            logits = self._forward([g for g in grants if g is not None])
+            probs = target_probabilities(logits, [requests[i] for i in active])
+            tokens = random_race(probs.clone(), [requests[i] for i in active]).tolist()
+            for k, i in enumerate(active):
+                drafts[i].append(tokens[k])
+                rows[i].append(probs[k])
+                self.sequences[requests[i].request_id].token_ids.append(tokens[k])
+        flat = [row for request_rows in rows for row in request_rows]
+        return drafts, torch.stack(flat) if flat else None
+
+    def _grant(self, sequences: list[DraftSequence]) -> list[ScheduledRequest | None]:
+        grants = []
+        for sequence in sequences:
+            num_new = sequence.num_tokens - sequence.num_computed_tokens
+            if self.cache.allocate(sequence, num_new) is None:
+                self.release(sequence.request_id)
+                grants.append(None)
+                continue
+            grants.append(ScheduledRequest(sequence, sequence.num_computed_tokens, num_new,
+                                           self.cache.block_table(sequence), True))
+        return grants
+
+    def _forward(self, grants: list[ScheduledRequest]) -> torch.Tensor:
+        inputs = build_step_inputs(grants, (), self.cache.block_size, self.device)
+        meta = self.attention.build_metadata(inputs.layout)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
+        for grant in grants:
+            grant.request.num_computed_tokens += grant.num_new_tokens
+        return self.model.compute_logits(hidden[inputs.logits_indices])
+
+    def rollback(self, request: Request, num_valid_tokens: int) -> None:
+        """Keep only the first ``num_valid_tokens`` cached positions of the request."""
+        sequence = self.sequences.get(request.request_id)
+        if sequence is not None and sequence.num_computed_tokens > num_valid_tokens:
+            sequence.num_computed_tokens = num_valid_tokens
+            self.cache.truncate(sequence, num_valid_tokens)
+
+    def release(self, request_id: str) -> None:
+        """Forget a request and free its draft blocks."""
+        sequence = self.sequences.pop(request_id, None)
+        if sequence is not None:
+            self.cache.free(sequence)

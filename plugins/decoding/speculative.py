@@ -1,0 +1,69 @@
+"""``decoding=speculative``: a draft model proposes k tokens, the target verifies k+1."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from servelab.core.component import ComponentSpec
+from servelab.core.decoding import DecodeBatch, DecodeResult, DecodingStrategy, Proposal
+from servelab.core.errors import ConfigError
+from servelab.core.request import Request
+from servelab.plugins.decoding.draft_model import DraftModel
+from servelab.plugins.decoding.speculative_sampling import verify
+
+
+@dataclass
+class SpeculativeDecodingConfig:
+    """``draft``: a model preset (``model=<name>``); ``draft_path``: a Hugging Face folder
+    instead. ``num_speculative_tokens``: k drafts per request per step. The draft keeps
+    its own paged cache of ``draft_block_size`` blocks in ``draft_memory_bytes``."""
+
+    draft: str = "tiny-draft"
+    draft_path: Optional[str] = None
+    num_speculative_tokens: int = 3
+    draft_block_size: int = 16
+    draft_memory_bytes: int = 256 * 1024 * 1024
+
+
+class SpeculativeDecoding(DecodingStrategy):
+    """Draft-model speculative decoding with the speculative sampling acceptance rule:
+    the output distribution is the target's, and temperature 0 reproduces greedy."""
+
+    def __init__(self, config: SpeculativeDecodingConfig, context=None):
+        super().__init__(config, context)
+        if config.num_speculative_tokens < 1:
+            raise ConfigError([f"decoding.num_speculative_tokens must be >= 1, got {config.num_speculative_tokens}"])
+        self.num_lookahead_tokens = config.num_speculative_tokens
+        self.draft = DraftModel(self._draft_model_config(), context, config.draft_block_size,
+                                config.draft_memory_bytes)
+
+    def _draft_model_config(self):
+        from servelab.core.compose import compose_config
+        from servelab.core.config import ModelConfig
+
+        if self.config.draft_path:
+            return ModelConfig(path=self.config.draft_path, dtype=self.context.cfg.model.dtype)
+        return compose_config([f"model={self.config.draft}"]).model
+
+    def propose(self, batch: DecodeBatch) -> Proposal:
+        """Draft tokens from the draft model for every request allowed lookahead."""
+        drafts, probs = self.draft.propose(batch.requests, batch.num_draft_tokens)
+        return Proposal(tuple(drafts), probs)
+
+    def accept(self, logits: torch.Tensor, batch: DecodeBatch, proposal: Proposal | None) -> DecodeResult:
+        """Verify, then roll the draft cache back to the tokens that survived."""
+        result = verify(logits, batch, proposal)
+        for request, kept in zip(batch.requests, result.num_accepted_drafts):
+            self.draft.rollback(request, request.num_tokens + kept)
+        return result
+
+    def on_request_finished(self, request: Request) -> None:
+        """Free the request's draft cache."""
+        self.draft.release(request.request_id)
+
+
+SPEC = ComponentSpec("decoding", "speculative", SpeculativeDecoding, SpeculativeDecodingConfig,
+                     "draft-model speculative decoding (speculative sampling rule)")

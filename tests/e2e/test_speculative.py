@@ -1,0 +1,130 @@
+"""Speculative decoding: exact greedy output, the target's distribution, no leaked blocks."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from servelab import LLM, SamplingParams
+from servelab.testing import assert_engine_matches_transformers, mixed_prompts, tiny_checkpoint
+
+BASE = ["model.dtype=float32", "device=cpu", "cache.block_size=4"]
+
+
+@pytest.fixture(scope="module")
+def random_draft(tmp_path_factory) -> str:
+    """A draft that shares the tokenizer but not the weights (acceptance near 0)."""
+    return tiny_checkpoint(tmp_path_factory.mktemp("draft") / "draft", "llama", seed=123)
+
+
+def _draft_caches_empty(llm) -> bool:
+    draft = llm.engine.strategy.draft
+    return not draft.sequences and draft.cache.usage.used_blocks == 0
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_self_draft_accepts_everything_and_matches_greedy(llama, k):
+    llm = assert_engine_matches_transformers(llama, [*BASE, "decoding=speculative", f"decoding.draft_path={llama}",
+                                                     f"decoding.num_speculative_tokens={k}"], max_tokens=16)
+    runner = llm.engine.runner
+    assert runner.spec_proposed > 0 and runner.spec_accepted == runner.spec_proposed
+    assert _draft_caches_empty(llm)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_random_draft_is_rejected_but_output_is_exact(llama, random_draft, k):
+    llm = assert_engine_matches_transformers(llama, [*BASE, "decoding=speculative",
+                                                     f"decoding.draft_path={random_draft}",
+                                                     f"decoding.num_speculative_tokens={k}"], max_tokens=16)
+    runner = llm.engine.runner
+    assert runner.spec_accepted / runner.spec_proposed < 0.2
+    assert _draft_caches_empty(llm)
+
+
+@pytest.mark.parametrize("scheduler", ["continuous", "chunked"])
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_ngram_matches_greedy(llama, scheduler, k):
+    repetitive = [list(itertools.islice(itertools.cycle([5, 9, 13, 2]), n)) for n in (12, 30)]
+    prompts = mixed_prompts(257, lengths=(3, 40)) + repetitive
+    overrides = [*BASE, "decoding=ngram", f"decoding.num_speculative_tokens={k}", f"scheduler={scheduler}"]
+    if scheduler == "chunked":
+        overrides.append("scheduler.token_budget=24")
+    llm = assert_engine_matches_transformers(llama, overrides, prompts=prompts, max_tokens=16)
+    assert llm.engine.runner.spec_proposed > 0
+
+
+def test_mixed_sampling_parameters_share_a_batch(llama):
+    llm = LLM(llama, overrides=[*BASE, "decoding=speculative", f"decoding.draft_path={llama}",
+                                "decoding.num_speculative_tokens=3"])
+    prompts = mixed_prompts(257, lengths=(5, 12, 20, 8))
+    params = [SamplingParams(temperature=0.0, max_tokens=10), SamplingParams(temperature=0.8, top_p=0.9, seed=1,
+              max_tokens=12), SamplingParams(temperature=1.2, top_k=20, seed=2, max_tokens=9, logprobs=2),
+              SamplingParams(temperature=0.0, max_tokens=7, stop_token_ids=[3])]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    greedy = LLM(llama, overrides=BASE).generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=10),
+                                                 use_tqdm=False)[0]
+    assert outputs[0].outputs[0].token_ids == greedy.outputs[0].token_ids
+    assert [len(o.outputs[0].token_ids) for o in outputs[1:3]] == [12, 9]
+    assert len(outputs[2].outputs[0].logprobs) == 9
+    assert llm.engine.cache.usage.used_blocks == 0 and _draft_caches_empty(llm)
+    assert outputs[0].metrics.spec_accepted_tokens > 0
+
+
+def test_aborts_mid_speculation_leak_nothing(llama, random_draft):
+    llm = LLM(llama, overrides=[*BASE, "decoding=speculative", f"decoding.draft_path={random_draft}",
+                                "decoding.num_speculative_tokens=4"])
+    engine = llm.engine
+    ids = [engine.add_request(p, SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True))
+           for p in mixed_prompts(257, lengths=(10, 20, 30))]
+    for _ in range(4):
+        engine.step()
+    assert engine.strategy.draft.cache.usage.used_blocks > 0
+    engine.abort_request(ids)
+    assert engine.cache.usage.used_blocks == 0 and _draft_caches_empty(llm)
+
+
+CHI2_CRITICAL_63_DOF = 103.5
+"""Upper 0.1% point of chi-square with 63 degrees of freedom (Wilson-Hilferty): a correct
+sampler fails the test with probability 0.001 for a given seed; the seeds are fixed."""
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory) -> tuple[str, str]:
+    """A target and an unrelated draft over an 8-token vocabulary."""
+    root = tmp_path_factory.mktemp("small")
+    return (tiny_checkpoint(root / "target", "llama", seed=1, vocab_size=8),
+            tiny_checkpoint(root / "draft", "llama", seed=2, vocab_size=8))
+
+
+def _exact_joint(folder: str, prompt: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        first = model(torch.tensor([prompt])).logits[0, -1].softmax(-1)
+        second = torch.stack([model(torch.tensor([prompt + [t]])).logits[0, -1].softmax(-1) for t in range(8)])
+    return (first[:, None] * second).flatten()
+
+
+@pytest.mark.parametrize("draft_kind", ["good", "bad"])
+def test_sampling_rule_preserves_the_target_distribution(small_vocab, draft_kind):
+    target, bad_draft = small_vocab
+    draft = target if draft_kind == "good" else bad_draft
+    prompt = [1, 5, 2, 7]
+    llm = LLM(target, overrides=[*BASE, "decoding=speculative", f"decoding.draft_path={draft}",
+                                 "decoding.num_speculative_tokens=2", "scheduler.max_num_seqs=512"])
+    samples = 2000
+    outputs = llm.generate([prompt] * samples, [SamplingParams(temperature=1.0, seed=s, max_tokens=2, ignore_eos=True)
+                                                for s in range(samples)], use_tqdm=False)
+    counts = torch.zeros(64)
+    for out in outputs:
+        first, second = out.outputs[0].token_ids
+        counts[first * 8 + second] += 1
+    expected = _exact_joint(target, prompt) * samples
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < CHI2_CRITICAL_63_DOF, (draft_kind, chi2)
+    runner = llm.engine.runner
+    rate = runner.spec_accepted / runner.spec_proposed
+    assert rate > 0.99 if draft_kind == "good" else rate < 0.9
