@@ -94,10 +94,11 @@ class SdpaAttention(AttentionBackend):
                 keys, values = k[rows], v[rows]
             else:
                 keys, values = gather_kv(kv_cache, part.slots)
+            # 4-D inputs take torch's fused CPU kernel; 3-D ones fall back to the math path
             result = F.scaled_dot_product_attention(
-                q[rows].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+                q[rows].transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
                 attn_mask=part.mask, is_causal=part.mask is None, scale=scale, enable_gqa=gqa)
-            out[rows] = result.transpose(0, 1)
+            out[rows] = result[0].transpose(0, 1)
         if meta.decode_slots is not None:
             query = q if meta.decode_rows is None else q[meta.decode_rows]
             keys, values = gather_kv(kv_cache, meta.decode_slots)
