@@ -46,6 +46,8 @@ class PagedKVCacheManager(KVCacheManager):
         self.pool = BlockPool(num_blocks)
         self._tables: dict[str, list[int]] = {}
         self._used_slots: dict[str, int] = {}
+        self._tails: dict[str, int] = {}
+        self._tail_sum = 0
         self._hashes: dict[str, list[int]] = {}
         self._looked_up: set[str] = set()
         self.prefix: PrefixCache | None = None
@@ -61,6 +63,17 @@ class PagedKVCacheManager(KVCacheManager):
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def _set_used(self, rid: str, used: int) -> None:
+        """Record the request's stored tokens and the unused slots at the end of its table."""
+        self._used_slots[rid] = used
+        tail = max(0, len(self._tables.get(rid, ())) * self.block_size - used)
+        self._tail_sum += tail - self._tails.get(rid, 0)
+        self._tails[rid] = tail
+
+    def _forget_used(self, rid: str) -> None:
+        self._used_slots.pop(rid, None)
+        self._tail_sum -= self._tails.pop(rid, 0)
 
     # -- taking and returning blocks ---------------------------------------------------------
     def _take(self, count: int) -> list[int] | None:
@@ -102,7 +115,7 @@ class PagedKVCacheManager(KVCacheManager):
             taken = taken[:-1]
         table.extend(taken)
         self._tables[rid] = table
-        self._used_slots[rid] = used
+        self._set_used(rid, used)
         if self.prefix is not None:
             self._register_full_blocks(request, table, used)
         return Allocation(tuple(taken) + tuple(d for _, d in copies), copies)
@@ -118,8 +131,8 @@ class PagedKVCacheManager(KVCacheManager):
     def free(self, request: Request) -> None:
         """Release the request's device and host blocks (idempotent)."""
         rid = request.request_id
+        self._forget_used(rid)
         table = self._tables.pop(rid, None)
-        self._used_slots.pop(rid, None)
         self._hashes.pop(rid, None)
         self._looked_up.discard(rid)
         if table:
@@ -139,7 +152,7 @@ class PagedKVCacheManager(KVCacheManager):
             self._release(table[keep:])
             del table[keep:]
             del self._hashes.get(rid, [])[keep:]
-        self._used_slots[rid] = min(self._used_slots[rid], num_tokens)
+        self._set_used(rid, min(self._used_slots[rid], num_tokens))
 
     def block_table(self, request: Request) -> list[int]:
         """The request's blocks in position order."""
@@ -152,13 +165,15 @@ class PagedKVCacheManager(KVCacheManager):
 
     @property
     def usage(self) -> KVCacheUsage:
-        """Reserved = held blocks x block_size; used = tokens stored; cached = evictable."""
+        """Reserved = held blocks x block_size; used = reserved minus the unused tail slots
+        of every table (shared blocks count once); cached = evictable."""
         cached = self.prefix.num_evictable if self.prefix else 0
         used_blocks = self.num_blocks - self.pool.num_free - cached
+        reserved = used_blocks * self.block_size
         return KVCacheUsage(
             total_slots=self.num_blocks * self.block_size,
-            reserved_slots=used_blocks * self.block_size,
-            used_slots=sum(self._used_slots.values()),
+            reserved_slots=reserved,
+            used_slots=max(0, reserved - self._tail_sum),
             total_blocks=self.num_blocks,
             used_blocks=used_blocks,
             cached_blocks=cached,
@@ -210,7 +225,7 @@ class PagedKVCacheManager(KVCacheManager):
         self._tables[child.request_id] = list(shared)
         full = child.num_computed_tokens // self.block_size
         self._hashes[child.request_id] = list(self._hashes.get(parent.request_id, [])[:full])
-        self._used_slots[child.request_id] = child.num_computed_tokens
+        self._set_used(child.request_id, child.num_computed_tokens)
 
     # -- swapping ------------------------------------------------------------------------------------
     @property
@@ -228,6 +243,9 @@ class PagedKVCacheManager(KVCacheManager):
         self._release(table)
         self._tables.pop(rid, None)
         self._hashes.pop(rid, None)
+        used = self._used_slots[rid]
+        self._forget_used(rid)
+        self._used_slots[rid] = used
         self._host_tables[rid] = host
         return list(zip(table, host))
 
@@ -245,6 +263,7 @@ class PagedKVCacheManager(KVCacheManager):
         del self._host_tables[rid]
         self.host_pool.put_free(self.host_pool.release(host))
         self._tables[rid] = device
+        self._set_used(rid, self._used_slots[rid])
         return list(zip(host, device))
 
 

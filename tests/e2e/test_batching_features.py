@@ -67,6 +67,7 @@ def test_prefix_cache_reuses_blocks_with_identical_output(llama, step_recorder):
     assert out.metrics.num_cached_prompt_tokens == 40
     assert llm.engine.cache.prefix_hit_tokens == 40
     assert sum(s.prefix_hit_tokens for s in recorder.stats) == 40
+    assert all(0.0 <= s.kv.waste < 1.0 for s in recorder.stats if s.kv.reserved_slots)
     computed_at_admission = [g.num_computed_tokens for o in recorder.outputs for g in o.scheduled
                              if g.request.prompt_token_ids == second]
     assert computed_at_admission[0] == 40
@@ -95,6 +96,7 @@ def test_parallel_sampling_shares_prompt_blocks(llama, step_recorder):
         recorder = step_recorder(llm.engine)
         outputs = llm.generate(prompts, params, use_tqdm=False)
         assert llm.engine.cache.usage.used_blocks == 0
+        assert all(0 <= s.kv.used_slots <= s.kv.reserved_slots for s in recorder.stats), "shared slots counted twice"
         return max(s.kv.used_blocks for s in recorder.stats), [c.token_ids for o in outputs for c in o.outputs]
 
     shared_peak, shared = peak_blocks([prompt], params)

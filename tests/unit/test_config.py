@@ -12,13 +12,16 @@ from servelab.core.registry import CONFIG_GROUPS, get_registry
 
 REGISTRY = get_registry()
 OPTIONS = [(group, name) for group in CONFIG_GROUPS for name in sorted(REGISTRY.specs(group))]
+EXTRA = {("decoding", "speculative"): ["decoding.draft=toy"]}
+"""Options that need a setting to run on the toy model (a draft sharing its vocabulary)."""
 
 
 @pytest.mark.parametrize("group,option", OPTIONS)
 def test_every_registered_option_composes_and_builds(group, option, attention_env):
     if group == "attention":
         attention_env(option)
-    llm = LLM("toy", overrides=["device=cpu", "cache.memory_bytes=2000000"], **{group: option})
+    llm = LLM("toy", overrides=["device=cpu", "cache.memory_bytes=2000000", *EXTRA.get((group, option), [])],
+              **{group: option})
     out = llm.generate([[1, 2, 3]], use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) >= 1
     spec = REGISTRY.spec_for_config(group, llm.engine.cfg[group])
@@ -80,3 +83,9 @@ def test_missing_folder_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError) as info:
         LLM(overrides=["model=local", f"model.path={tmp_path}/absent"])
     assert "model.path" in str(info.value) and "config.json" in str(info.value)
+
+
+def test_draft_with_another_vocabulary_is_refused():
+    with pytest.raises(ConfigError) as info:
+        LLM("toy", decoding="speculative", overrides=["decoding.draft=tiny-draft"])
+    assert "vocabulary (4096) differs from the target's (257)" in str(info.value)

@@ -1,0 +1,1 @@
+"""Other engines measured by the same harness on the same workload."""

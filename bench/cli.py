@@ -1,0 +1,73 @@
+"""Console entry point ``servelab-bench``: one measurement per Hydra job."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+
+def job_info(cfg: DictConfig) -> dict[str, Any]:
+    """The job's number, label and command-line overrides (sweep tables group by them)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    hydra_cfg = HydraConfig.get()
+    return {"num": OmegaConf.select(hydra_cfg, "job.num", default=0) or 0, "label": cfg.label,
+            "overrides": list(hydra_cfg.overrides.task), "mode": hydra_cfg.runtime.choices.get("mode")}
+
+
+def bench(cfg: DictConfig) -> dict[str, Any]:
+    """Measure the configured system; writes ``config.yaml`` (resolved), ``metrics.json``
+    and ``samples.json`` into the job's output folder and prints a summary table."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from servelab.bench.capacity import measure_capacity
+    from servelab.bench.config import CapacityModeConfig
+    from servelab.bench.report import summary_table
+    from servelab.bench.runner import measure, open_system
+
+    if cfg.torch_threads is not None:
+        import torch
+
+        torch.set_num_threads(cfg.torch_threads)
+    folder = Path(HydraConfig.get().runtime.output_dir)
+    (folder / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    system = open_system(cfg, str(folder))
+    try:
+        capacity = OmegaConf.get_type(cfg.mode) is CapacityModeConfig
+        metrics = measure_capacity(system, cfg) if capacity else measure(system, cfg)
+    finally:
+        system.close()
+    samples = metrics.pop("samples")
+    metrics = {"job": job_info(cfg), **metrics}
+    (folder / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    (folder / "samples.json").write_text(json.dumps(samples) + "\n")
+    print(summary_table(metrics))
+    print(f"metrics: {folder / 'metrics.json'}")
+    return metrics
+
+
+def run(cfg: DictConfig) -> None:
+    """Hydra task: ``bench(cfg)``; configuration and request errors exit with status 2."""
+    from servelab.core.errors import ConfigError, InvalidRequestError
+
+    try:
+        bench(cfg)
+    except (ConfigError, InvalidRequestError) as exc:
+        print(f"servelab-bench: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+def main() -> None:
+    """``servelab-bench [overrides...]``: Hydra app over ``conf/bench.yaml``."""
+    import hydra
+
+    from servelab.bench.config import store_bench_schemas
+    from servelab.core.compose import prepare_hydra
+
+    prepare_hydra()
+    store_bench_schemas()
+    hydra.main(config_path="pkg://servelab.conf", config_name="bench", version_base=None)(run)()

@@ -1,0 +1,177 @@
+"""Config schemas of ``servelab-bench``: the engine's groups plus workload, target,
+baseline, mode and SLOs.
+
+``workload`` presets are YAML files merged into ``WorkloadConfig`` (like model presets);
+``target``, ``baseline`` and ``mode`` options are the dataclasses below, stored in Hydra's
+ConfigStore, and the harness picks the implementation by the node's dataclass type.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from servelab.core.config import ModelConfig
+
+
+@dataclass
+class ShareGPTLengths:
+    """Lognormal prompt and output lengths whose means match ShareGPT (docs/bench.md):
+    ``input_mean`` and ``output_mean`` tokens, log-space standard deviation ``sigma``."""
+
+    input_mean: float = 161.31
+    output_mean: float = 337.99
+    sigma: float = 1.0
+
+
+@dataclass
+class WorkloadConfig:
+    """The requests of one run, deterministic under ``seed``.
+
+    ``arrival``: all_at_once | poisson (``rate`` requests/s) | gamma (mean gap 1/``rate``,
+    shape ``burstiness``: 1 is Poisson, below 1 burstier). ``lengths``: fixed
+    (``input_len``/``output_len``) | uniform (inclusive ``input_range``/``output_range``) |
+    sharegpt (``sharegpt``) | long_prompt (prompt = a uniform fraction in
+    ``long_prompt_fraction`` of the context, output from ``output_range``). Every prompt
+    starts with one of ``num_prefixes`` shared prefixes of ``prefix_len`` tokens (0 = none).
+    ``prompts``: random (token ids) | corpus (windows of ``corpus_file``'s tokens).
+    Lengths are clamped to the model's context: outputs to half of it, prompts to the rest.
+    """
+
+    num_requests: int = 32
+    seed: int = 0
+    arrival: str = "all_at_once"
+    rate: float = 4.0
+    burstiness: float = 1.0
+    lengths: str = "uniform"
+    input_len: int = 64
+    output_len: int = 32
+    input_range: list[int] = field(default_factory=lambda: [16, 128])
+    output_range: list[int] = field(default_factory=lambda: [16, 64])
+    sharegpt: ShareGPTLengths = field(default_factory=ShareGPTLengths)
+    long_prompt_fraction: list[float] = field(default_factory=lambda: [0.5, 0.9])
+    prefix_len: int = 0
+    num_prefixes: int = 1
+    prompts: str = "random"
+    corpus_file: Optional[str] = None
+    temperature: float = 0.0
+    ignore_eos: bool = True
+
+
+@dataclass
+class SloConfig:
+    """Latency objectives in milliseconds (null = no objective). ``ttft_ms`` and
+    ``tpot_ms`` define goodput; ``tbt_p99_ms`` is the capacity search's target."""
+
+    ttft_ms: Optional[float] = None
+    tpot_ms: Optional[float] = None
+    tbt_p99_ms: Optional[float] = None
+
+
+@dataclass
+class InprocTargetConfig:
+    """``target=inproc``: servelab's ``LLMEngine`` in this process, built from the
+    top-level model/cache/attention/scheduler/decoding groups."""
+
+
+@dataclass
+class HttpTargetConfig:
+    """``target=http``: any OpenAI-compatible server, streaming ``endpoint`` at ``url``.
+
+    ``model``: the request's model name (null = the first of ``GET /v1/models``). The
+    top-level ``model`` group must describe the served model (vocabulary, tokenizer and
+    context length for the prompts); its weights are not loaded.
+    """
+
+    url: str = "http://127.0.0.1:8000"
+    endpoint: str = "/v1/completions"
+    model: Optional[str] = None
+    api_key: Optional[str] = None
+    timeout_s: float = 600.0
+    max_connections: int = 1024
+
+
+@dataclass
+class NoBaselineConfig:
+    """``baseline=none``: measure servelab through ``target``."""
+
+
+@dataclass
+class TransformersBaselineConfig:
+    """``baseline=transformers``: Hugging Face ``generate`` over static left-padded batches
+    of up to ``batch_size`` requests, each run to completion before the next."""
+
+    batch_size: int = 8
+
+
+@dataclass
+class VllmBaselineConfig:
+    """``baseline=vllm``: vLLM's ``LLMEngine`` in this process (vLLM must be importable).
+    ``engine_args`` are passed to ``vllm.EngineArgs`` (e.g. ``max_num_seqs``)."""
+
+    engine_args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RunModeConfig:
+    """``mode=run``: one measurement of the workload."""
+
+
+@dataclass
+class CapacityModeConfig:
+    """``mode=capacity``: the highest Poisson rate (requests/s) in [``rate_low``,
+    ``rate_high``] whose P99 time between tokens meets ``slo.tbt_p99_ms``; geometric
+    bisection of at most ``max_iterations`` runs, stopping when the bracket's
+    high/low - 1 falls below ``tolerance``."""
+
+    rate_low: float = 1.0
+    rate_high: float = 64.0
+    max_iterations: int = 8
+    tolerance: float = 0.1
+
+
+@dataclass
+class BenchConfig:
+    """The ``servelab-bench`` app: the engine's groups at the top level (so the composed
+    config builds an ``LLMEngine``) plus what to measure and how.
+
+    ``warmup_requests`` short requests run before the measured ones; ``torch_threads``
+    sets ``torch.set_num_threads`` (1 avoids oversubscribing a shared CPU); ``label``
+    names the job's row in sweep tables (default: the overrides that vary).
+    """
+
+    model: ModelConfig = MISSING
+    cache: Any = MISSING
+    attention: Any = MISSING
+    scheduler: Any = MISSING
+    decoding: Any = MISSING
+    device: str = "auto"
+    workload: WorkloadConfig = MISSING
+    target: Any = MISSING
+    baseline: Any = MISSING
+    mode: Any = MISSING
+    slo: SloConfig = field(default_factory=SloConfig)
+    warmup_requests: int = 2
+    torch_threads: Optional[int] = None
+    label: Optional[str] = None
+    use_tqdm: bool = True
+
+
+GROUP_OPTIONS = {
+    "target": {"inproc": InprocTargetConfig, "http": HttpTargetConfig},
+    "baseline": {"none": NoBaselineConfig, "transformers": TransformersBaselineConfig, "vllm": VllmBaselineConfig},
+    "mode": {"run": RunModeConfig, "capacity": CapacityModeConfig},
+}
+"""Options of the bench-only groups whose nodes are dataclasses (no YAML files)."""
+
+
+def store_bench_schemas() -> None:
+    """Put ``bench_schema`` and the target/baseline/mode options into Hydra's ConfigStore."""
+    store = ConfigStore.instance()
+    store.store(name="bench_schema", node=BenchConfig)
+    for group, options in GROUP_OPTIONS.items():
+        for name, node in options.items():
+            store.store(group=group, name=name, node=node)

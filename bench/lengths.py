@@ -1,0 +1,56 @@
+"""How long prompts and outputs are: fixed, uniform, ShareGPT-like, long-prompt."""
+
+from __future__ import annotations
+
+import math
+import random
+
+from servelab.core.errors import ConfigError
+
+LENGTHS = ("fixed", "uniform", "sharegpt", "long_prompt")
+
+
+def _uniform(bounds, name: str, rng: random.Random) -> int:
+    low, high = (int(b) for b in bounds)
+    if not 1 <= low <= high:
+        raise ConfigError([f"workload.{name} must be [low, high] with 1 <= low <= high, got {list(bounds)}"])
+    return rng.randint(low, high)
+
+
+def lognormal_length(mean: float, sigma: float, rng: random.Random) -> int:
+    """A lognormal sample with the given mean (mu = ln(mean) - sigma^2 / 2), at least 1."""
+    return max(1, round(rng.lognormvariate(math.log(mean) - sigma * sigma / 2, sigma)))
+
+
+def sample_lengths(cfg, max_model_len: int, rng: random.Random) -> list[tuple[int, int]]:
+    """``cfg.num_requests`` (prompt tokens, output tokens) pairs drawn from ``cfg.lengths``,
+    before the shared prefix is added and before clamping."""
+    kind = cfg.lengths
+    if kind not in LENGTHS:
+        raise ConfigError([f"workload.lengths must be one of {', '.join(LENGTHS)}, got {kind!r}"])
+    if kind == "fixed" and (cfg.input_len < 1 or cfg.output_len < 1):
+        raise ConfigError([f"workload.input_len and workload.output_len must be >= 1, got {cfg.input_len}, {cfg.output_len}"])
+    if kind == "long_prompt" and not 0 < cfg.long_prompt_fraction[0] <= cfg.long_prompt_fraction[1] <= 1:
+        raise ConfigError([f"workload.long_prompt_fraction must be [low, high] in (0, 1], "
+                           f"got {list(cfg.long_prompt_fraction)}"])
+    pairs = []
+    for _ in range(cfg.num_requests):
+        if kind == "fixed":
+            pair = (cfg.input_len, cfg.output_len)
+        elif kind == "uniform":
+            pair = (_uniform(cfg.input_range, "input_range", rng), _uniform(cfg.output_range, "output_range", rng))
+        elif kind == "sharegpt":
+            pair = (lognormal_length(cfg.sharegpt.input_mean, cfg.sharegpt.sigma, rng),
+                    lognormal_length(cfg.sharegpt.output_mean, cfg.sharegpt.sigma, rng))
+        else:
+            low, high = cfg.long_prompt_fraction
+            pair = (max(1, int(rng.uniform(low, high) * max_model_len)), _uniform(cfg.output_range, "output_range", rng))
+        pairs.append(pair)
+    return pairs
+
+
+def clamp_lengths(prompt_len: int, output_len: int, max_model_len: int) -> tuple[int, int]:
+    """Fit one request into the context: the output keeps at most half of it, the prompt
+    is cut to the rest, so prompt + output <= ``max_model_len``."""
+    output_len = max(1, min(output_len, max_model_len // 2))
+    return max(1, min(prompt_len, max_model_len - output_len)), output_len

@@ -1,0 +1,65 @@
+"""One measurement: pick the system under test, build the workload, run it, summarize."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from servelab.bench.config import (HttpTargetConfig, InprocTargetConfig, NoBaselineConfig,
+                                   TransformersBaselineConfig, VllmBaselineConfig)
+from servelab.bench.metrics import summarize
+from servelab.bench.system import System
+from servelab.bench.workload import build_workload, warmup_workload
+from servelab.core.errors import ConfigError
+
+
+def open_system(cfg: DictConfig, folder: str) -> System:
+    """The system ``cfg`` selects: a baseline engine, else servelab through ``target``.
+    ``folder`` is where a system may write files (the job's output folder)."""
+    baseline = OmegaConf.get_type(cfg.baseline)
+    target = OmegaConf.get_type(cfg.target)
+    if baseline is not NoBaselineConfig and target is not InprocTargetConfig:
+        raise ConfigError([f"baseline={'vllm' if baseline is VllmBaselineConfig else 'transformers'} runs in this "
+                           f"process: use target=inproc (measure a remote server with baseline=none target=http)"])
+    if baseline is TransformersBaselineConfig:
+        from servelab.bench.baselines.hf_generate import TransformersSystem
+
+        return TransformersSystem(cfg)
+    if baseline is VllmBaselineConfig:
+        from servelab.bench.baselines.vllm_engine import VllmSystem
+
+        return VllmSystem(cfg, folder)
+    if target is HttpTargetConfig:
+        from servelab.bench.targets.http import HttpSystem
+
+        return HttpSystem(cfg)
+    from servelab.bench.targets.inproc import ServelabSystem
+
+    return ServelabSystem(cfg)
+
+
+def measure(system: System, cfg: DictConfig, rate: float | None = None, desc: str = "requests") -> dict[str, Any]:
+    """Warm up, then run the workload (at ``rate`` requests/s when given) and return its
+    metrics: the client-side summary, the system's statistics under ``system``, the
+    workload's description, and ``samples`` (per-request TTFT/TPOT/E2E and every gap, ms)."""
+    from tqdm.auto import tqdm
+
+    requests = build_workload(cfg.workload, system.space, rate=rate)
+    if cfg.warmup_requests > 0:
+        system.run(warmup_workload(system.space, cfg.warmup_requests))
+    with tqdm(total=len(requests), desc=desc, unit="req", disable=not cfg.use_tqdm, dynamic_ncols=True) as bar:
+        records, stats = system.run(requests, bar)
+    workload = cfg.workload
+    metrics = summarize(records, cfg.slo)
+    metrics["system"] = {"name": system.name, **stats}
+    metrics["workload"] = {"arrival": workload.arrival, "rate": None if workload.arrival == "all_at_once" else
+                           (workload.rate if rate is None else rate), "burstiness": workload.burstiness,
+                           "lengths": workload.lengths, "prefix_len": workload.prefix_len, "seed": workload.seed}
+    metrics["samples"] = {
+        "ttft_ms": [1000 * r.ttft for r in records if r.ok],
+        "tpot_ms": [1000 * t for r in records if r.ok and (t := r.tpot) is not None],
+        "e2e_ms": [1000 * r.e2e for r in records if r.ok],
+        "itl_ms": [1000 * gap for r in records if r.ok for gap in r.itls],
+    }
+    return metrics

@@ -1,0 +1,70 @@
+"""A ``servelab_step_end`` observer that aggregates KV memory and batch statistics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from servelab.core.hookspecs import hookimpl
+
+
+class StepObserver:
+    """Accumulates per-step ``StepStats`` of one engine while registered.
+
+    KV waste is time-weighted: each step's snapshot (taken after the step) counts for the
+    step's wall time, so waste = 1 - sum(used_slots * dt) / sum(reserved_slots * dt), the
+    reserved-but-unused share of the memory held over the run.
+    """
+
+    def __init__(self) -> None:
+        self.num_steps = 0
+        self.busy_s = 0.0
+        self.reserved_slot_s = 0.0
+        self.used_slot_s = 0.0
+        self.total_slots = 0
+        self.peak_reserved_slots = 0
+        self.peak_used_slots = 0
+        self.peak_running = 0
+        self.batched_tokens = 0
+        self.prefill_tokens = 0
+        self.preempted = 0
+        self.prefix_hit_tokens = 0
+        self.spec_proposed = 0
+        self.spec_accepted = 0
+
+    @hookimpl
+    def servelab_step_end(self, engine: Any, stats: Any) -> None:
+        """Fold one step's statistics in."""
+        kv, dt = stats.kv, stats.step_time_s
+        self.num_steps += 1
+        self.busy_s += dt
+        self.reserved_slot_s += kv.reserved_slots * dt
+        self.used_slot_s += kv.used_slots * dt
+        self.total_slots = kv.total_slots
+        self.peak_reserved_slots = max(self.peak_reserved_slots, kv.reserved_slots)
+        self.peak_used_slots = max(self.peak_used_slots, kv.used_slots)
+        self.peak_running = max(self.peak_running, stats.num_running + stats.num_finished)
+        self.batched_tokens += stats.num_prefill_tokens + stats.num_decode_tokens
+        self.prefill_tokens += stats.num_prefill_tokens
+        self.preempted += stats.num_preempted
+        self.prefix_hit_tokens += stats.prefix_hit_tokens
+        self.spec_proposed += stats.spec_proposed
+        self.spec_accepted += stats.spec_accepted
+
+    def summary(self) -> dict[str, Any]:
+        """The aggregated statistics as plain values for ``metrics.json``."""
+        steps = self.num_steps or 1
+        return {
+            "num_steps": self.num_steps,
+            "busy_s": self.busy_s,
+            "kv_total_slots": self.total_slots,
+            "kv_peak_reserved_slots": self.peak_reserved_slots,
+            "kv_peak_used_slots": self.peak_used_slots,
+            "kv_peak_usage": self.peak_reserved_slots / self.total_slots if self.total_slots else None,
+            "kv_waste": 1 - self.used_slot_s / self.reserved_slot_s if self.reserved_slot_s else None,
+            "peak_running": self.peak_running,
+            "mean_batched_tokens": self.batched_tokens / steps,
+            "prefill_token_share": self.prefill_tokens / self.batched_tokens if self.batched_tokens else None,
+            "step_preemptions": self.preempted,
+            "step_prefix_hit_tokens": self.prefix_hit_tokens,
+            "step_spec_acceptance_rate": self.spec_accepted / self.spec_proposed if self.spec_proposed else None,
+        }

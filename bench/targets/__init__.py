@@ -1,0 +1,1 @@
+"""Systems under test reached through servelab: the in-process engine or an HTTP server."""

@@ -1,0 +1,113 @@
+"""``target=http``: any OpenAI-compatible server, measured through streaming completions."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any, Sequence
+
+from omegaconf import DictConfig
+
+from servelab.bench.metrics import RequestRecord
+from servelab.bench.system import System
+from servelab.bench.targets.sse import sse_data
+from servelab.bench.workload import BenchRequest, model_token_space
+from servelab.core.errors import ConfigError
+
+
+class HttpSystem(System):
+    """Sends each request at its arrival offset as a streaming ``POST`` with token-id
+    prompts (``prompt: [ids]``, ``max_tokens``, ``ignore_eos``,
+    ``stream_options.include_usage``) and times every streamed chunk.
+
+    TTFT and gaps come from chunk arrival times; a chunk that only carries
+    ``finish_reason`` is not a token. The output length is the server's
+    ``usage.completion_tokens`` when reported, else the number of chunks.
+    """
+
+    name = "http"
+
+    def __init__(self, cfg: DictConfig):
+        self.target = cfg.target
+        self.workload = cfg.workload
+        self.space = model_token_space(cfg.model)
+        self.url = self.target.url.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {self.target.api_key}"} if self.target.api_key else {}
+
+    def run(self, requests: Sequence[BenchRequest], progress: Any = None) -> tuple[list[RequestRecord], dict[str, Any]]:
+        """Send every request open loop and wait for all; no server-side statistics."""
+        return asyncio.run(self._run_all(requests, progress)), {}
+
+    async def _run_all(self, requests: Sequence[BenchRequest], progress: Any) -> list[RequestRecord]:
+        import httpx
+
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # no log line per request
+
+        limits = httpx.Limits(max_connections=self.target.max_connections,
+                              max_keepalive_connections=self.target.max_connections)
+        async with httpx.AsyncClient(timeout=self.target.timeout_s, limits=limits, headers=self.headers) as client:
+            model = self.target.model or await self._first_model(client)
+            start = time.perf_counter()
+
+            async def one(request: BenchRequest) -> RequestRecord:
+                await asyncio.sleep(max(0.0, start + request.arrival_offset_s - time.perf_counter()))
+                record = await self._send(client, model, request)
+                if progress is not None:
+                    progress.update(1)
+                return record
+
+            return list(await asyncio.gather(*(one(r) for r in requests)))
+
+    async def _first_model(self, client: Any) -> str:
+        import httpx
+
+        try:
+            response = await client.get(f"{self.url}/v1/models")
+            response.raise_for_status()
+            models = response.json().get("data") or []
+        except (httpx.HTTPError, ValueError) as exc:
+            raise ConfigError([f"target.url={self.url!r}: cannot list models ({type(exc).__name__}: {exc}); "
+                               f"is the server running? (or set target.model)"]) from exc
+        if not models:
+            raise ConfigError([f"{self.url}/v1/models lists no model; set target.model"])
+        return models[0]["id"]
+
+    def _payload(self, model: str, request: BenchRequest) -> dict[str, Any]:
+        return {"model": model, "prompt": list(request.prompt_token_ids), "max_tokens": request.max_tokens,
+                "temperature": self.workload.temperature, "ignore_eos": self.workload.ignore_eos,
+                "stream": True, "stream_options": {"include_usage": True}}
+
+    async def _send(self, client: Any, model: str, request: BenchRequest) -> RequestRecord:
+        import httpx
+
+        times: list[float] = []
+        completion_tokens = None
+        sent = time.perf_counter()
+        try:
+            async with client.stream("POST", self.url + self.target.endpoint, json=self._payload(model, request)) as response:
+                if response.status_code != 200:
+                    body = (await response.aread()).decode(errors="replace")[:200]
+                    return self._failed(request, sent, f"HTTP {response.status_code}: {body}")
+                async for data in sse_data(response.aiter_lines()):
+                    if data.strip() == "[DONE]":
+                        break
+                    now = time.perf_counter()
+                    chunk = json.loads(data)
+                    for choice in chunk.get("choices") or []:
+                        if choice.get("text") or choice.get("finish_reason") is None:
+                            times.append(now)
+                    usage = chunk.get("usage")
+                    if usage and usage.get("completion_tokens") is not None:
+                        completion_tokens = usage["completion_tokens"]
+        except (httpx.HTTPError, json.JSONDecodeError) as exc:
+            return self._failed(request, sent, f"{type(exc).__name__}: {exc}")
+        if not times:
+            return self._failed(request, sent, "the stream carried no tokens")
+        return RequestRecord(request.request_id, sent, tuple(times), len(request.prompt_token_ids),
+                             completion_tokens if completion_tokens is not None else len(times))
+
+    @staticmethod
+    def _failed(request: BenchRequest, sent: float, error: str) -> RequestRecord:
+        return RequestRecord(request.request_id, sent, (), len(request.prompt_token_ids), 0, error=error)

@@ -1,0 +1,75 @@
+"""``target=inproc``: servelab's ``LLMEngine`` in this process, with per-step statistics."""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+from omegaconf import DictConfig
+
+from servelab.bench.metrics import RequestRecord
+from servelab.bench.step_observer import StepObserver
+from servelab.bench.system import SteppedSystem
+from servelab.bench.workload import BenchRequest, TokenSpace
+
+
+def record_from_output(output: Any) -> RequestRecord:
+    """A ``RequestRecord`` from a finished servelab ``RequestOutput`` (one completion)."""
+    metrics = output.metrics
+    return RequestRecord(
+        request_id=output.request_id, arrival_time=metrics.arrival_time, token_times=tuple(metrics.token_times),
+        num_prompt_tokens=len(output.prompt_token_ids), num_output_tokens=len(output.outputs[0].token_ids),
+        num_cached_prompt_tokens=metrics.num_cached_prompt_tokens, num_preemptions=metrics.num_preemptions,
+        spec_proposed=metrics.spec_proposed_tokens, spec_accepted=metrics.spec_accepted_tokens)
+
+
+class ServelabSystem(SteppedSystem):
+    """Builds an ``LLMEngine`` from the composed bench config and drives it step by step;
+    a ``StepObserver`` is registered for the measured requests only."""
+
+    name = "servelab"
+
+    def __init__(self, cfg: DictConfig):
+        from servelab.core.engine import LLMEngine
+
+        self.engine = LLMEngine(cfg)
+        self.space = TokenSpace(self.engine.vocab_size, self.engine.max_model_len, self.engine.tokenizer)
+        self.workload = cfg.workload
+        self.observer: StepObserver | None = None
+
+    def add(self, request: BenchRequest, arrival_time: float) -> RequestRecord | None:
+        """Submit to the engine; a rejected request becomes a failed record."""
+        from servelab.core.errors import InvalidRequestError
+        from servelab.core.sampling_params import SamplingParams
+
+        seed = zlib.crc32(f"{self.workload.seed}:{request.request_id}".encode())
+        params = SamplingParams(temperature=self.workload.temperature, max_tokens=request.max_tokens,
+                                ignore_eos=self.workload.ignore_eos, seed=seed)
+        try:
+            self.engine.add_request(list(request.prompt_token_ids), params, request_id=request.request_id,
+                                    arrival_time=arrival_time)
+        except InvalidRequestError as exc:
+            return RequestRecord(request.request_id, arrival_time, (), len(request.prompt_token_ids), 0, error=str(exc))
+        return None
+
+    def step(self) -> list[RequestRecord]:
+        """One engine step; records of the finished requests."""
+        return [record_from_output(o) for o in self.engine.step() if o.finished]
+
+    def has_work(self) -> bool:
+        """True while the engine has unfinished requests."""
+        return self.engine.has_unfinished_requests()
+
+    def begin(self) -> None:
+        """Register a fresh step observer."""
+        self.observer = StepObserver()
+        self.engine.registry.plugin_manager.register(self.observer)
+
+    def end(self) -> dict[str, Any]:
+        """Unregister the observer; its summary."""
+        self.engine.registry.plugin_manager.unregister(self.observer)
+        return self.observer.summary()
+
+    def close(self) -> None:
+        """Shut the engine down."""
+        self.engine.shutdown()

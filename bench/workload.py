@@ -1,0 +1,75 @@
+"""The requests of one benchmark run, built from a ``WorkloadConfig`` and the model's limits."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from servelab.bench.arrivals import arrival_offsets
+from servelab.bench.lengths import clamp_lengths, sample_lengths
+from servelab.bench.prompts import PromptSource
+from servelab.core.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class TokenSpace:
+    """What a workload needs to know about the served model: ``vocab_size`` token ids,
+    ``max_model_len`` tokens per sequence (prompt + output), its ``tokenizer`` (or None)."""
+
+    vocab_size: int
+    max_model_len: int
+    tokenizer: Any
+
+
+@dataclass(frozen=True, slots=True)
+class BenchRequest:
+    """One request to send: ``prompt_token_ids``, exactly ``max_tokens`` outputs wanted
+    (with ``ignore_eos``), sent ``arrival_offset_s`` seconds after the run starts."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int
+    arrival_offset_s: float
+
+
+def model_token_space(model_cfg: Any) -> TokenSpace:
+    """The ``TokenSpace`` of a ``ModelConfig`` from its config and tokenizer (no weights)."""
+    from servelab.core.checkpoint import load_checkpoint
+
+    checkpoint = load_checkpoint(model_cfg)
+    hf = checkpoint.hf_config
+    return TokenSpace(hf.vocab_size, model_cfg.max_model_len or hf.max_position_embeddings, checkpoint.tokenizer)
+
+
+def build_workload(cfg: Any, space: TokenSpace, rate: float | None = None, prefix: str = "") -> list[BenchRequest]:
+    """The requests of ``cfg`` (a ``WorkloadConfig``), sorted by arrival; ``rate``
+    overrides ``cfg.rate`` (capacity search). Independent random streams for arrivals,
+    lengths and prompts, so changing one leaves the others unchanged."""
+    problems = [f"workload.{name} must be >= {low}, got {value}" for name, value, low in
+                (("num_requests", cfg.num_requests, 1), ("prefix_len", cfg.prefix_len, 0),
+                 ("num_prefixes", cfg.num_prefixes, 1)) if value < low]
+    if problems:
+        raise ConfigError(problems)
+    seed = cfg.seed
+    offsets = arrival_offsets(cfg.arrival, cfg.num_requests, cfg.rate if rate is None else rate, cfg.burstiness,
+                              random.Random(f"{seed}:arrivals"))
+    pairs = sample_lengths(cfg, space.max_model_len, random.Random(f"{seed}:lengths"))
+    source = PromptSource(cfg.prompts, space.vocab_size, space.tokenizer, cfg.corpus_file, random.Random(f"{seed}:prompts"))
+    prefixes = [source.draw(cfg.prefix_len) for _ in range(cfg.num_prefixes)] if cfg.prefix_len > 0 else [[]]
+    pick = random.Random(f"{seed}:prefixes")
+    requests = []
+    for i, (offset, (unique_len, output_len)) in enumerate(zip(offsets, pairs)):
+        shared = prefixes[pick.randrange(len(prefixes))]
+        prompt_len, output_len = clamp_lengths(len(shared) + unique_len, output_len, space.max_model_len)
+        head = shared[:prompt_len]
+        prompt = head + source.draw(prompt_len - len(head))
+        requests.append(BenchRequest(f"{prefix}{i}", tuple(prompt), output_len, offset))
+    return requests
+
+
+def warmup_workload(space: TokenSpace, num_requests: int) -> list[BenchRequest]:
+    """Short random requests, all at once, run before the measured ones (not counted)."""
+    source = PromptSource("random", space.vocab_size, space.tokenizer, None, random.Random("warmup"))
+    prompt_len, output_len = clamp_lengths(16, 4, space.max_model_len)
+    return [BenchRequest(f"warmup-{i}", tuple(source.draw(prompt_len)), output_len, 0.0) for i in range(num_requests)]

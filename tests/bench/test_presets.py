@@ -1,0 +1,41 @@
+"""Every experiment preset composes for every combination of its sweep."""
+
+from __future__ import annotations
+
+import importlib.resources
+import itertools
+
+import pytest
+from omegaconf import OmegaConf
+
+from servelab.core.registry import get_registry
+
+CONF = importlib.resources.files("servelab.conf")
+PRESETS = sorted(p.name[:-5] for p in CONF.joinpath("experiment").iterdir() if p.name.endswith(".yaml"))
+
+
+def sweep_overrides(name: str) -> list[list[str]]:
+    """The job overrides ``servelab-bench -m experiment=<name>`` runs."""
+    params = OmegaConf.load(str(CONF.joinpath("experiment", f"{name}.yaml"))).hydra.sweeper.params
+    axes = [[f"{key}={value}" for value in str(values).split(",")] for key, values in params.items()]
+    return [list(job) for job in itertools.product(*axes)]
+
+
+def test_the_four_presets_exist():
+    assert PRESETS == ["batching", "chunk_size", "kv_waste", "spec_k"]
+    assert sweep_overrides("batching")[0] == ["scheduler=static", "workload.rate=8"]
+    assert {job[0] for job in sweep_overrides("batching")} == {
+        "scheduler=static", "scheduler=dynamic", "scheduler=continuous", "scheduler=chunked"}
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_preset_composes_for_every_job(bench_config, name):
+    if name == "spec_k" and "speculative" not in get_registry().specs("decoding"):
+        pytest.skip("decoding=speculative is not registered yet")
+    for job in sweep_overrides(name):
+        cfg = bench_config(f"experiment={name}", *job)
+        assert cfg.torch_threads == 1
+        for override in job:
+            key, value = override.split("=")
+            if "." in key:
+                assert float(OmegaConf.select(cfg, key)) == float(value)
