@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from servelab.core.attention import AttentionBackend, BatchLayout
 from servelab.core.component import ComponentSpec
-from servelab.plugins.attention.cache_ops import attention_mask, context_slots, gather_kv, write_kv
+from servelab.plugins.attention.cache_ops import attention_mask, write_kv
 
 
 @dataclass
@@ -19,40 +19,59 @@ class SdpaAttentionConfig:
 
 @dataclass(frozen=True, slots=True)
 class PrefillPart:
-    """A request with several new tokens: query rows ``start:start+query_len``; ``slots``
-    [seq_len] of its context, or None when the context is exactly the new tokens;
-    ``mask`` [query_len, seq_len] bool, or None for plain causal attention."""
+    """A request with several new tokens: query rows ``start:start+query_len``; ``blocks``
+    [n] of its context, or None when the context is exactly the new tokens; ``mask``
+    [query_len, n * block_size] bool, or None for plain causal attention."""
 
     start: int
     query_len: int
-    slots: torch.Tensor | None
+    blocks: torch.Tensor | None
     mask: torch.Tensor | None
 
 
 @dataclass(frozen=True, slots=True)
-class SdpaMetadata:
-    """Gather indices built once per step and shared by every layer.
+class DecodeBucket:
+    """Single-token requests of similar context length, run as one padded SDPA call:
+    query ``rows`` [Rb], context ``blocks`` [Rb, n] and ``mask`` [Rb, 1, 1, n * block_size]."""
 
-    ``decode_rows`` [Rd]: query rows with one new token (None: all rows are decodes).
-    ``decode_slots`` [Rd, Lmax] and ``decode_mask`` [Rd, 1, 1, Lmax]: their padded
-    contexts. ``prefills``: the other requests.
-    """
+    rows: torch.Tensor
+    blocks: torch.Tensor
+    mask: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class SdpaMetadata:
+    """Gather indices built once per step and shared by every layer: the decode
+    ``buckets`` and the ``prefills`` (requests with several new tokens)."""
 
     layout: BatchLayout
-    decode_rows: torch.Tensor | None
-    decode_slots: torch.Tensor | None
-    decode_mask: torch.Tensor | None
+    buckets: tuple[DecodeBucket, ...]
     prefills: tuple[PrefillPart, ...]
 
 
+MAX_DECODE_BUCKETS = 4
+MIN_BUCKET_REQUESTS = 16
+"""Decodes are sorted by context length and split into up to 4 buckets of >= 16
+requests, so a padded batch gathers little more than its real contexts."""
+
+
 class SdpaAttention(AttentionBackend):
-    """Batches every single-token request into one padded SDPA call and runs the others
-    one by one (plain causal SDPA when nothing is cached yet)."""
+    """Batches single-token requests into a few padded SDPA calls (by context length)
+    and runs the others one by one (plain causal SDPA when nothing is cached yet).
+
+    Contexts are gathered block by block into a persistent workspace: a fresh buffer per
+    layer and step would cost more in page faults than the copy itself.
+    """
+
+    def __init__(self, config, spec):
+        super().__init__(config, spec)
+        self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def build_metadata(self, layout: BatchLayout) -> SdpaMetadata:
-        """Precompute the padded decode gather and per-prefill slots and masks."""
+        """Precompute the padded decode block lists, masks and per-prefill blocks."""
         device = layout.slot_mapping.device
         window = self.spec.sliding_window
+        size = layout.block_size
         starts = [0]
         for query_len in layout.query_lens:
             starts.append(starts[-1] + query_len)
@@ -62,24 +81,47 @@ class SdpaAttention(AttentionBackend):
             if query_len == 1:
                 continue
             fresh = seq_len == query_len and (window is None or window >= seq_len)
-            slots = None if fresh else context_slots(layout.block_table[r], layout.block_size, seq_len)
-            mask = None if fresh else attention_mask(query_len, seq_len, window, device)
-            prefills.append(PrefillPart(starts[r], query_len, slots, mask))
-        decode_rows = decode_slots = decode_mask = None
-        if decode:
-            rows = torch.tensor(decode, device=device)
-            seq_lens = layout.seq_lens[rows].long()
-            max_len = max(layout.seq_lens_list[r] for r in decode)
-            positions = torch.arange(max_len, device=device)
-            blocks = layout.block_table[rows][:, positions // layout.block_size].long()
-            decode_slots = blocks * layout.block_size + positions % layout.block_size
-            valid = positions[None, :] < seq_lens[:, None]
-            if window is not None:
-                valid &= positions[None, :] >= seq_lens[:, None] - window
-            decode_mask = valid[:, None, None, :]
-            if len(decode) < len(layout.query_lens):
-                decode_rows = torch.tensor([starts[r] for r in decode], device=device)
-        return SdpaMetadata(layout, decode_rows, decode_slots, decode_mask, tuple(prefills))
+            num_blocks = -(-seq_len // size)
+            blocks = None if fresh else layout.block_table[r, :num_blocks].long()
+            mask = None
+            if not fresh:
+                mask = torch.zeros(query_len, num_blocks * size, dtype=torch.bool, device=device)
+                mask[:, :seq_len] = attention_mask(query_len, seq_len, window, device)
+            prefills.append(PrefillPart(starts[r], query_len, blocks, mask))
+        decode.sort(key=lambda r: layout.seq_lens_list[r])
+        count = max(1, min(MAX_DECODE_BUCKETS, len(decode) // MIN_BUCKET_REQUESTS))
+        bounds = [len(decode) * i // count for i in range(count + 1)]
+        buckets = tuple(self._bucket(layout, decode[a:b], starts) for a, b in zip(bounds, bounds[1:]) if b > a)
+        return SdpaMetadata(layout, buckets, tuple(prefills))
+
+    def _bucket(self, layout: BatchLayout, requests: list[int], starts: list[int]) -> DecodeBucket:
+        device = layout.slot_mapping.device
+        size = layout.block_size
+        index = torch.tensor(requests, device=device)
+        seq_lens = layout.seq_lens[index].long()
+        num_blocks = -(-layout.seq_lens_list[requests[-1]] // size)
+        positions = torch.arange(num_blocks * size, device=device)
+        valid = positions[None, :] < seq_lens[:, None]
+        if self.spec.sliding_window is not None:
+            valid &= positions[None, :] >= seq_lens[:, None] - self.spec.sliding_window
+        rows = torch.tensor([starts[r] for r in requests], device=device)
+        return DecodeBucket(rows, layout.block_table[index, :num_blocks].long(), valid[:, None, None, :])
+
+    def _gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of ``blocks`` (any shape S) -> two views [*S * block_size, Hkv, D]
+        into the workspace (valid until the next call)."""
+        count = blocks.numel()
+        if self._workspace is None or self._workspace[0].shape[0] < count or \
+                self._workspace[0].dtype != kv_cache.dtype or self._workspace[0].device != kv_cache.device:
+            capacity = max(count, 2 * self._workspace[0].shape[0] if self._workspace else 0)
+            shape = (capacity, *kv_cache.shape[2:])
+            self._workspace = (torch.empty(shape, dtype=kv_cache.dtype, device=kv_cache.device),
+                               torch.empty(shape, dtype=kv_cache.dtype, device=kv_cache.device))
+        flat = blocks.reshape(-1)
+        keys = torch.index_select(kv_cache[0], 0, flat, out=self._workspace[0][:count])
+        values = torch.index_select(kv_cache[1], 0, flat, out=self._workspace[1][:count])
+        tokens = (*blocks.shape[:-1], blocks.shape[-1] * kv_cache.shape[2], *kv_cache.shape[3:])
+        return keys.view(tokens), values.view(tokens)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: SdpaMetadata, layer_index: int) -> torch.Tensor:
@@ -90,25 +132,20 @@ class SdpaAttention(AttentionBackend):
         gqa = self.spec.num_heads != self.spec.num_kv_heads
         for part in meta.prefills:
             rows = slice(part.start, part.start + part.query_len)
-            if part.slots is None:
+            if part.blocks is None:
                 keys, values = k[rows], v[rows]
             else:
-                keys, values = gather_kv(kv_cache, part.slots)
+                keys, values = self._gather(kv_cache, part.blocks)
             # 4-D inputs take torch's fused CPU kernel; 3-D ones fall back to the math path
             result = F.scaled_dot_product_attention(
                 q[rows].transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
                 attn_mask=part.mask, is_causal=part.mask is None, scale=scale, enable_gqa=gqa)
             out[rows] = result[0].transpose(0, 1)
-        if meta.decode_slots is not None:
-            query = q if meta.decode_rows is None else q[meta.decode_rows]
-            keys, values = gather_kv(kv_cache, meta.decode_slots)
-            result = F.scaled_dot_product_attention(
-                query[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2),
-                attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa)[:, :, 0, :]
-            if meta.decode_rows is None:
-                out = result
-            else:
-                out[meta.decode_rows] = result
+        for bucket in meta.buckets:
+            keys, values = self._gather(kv_cache, bucket.blocks)
+            out[bucket.rows] = F.scaled_dot_product_attention(
+                q[bucket.rows][:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2),
+                attn_mask=bucket.mask, scale=scale, enable_gqa=gqa)[:, :, 0, :]
         return out
 
 
