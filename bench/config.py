@@ -14,7 +14,7 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from servelab.core.config import ModelConfig
+from servelab.core.config import EngineConfig
 
 
 @dataclass
@@ -134,7 +134,7 @@ class CapacityModeConfig:
 
 
 @dataclass
-class BenchConfig:
+class BenchConfig(EngineConfig):
     """The ``servelab-bench`` app: the engine's groups at the top level (so the composed
     config builds an ``LLMEngine``) plus what to measure and how.
 
@@ -143,12 +143,6 @@ class BenchConfig:
     names the job's row in sweep tables (default: the overrides that vary).
     """
 
-    model: ModelConfig = MISSING
-    cache: Any = MISSING
-    attention: Any = MISSING
-    scheduler: Any = MISSING
-    decoding: Any = MISSING
-    device: str = "auto"
     workload: WorkloadConfig = MISSING
     target: Any = MISSING
     baseline: Any = MISSING

@@ -60,8 +60,9 @@ class SamplingConfig:
 
 
 @dataclass
-class ServelabConfig:
-    """The ``servelab`` app: engine components plus the prompts to complete."""
+class EngineConfig:
+    """What every servelab app composes to build an ``LLMEngine``: the model and one
+    option of each component group (filled from the registry), on ``device``."""
 
     model: ModelConfig = MISSING
     cache: Any = MISSING
@@ -69,6 +70,12 @@ class ServelabConfig:
     scheduler: Any = MISSING
     decoding: Any = MISSING
     device: str = "auto"
+
+
+@dataclass
+class ServelabConfig(EngineConfig):
+    """The ``servelab`` app: engine components plus the prompts to complete."""
+
     prompt: Optional[str] = None
     prompts: list[str] = field(default_factory=list)
     prompts_file: Optional[str] = None

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig
+from omegaconf import DictConfig
 
-from servelab.core.config import ModelConfig
+from servelab.core.config import EngineConfig
 
 
 @dataclass
@@ -33,15 +33,9 @@ class ServerConfig:
 
 
 @dataclass
-class ServeConfig:
-    """The ``servelab-serve`` app: the engine components of ``ServelabConfig`` plus ``server``."""
+class ServeConfig(EngineConfig):
+    """The ``servelab-serve`` app: the engine components plus ``server``."""
 
-    model: ModelConfig = MISSING
-    cache: Any = MISSING
-    attention: Any = MISSING
-    scheduler: Any = MISSING
-    decoding: Any = MISSING
-    device: str = "auto"
     server: ServerConfig = field(default_factory=ServerConfig)
 
 
