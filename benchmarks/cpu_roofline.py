@@ -1,0 +1,63 @@
+"""The compute roofline of this CPU for a model: measured matmul FLOP/s x FLOPs per token.
+
+FLOPs per generated token = 2 x (parameters that take part in a matmul: every linear
+layer and the LM head; the embedding lookup is not a matmul). The matmul rate is the best
+of several large GEMMs shaped like a decode batch (tokens x hidden @ hidden x out).
+
+    python benchmarks/cpu_roofline.py --model 26m --dtype float32 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from compare_vllm import MODELS, VOCAB  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def matmul_params(name: str) -> int:
+    """Parameters used in matmuls per token for one of compare_vllm's models."""
+    m = MODELS[name]
+    hidden, inter, layers = m["hidden_size"], m["intermediate_size"], m["num_hidden_layers"]
+    head_dim = hidden // m["num_attention_heads"]
+    kv = m["num_key_value_heads"] * head_dim
+    per_layer = hidden * (hidden + 2 * kv) + hidden * hidden + 3 * hidden * inter
+    return layers * per_layer + hidden * VOCAB
+
+
+def matmul_flops(dtype: torch.dtype, tokens: int = 256, size: int = 1536, repeats: int = 20) -> float:
+    """Best FLOP/s of [tokens, size] @ [size, size] in ``dtype``."""
+    a = torch.randn(tokens, size).to(dtype)
+    b = torch.randn(size, size).to(dtype)
+    best = 0.0
+    for _ in range(repeats):
+        started = time.perf_counter()
+        torch.matmul(a, b)
+        best = max(best, 2 * tokens * size * size / (time.perf_counter() - started))
+    return best
+
+
+def main() -> None:
+    """Print the matmul rate, FLOPs per token and the roofline in tokens/s."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="26m", choices=sorted(MODELS))
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    rate = matmul_flops(DTYPES[args.dtype])
+    per_token = 2 * matmul_params(args.model)
+    print(f"{args.model} {args.dtype} threads={args.threads}: matmul {rate / 1e9:.1f} GFLOP/s, "
+          f"{per_token / 1e6:.1f} MFLOP/token, roofline {rate / per_token:.0f} tok/s")
+
+
+if __name__ == "__main__":
+    main()
