@@ -1,10 +1,11 @@
 """Speculative decoding speed-up on the trained tiny pair (target `tiny`, draft `tiny-draft`).
 
 For batch sizes 1 and 16 and k = 1..6: output tokens/s of decoding=speculative against
-decoding=sampling (both greedy, same prompts, same engine settings), the measured
-acceptance rate alpha, the measured tokens per verification step, and the i.i.d.
-prediction (1 - alpha^(k+1)) / (1 - alpha). Prompts are the openings of held-out
-standard-library files (the models' validation split).
+decoding=sampling (both greedy, same prompts, same engine settings), the share of drafts
+accepted, the per-token acceptance rate alpha = accepted / (accepted + rejections) (each
+verification examines drafts until its first rejection), the measured tokens per
+verification step, and the i.i.d. prediction (1 - alpha^(k+1)) / (1 - alpha). Prompts
+are the openings of held-out standard-library files (the models' validation split).
 
     python benchmarks/bench_speculative.py --max-tokens 64 --out docs/results/speculative.md
 """
@@ -55,8 +56,8 @@ def main() -> None:
     common = ["attention=sdpa", "model.dtype=float32"]
     baseline = LLM("tiny", decoding="sampling", overrides=common)
     prompts_all = heldout_prompts(max(args.batch_sizes), baseline.get_tokenizer(), args.prompt_tokens)
-    lines = ["| batch | k | sampling tok/s | speculative tok/s | speed-up | alpha | tokens/step | predicted |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| batch | k | sampling tok/s | speculative tok/s | speed-up | drafts accepted | alpha | tokens/step |"
+             " predicted |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for batch in args.batch_sizes:
         prompts = prompts_all[:batch]
         run(baseline, prompts[:1], 4)
@@ -65,16 +66,18 @@ def main() -> None:
             spec = LLM("tiny", decoding="speculative", overrides=[*common, f"decoding.num_speculative_tokens={k}"])
             run(spec, prompts[:1], 4)
             runner = spec.engine.runner
-            before = (runner.spec_proposed, runner.spec_accepted, runner.spec_verifications)
+            before = (runner.spec_proposed, runner.spec_accepted, runner.spec_verifications, runner.spec_rejections)
             spec_time, spec_tokens = run(spec, prompts, args.max_tokens)
             proposed = runner.spec_proposed - before[0]
             accepted = runner.spec_accepted - before[1]
             verifications = runner.spec_verifications - before[2]
-            alpha = accepted / proposed if proposed else 0.0
+            rejections = runner.spec_rejections - before[3]
+            share = accepted / proposed if proposed else 0.0
+            alpha = accepted / (accepted + rejections) if accepted + rejections else 0.0
             per_step = (accepted + verifications) / verifications if verifications else 1.0
             predicted = (1 - alpha ** (k + 1)) / (1 - alpha) if alpha < 1 else k + 1
             lines.append(f"| {batch} | {k} | {base_tokens / base_time:.1f} | {spec_tokens / spec_time:.1f} | "
-                         f"{base_time / spec_time:.2f}x | {alpha:.3f} | {per_step:.2f} | {predicted:.2f} |")
+                         f"{base_time / spec_time:.2f}x | {share:.3f} | {alpha:.3f} | {per_step:.2f} | {predicted:.2f} |")
             print(lines[-1], flush=True)
     table = "\n".join(lines)
     print(table)

@@ -25,6 +25,7 @@ class ModelRunner:
         self.spec_proposed = 0
         self.spec_accepted = 0
         self.spec_verifications = 0
+        self.spec_rejections = 0
         shape = attention.kv_cache_shape(cache.num_blocks, cache.block_size)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         host_blocks = getattr(cache, "num_host_blocks", 0)
@@ -76,11 +77,13 @@ class ModelRunner:
         return result
 
     def _count_speculation(self, requests, proposed: tuple[int, ...], accepted: list[int]) -> None:
-        """Per-request and running totals of drafted and accepted tokens, and of
-        verifications (a request verified with at least one draft in a step)."""
+        """Per-request and running totals of drafted and accepted tokens, of verifications
+        (a request verified with at least one draft in a step) and of rejections (a
+        verification that stopped before its last draft)."""
         for request, drafted, kept in zip(requests, proposed, accepted):
             request.spec_proposed += drafted
             request.spec_accepted += kept
         self.spec_proposed += sum(proposed)
         self.spec_accepted += sum(accepted)
         self.spec_verifications += sum(1 for drafted in proposed if drafted)
+        self.spec_rejections += sum(1 for drafted, kept in zip(proposed, accepted) if kept < drafted)
