@@ -30,7 +30,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
+from tokenizers import (  # noqa: E402
+    Tokenizer,
+    decoders,
+    models,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
 
 import transformers  # noqa: E402
 from transformers import (  # noqa: E402
@@ -237,7 +244,9 @@ class TrainArgs:
 
 
 def train(model: LlamaForCausalLM, train_seqs: torch.Tensor, args: TrainArgs) -> float:
-    """Train ``model`` in place for ``args.steps`` steps; return the mean loss of the last log window.
+    """Train ``model`` in place for ``args.steps`` steps.
+
+    Returns the mean training loss over the last logging window.
 
     Batches are drawn without replacement from a seeded permutation of the packed training
     sequences, reshuffled every epoch.
@@ -379,11 +388,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse the command line."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", choices=["target", "draft", "both"], default="both")
-    parser.add_argument("--steps-target", type=int, default=1500)
-    parser.add_argument("--steps-draft", type=int, default=1800)
+    parser.add_argument("--steps-target", type=int, default=3000)
+    parser.add_argument("--steps-draft", type=int, default=3000)
     parser.add_argument("--lr-target", type=float, default=2e-3)
     parser.add_argument("--lr-draft", type=float, default=3e-3)
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--val-sequences", type=int, default=256,
                         help="number of packed validation sequences the loss is averaged over")
