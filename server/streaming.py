@@ -23,8 +23,10 @@ CLIENT_CLOSED_REQUEST = 499
 
 
 def sse(data: dict) -> str:
-    """One server-sent event carrying ``data`` as JSON."""
-    return f"data: {json.dumps(data, separators=(',', ':'), ensure_ascii=False)}\n\n"
+    """One server-sent event carrying ``data`` as JSON. Non-ASCII characters are escaped,
+    so text holding line separators (U+2028, U+0085, ...) cannot split the event for
+    clients that read lines with universal newlines."""
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
 class EventStreamResponse(StreamingResponse):

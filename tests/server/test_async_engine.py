@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import asyncio
 import time
 
@@ -36,3 +38,11 @@ def test_engine_failure_fails_requests_and_later_calls(offline, monkeypatch):
 
     asyncio.run(asyncio.wait_for(run(), timeout=60))
     assert not engine.has_unfinished_requests()
+
+
+def test_sse_events_survive_line_separators_in_text():
+    from servelab.server.streaming import sse
+
+    event = sse({"text": "a\u2028b\x85c\u2029d\x1ce\r\nf é"})
+    assert event.endswith("\n\n") and len(event[:-2].splitlines()) == 1
+    assert json.loads(event[len("data: "):]) == {"text": "a\u2028b\x85c\u2029d\x1ce\r\nf é"}
