@@ -5,6 +5,10 @@ Runs the offline workload of compare_vllm.py (256 requests, prompts 16-256 token
 output tokens) on one of its models and prints the split and the top functions:
 
     python benchmarks/profile_engine.py --model 26m --dtype float32
+    python benchmarks/profile_engine.py --model 26m --dtype bfloat16 --profiler torch
+
+``--profiler torch`` lists operators by self CPU time (torch.profiler) instead of Python
+functions (cProfile).
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import pstats
 import sys
 import time
 
+import torch
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from compare_vllm import make_checkpoint, make_workload  # noqa: E402
@@ -30,6 +36,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--overrides", nargs="*", default=["attention=sdpa"])
     parser.add_argument("--workdir", default="/tmp/servelab-compare")
+    parser.add_argument("--profiler", choices=["cprofile", "torch"], default="cprofile")
     args = parser.parse_args()
     from servelab import LLM, SamplingParams
 
@@ -55,11 +62,14 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
     llm.generate(workload["prompts"][:4], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
     forward_time[0] = 0.0
-    profile = cProfile.Profile()
+    if args.profiler == "torch":
+        profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    else:
+        profile = cProfile.Profile()
     started = time.perf_counter()
-    profile.enable()
+    profile.__enter__() if args.profiler == "torch" else profile.enable()
     outputs = llm.generate(workload["prompts"], params, use_tqdm=False)
-    profile.disable()
+    profile.__exit__(None, None, None) if args.profiler == "torch" else profile.disable()
     total = time.perf_counter() - started
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     overhead = total - forward_time[0]
@@ -67,9 +77,12 @@ def main() -> None:
           f"{llm.engine.num_steps} steps")
     print(f"model forward + logits: {forward_time[0]:.1f}s ({100 * forward_time[0] / total:.1f}%); "
           f"engine overhead: {overhead:.1f}s ({100 * overhead / total:.1f}%)")
-    text = io.StringIO()
-    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(15)
-    print(text.getvalue())
+    if args.profiler == "torch":
+        print(profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=48))
+    else:
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(15)
+        print(text.getvalue())
 
 
 if __name__ == "__main__":

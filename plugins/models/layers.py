@@ -8,12 +8,21 @@ import torch
 from torch import nn
 
 from servelab.core.errors import ConfigError
+from servelab.kernels.cpu_ops import native_cpu_available
+
+
+def use_native(x: torch.Tensor) -> bool:
+    """True when ``x`` is on the CPU and servelab's native CPU ops are built."""
+    return x.device.type == "cpu" and native_cpu_available()
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square layer norm computed in float32, as the Llama family defines it."""
+    """Root-mean-square layer norm computed in float32, as the Llama family defines it.
+
+    On the CPU, 2-D contiguous inputs take the native op, which rounds exactly where the
+    torch formula does."""
 
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -22,10 +31,23 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., size] -> same shape and dtype."""
+        if x.dim() == 2 and x.is_contiguous() and use_native(x):
+            out = torch.empty_like(x)
+            torch.ops.servelab_cpu.rms_norm(out, x, self.weight, self.eps)
+            return out
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual connection and the norm of its result: returns (norm(x + residual),
+        x + residual). The native op reuses ``x`` and ``residual`` as outputs."""
+        if x.dim() == 2 and x.is_contiguous() and residual.is_contiguous() and use_native(x):
+            torch.ops.servelab_cpu.add_rms_norm(x, residual, self.weight, self.eps)
+            return x, residual
+        residual = x + residual
+        return self.forward(residual), residual
 
 
 class RotaryEmbedding(nn.Module):
@@ -55,7 +77,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", (table.sin() * scaling).to(dtype), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [T]; q: [T, H, D]; k: [T, Hkv, D]. Returns rotated (q, k)."""
+        """positions: [T]; q: [T, H, D]; k: [T, Hkv, D]. Returns rotated (q, k); the native
+        CPU op rotates them in place."""
+        if use_native(q) and q.stride(-1) == 1 and k.stride(-1) == 1:
+            torch.ops.servelab_cpu.rotary_embedding(q, k, positions, self.cos, self.sin)
+            return q, k
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

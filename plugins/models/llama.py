@@ -17,7 +17,7 @@ from torch import nn
 from servelab.core.component import ComponentSpec
 from servelab.core.errors import ConfigError
 from servelab.core.model import CausalLM, ModelShape
-from servelab.plugins.models.layers import RMSNorm, RotaryEmbedding
+from servelab.plugins.models.layers import RMSNorm, RotaryEmbedding, use_native
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -90,6 +90,7 @@ class GatedMLP(nn.Module):
         from transformers.activations import ACT2FN
 
         self.act = ACT2FN[hf_config.hidden_act]
+        self.fused_silu = hf_config.hidden_act == "silu"
 
     def shard_sizes(self, name: str) -> tuple[int, ...]:
         """Row sizes of the fused projection's shards."""
@@ -97,7 +98,12 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused_silu and use_native(gate_up):
+            hidden = gate_up.new_empty(gate_up.shape[0], self.intermediate)
+            torch.ops.servelab_cpu.silu_and_mul(hidden, gate_up)
+            return self.down_proj(hidden)
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
@@ -111,10 +117,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.mlp = GatedMLP(hf_config)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: Any) -> torch.Tensor:
-        """x: [T, hidden] -> [T, hidden]."""
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                kv_cache: torch.Tensor, meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, the residual stream before it), both [T, hidden];
+        the next layer (or the final norm) adds them. ``residual`` is None for the first layer."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm.add_forward(x, residual)
+        x = self.self_attn(x, positions, kv_cache, meta)
+        x, residual = self.post_attention_layernorm.add_forward(x, residual)
+        return self.mlp(x), residual
 
 
 class DecoderModel(nn.Module):
@@ -195,10 +208,10 @@ class LlamaFamilyForCausalLM(CausalLM):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_meta: Any) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states [T, hidden]."""
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(x, positions, kv_cache, attn_meta)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, positions, kv_cache, attn_meta)
+        return self.model.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> float32 logits [N, vocab]."""

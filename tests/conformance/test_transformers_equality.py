@@ -49,13 +49,14 @@ def test_sliding_window_matches_transformers(tmp_path):
     from servelab.testing import tiny_checkpoint
 
     folder = tiny_checkpoint(tmp_path / "mistral-window", "mistral", sliding_window=16)
-    for attention in ("naive", "sdpa"):
+    for attention in ("naive", "sdpa", "cpu"):
         assert_engine_matches_transformers(folder, [f"attention={attention}"], max_tokens=20)
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "naive"])
+@pytest.mark.parametrize("attention", ["sdpa", "naive", "cpu"])
 def test_large_batch_of_decodes_matches_transformers(llama, attention):
-    """48 requests of mixed lengths: sdpa splits the decodes into length buckets."""
+    """48 requests of mixed lengths: sdpa splits the decodes into length buckets, cpu
+    spreads (request, KV heads) items over threads."""
     prompts = mixed_prompts(257, lengths=[3 + (i * 37) % 90 for i in range(48)], seed=3)
     assert_engine_matches_transformers(llama, [f"attention={attention}", "cache.block_size=8"], prompts=prompts,
                                        max_tokens=6)

@@ -1,0 +1,66 @@
+"""Builds and loads the native CPU ops of ``cpu_ops.cpp`` (``torch.ops.servelab_cpu``).
+
+The C++ file is compiled on first use with the host's compiler for the host's CPU
+(``-O3 -march=native``, with torch's ``CPU_CAPABILITY`` so ``at::vec`` uses AVX-512 or
+AVX2 where torch does) and cached by torch in ``TORCH_EXTENSIONS_DIR`` (by default
+``~/.cache/torch_extensions``), so only the first process on a machine pays the ~30 s build.
+``SERVELAB_NATIVE_CPU=0`` turns the ops off (the torch implementations run instead).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_ops.cpp")
+FLAGS = ["-O3", "-march=native", "-fopenmp"]
+DISABLE_VARIABLE = "SERVELAB_NATIVE_CPU"
+
+
+def capability_flags() -> list[str]:
+    """Defines that select torch's SIMD implementation of ``at::vec`` for this CPU."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability == "AVX512":
+        return ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-mprefer-vector-width=512"]
+    if capability == "AVX2":
+        return ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+    return ["-DCPU_CAPABILITY=DEFAULT"]
+
+
+@functools.lru_cache(maxsize=None)
+def native_cpu_unavailable_reason() -> str | None:
+    """Why the native CPU ops cannot be used here (None when they are built and loaded)."""
+    if os.environ.get(DISABLE_VARIABLE, "1") == "0":
+        return f"{DISABLE_VARIABLE}=0"
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler!r} is not on PATH)"
+    try:
+        from torch.utils.cpp_extension import load
+
+        load(name="servelab_cpu_ops", sources=[SOURCE], extra_cflags=FLAGS + capability_flags(),
+             extra_ldflags=["-fopenmp"],
+             is_python_module=False, verbose=False)
+    except Exception as error:  # a failed build leaves servelab working on the torch ops
+        logger.warning("native CPU ops unavailable, using torch ops: %s", error)
+        return f"building {os.path.basename(SOURCE)} failed: {error}"
+    return None
+
+
+def native_cpu_available() -> bool:
+    """True when ``torch.ops.servelab_cpu`` is loaded (building it on first call)."""
+    return native_cpu_unavailable_reason() is None
+
+
+def native_cpu_ops():
+    """The ``torch.ops.servelab_cpu`` namespace; raises RuntimeError naming the reason when unavailable."""
+    reason = native_cpu_unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(f"native CPU ops are unavailable: {reason}")
+    return torch.ops.servelab_cpu

@@ -1,0 +1,90 @@
+"""Native CPU paged attention: a C++ kernel that reads the paged cache in place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from servelab.core.attention import AttentionBackend, AttentionSpec, BatchLayout
+from servelab.core.component import ComponentSpec
+from servelab.kernels.cpu_ops import native_cpu_ops, native_cpu_unavailable_reason
+from servelab.plugins.attention.cache_ops import write_kv
+
+
+@dataclass
+class CpuAttentionConfig:
+    """``attention=cpu``: no options."""
+
+
+@dataclass(frozen=True, slots=True)
+class CpuMetadata:
+    """Per-step split of the batch: ``fresh`` (start, length) query ranges of requests
+    whose context is exactly their new tokens (plain causal SDPA over k/v, no cache read),
+    and ``cached`` [n] int32 indices of the other requests (decodes, chunked prefills,
+    prefix-cache hits, speculative verification), which the kernel serves."""
+
+    layout: BatchLayout
+    fresh: tuple[tuple[int, int], ...]
+    cached: torch.Tensor
+
+
+class CpuAttention(AttentionBackend):
+    """Requests with cached context go through ``servelab_cpu.paged_attention``: one pass
+    over each context straight from the block table, grouped-query heads sharing every
+    key/value load, online softmax in float32, threads over (request, KV head, query tile).
+    Fresh prefills use torch's fused SDPA on the new keys and values.
+    """
+
+    @classmethod
+    def unsupported_reasons(cls, config, spec: AttentionSpec) -> list[str]:
+        """Needs CPU tensors and the native ops built for this machine."""
+        reasons = []
+        if spec.device.type != "cpu":
+            reasons.append(f"attention=cpu runs on CPU tensors, not {spec.device.type}; use attention=flash or sdpa")
+        reason = native_cpu_unavailable_reason()
+        if reason is not None:
+            reasons.append(f"attention=cpu needs the native CPU ops: {reason}")
+        elif not native_cpu_ops().supports_head_dim(spec.head_dim):
+            reasons.append(f"attention=cpu does not support head_dim {spec.head_dim} on this CPU "
+                           "(multiples of the SIMD width up to 6 vectors, or 8 or 16 vectors); use attention=sdpa")
+        return reasons
+
+    def __init__(self, config, spec):
+        super().__init__(config, spec)
+        self._ops = native_cpu_ops()
+
+    def build_metadata(self, layout: BatchLayout) -> CpuMetadata:
+        """Sort requests into fresh prefills and cached-context requests."""
+        window = self.spec.sliding_window
+        fresh, cached, start = [], [], 0
+        for r, (query_len, seq_len) in enumerate(zip(layout.query_lens, layout.seq_lens_list)):
+            if query_len > 1 and seq_len == query_len and (window is None or window >= seq_len):
+                fresh.append((start, query_len))
+            else:
+                cached.append(r)
+            start += query_len
+        return CpuMetadata(layout, tuple(fresh), torch.tensor(cached, dtype=torch.int32))
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: CpuMetadata, layer_index: int) -> torch.Tensor:
+        """See ``AttentionBackend.forward``."""
+        layout = meta.layout
+        write_kv(kv_cache, k, v, layout.slot_mapping)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        gqa = self.spec.num_heads != self.spec.num_kv_heads
+        for start, length in meta.fresh:
+            rows = slice(start, start + length)
+            # 4-D inputs take torch's fused CPU kernel; 3-D ones fall back to the math path
+            out[rows] = F.scaled_dot_product_attention(
+                q[rows].transpose(0, 1)[None], k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None],
+                is_causal=True, scale=self.spec.scale, enable_gqa=gqa)[0].transpose(0, 1)
+        if meta.cached.numel():
+            self._ops.paged_attention(out, q, kv_cache, layout.block_table, layout.query_start_loc, layout.seq_lens,
+                                      meta.cached, self.spec.scale, self.spec.sliding_window or 0)
+        return out
+
+
+SPEC = ComponentSpec("attention", "cpu", CpuAttention, CpuAttentionConfig,
+                     "native C++ paged attention for CPU (reads the paged cache in place)")

@@ -1,0 +1,151 @@
+"""The native CPU ops (kernels/cpu_ops.cpp) against their torch references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from servelab.kernels.cpu_ops import native_cpu_unavailable_reason
+from servelab.kernels.varlen_attention_reference import gather_context, varlen_paged_attention_reference
+from servelab.plugins.attention.cache_ops import attention_mask
+
+pytestmark = pytest.mark.skipif(native_cpu_unavailable_reason() is not None,
+                                reason=f"native CPU ops: {native_cpu_unavailable_reason()}")
+
+SCENARIOS = {
+    "decode": [(1, 1), (50, 1), (97, 1), (16, 1)],
+    "chunked_prefill": [(70, 16), (45, 13), (90, 8)],
+    "spec_verify": [(60, 4), (81, 4), (33, 4)],
+    "mixed": [(57, 1), (30, 30), (88, 12), (40, 0), (65, 5)],
+}
+CASES = [(sc, bs, gqa, dtype) for sc in SCENARIOS for bs, gqa, dtype in
+         [(16, 4, torch.float32), (1, 2, torch.bfloat16), (None, 1, torch.float32), (32, 8, torch.bfloat16)]]
+
+
+def ops():
+    """The loaded op namespace."""
+    return torch.ops.servelab_cpu
+
+
+def run_kernel(batch: dict, requests: list[int], window: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
+    """paged_attention over ``requests`` of ``batch`` (a tests/kernels/conftest.py batch)."""
+    out = torch.zeros_like(batch["q"]) if out is None else out
+    ops().paged_attention(out, batch["q"], batch["kv_cache"], batch["block_table"], batch["query_start_loc"],
+                          batch["seq_lens"], torch.tensor(requests, dtype=torch.int32), batch["scale"], window)
+    return out
+
+
+@pytest.mark.parametrize("scenario,block_size,gqa,dtype", CASES,
+                         ids=[f"{sc}-bs{bs or 'contig'}-gqa{g}-{str(d)[6:]}" for sc, bs, g, d in CASES])
+def test_paged_attention_matches_reference(paged_batch, close, scenario, block_size, gqa, dtype):
+    """Every query row of every request equals the float32 reference within the dtype's tolerance."""
+    seq_lens, query_lens = zip(*SCENARIOS[scenario])
+    batch = paged_batch(list(seq_lens), list(query_lens), 2 * gqa, 2, 32, block_size, dtype)
+    expected = varlen_paged_attention_reference(**{**batch, "q": batch["q"].float(),
+                                                   "kv_cache": batch["kv_cache"].float()})
+    close(run_kernel(batch, list(range(len(seq_lens)))), expected.to(dtype))
+
+
+def test_paged_attention_writes_only_the_selected_requests(paged_batch):
+    """Rows of requests left out of ``requests`` keep what ``out`` held."""
+    batch = paged_batch([40, 20, 33], [1, 5, 1], 4, 2, 16, 16, torch.float32)
+    out = run_kernel(batch, [0, 2], out=torch.full_like(batch["q"], 7.0))
+    assert torch.equal(out[1:6], torch.full_like(out[1:6], 7.0))
+    assert not torch.equal(out[0], torch.full_like(out[0], 7.0))
+
+
+def test_paged_attention_sliding_window(paged_batch, close):
+    """With a window, each row sees only its last ``window`` positions."""
+    window = 9
+    batch = paged_batch([37, 50], [1, 6], 4, 2, 16, 8, torch.float32)
+    out = run_kernel(batch, [0, 1], window=window)
+    starts = batch["query_start_loc"].tolist()
+    for r, seq_len in enumerate(batch["seq_lens"].tolist()):
+        q = batch["q"][starts[r]:starts[r + 1]]
+        k, v = gather_context(batch["kv_cache"], batch["block_table"][r], seq_len)
+        mask = attention_mask(q.shape[0], seq_len, window, q.device)
+        expected = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.repeat_interleave(2, 1).transpose(0, 1), v.repeat_interleave(2, 1).transpose(0, 1),
+            attn_mask=mask, scale=batch["scale"]).transpose(0, 1)
+        close(out[starts[r]:starts[r + 1]], expected)
+
+
+def test_paged_attention_reads_strided_queries(paged_batch, close):
+    """q may be a column slice of a fused qkv tensor (row stride larger than H * D)."""
+    batch = paged_batch([25, 40], [1, 1], 4, 2, 16, 16, torch.float32)
+    fused = torch.randn(2, 4 * 16 + 32)
+    fused[:, :64] = batch["q"].reshape(2, 64)
+    strided = fused[:, :64].view(2, 4, 16)
+    expected = run_kernel(batch, [0, 1])
+    close(run_kernel({**batch, "q": strided}, [0, 1]), expected)
+
+
+def test_paged_attention_rejects_bad_arguments(paged_batch):
+    """Mismatched dtypes or index types name the problem instead of reading garbage."""
+    batch = paged_batch([10], [1], 4, 2, 16, 16, torch.float32)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        run_kernel({**batch, "kv_cache": batch["kv_cache"].to(torch.bfloat16)}, [0])
+    with pytest.raises(RuntimeError, match="int32"):
+        run_kernel({**batch, "seq_lens": batch["seq_lens"].long()}, [0])
+
+
+def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The Llama RMSNorm formula (float32 statistics, rounded before the weight)."""
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def assert_nearly_equal(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Within two units in the last place of the dtype (the float32 reductions run in another
+    order); in bfloat16, where the rounding points decide, at least 99% exactly equal."""
+    spacing = torch.finfo(expected.dtype).eps * expected.float().abs().clamp_min(1e-3)
+    assert ((actual.float() - expected.float()).abs() <= 2 * spacing + 1e-6).all()
+    if expected.dtype == torch.bfloat16:
+        assert (actual == expected).float().mean() >= 0.99
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_and_fused_residual_add(dtype):
+    """rms_norm equals the torch formula; add_rms_norm also leaves x + residual in ``residual``."""
+    x = torch.randn(37, 96).to(dtype)
+    residual = torch.randn(37, 96).to(dtype)
+    weight = (1 + 0.1 * torch.randn(96)).to(dtype)
+    out = torch.empty_like(x)
+    ops().rms_norm(out, x, weight, 1e-6)
+    assert_nearly_equal(out, torch_rms_norm(x, weight, 1e-6))
+    total = x + residual
+    x_copy, residual_copy = x.clone(), residual.clone()
+    ops().add_rms_norm(x_copy, residual_copy, weight, 1e-6)
+    assert torch.equal(residual_copy, total)
+    assert_nearly_equal(x_copy, torch_rms_norm(total, weight, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_embedding_in_place(dtype):
+    """Rotating strided q/k views in place equals the rotate-half formula in the dtype."""
+    positions = torch.tensor([0, 5, 3, 17, 2], dtype=torch.int64)
+    freqs = torch.arange(32)[:, None].float() * (1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16))
+    table = torch.cat((freqs, freqs), -1)
+    cos, sin = table.cos().to(dtype), table.sin().to(dtype)
+    qkv = torch.randn(5, (4 + 2 + 2) * 16).to(dtype)
+    q, k = qkv[:, :64].view(5, 4, 16), qkv[:, 64:96].view(5, 2, 16)
+
+    def rotate(x):
+        c, s = cos[positions][:, None], sin[positions][:, None]
+        return x * c + torch.cat((-x[..., 8:], x[..., :8]), -1) * s
+
+    expected_q, expected_k, untouched = rotate(q), rotate(k), qkv[:, 96:].clone()
+    ops().rotary_embedding(q, k, positions, cos, sin)
+    assert_nearly_equal(q, expected_q)
+    assert_nearly_equal(k, expected_k)
+    assert torch.equal(qkv[:, 96:], untouched)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul(dtype):
+    """out = silu(gate) * up, for x = [gate | up]."""
+    x = (3 * torch.randn(9, 2 * 40)).to(dtype)
+    out = torch.empty(9, 40, dtype=dtype)
+    ops().silu_and_mul(out, x)
+    assert_nearly_equal(out, F.silu(x[:, :40]) * x[:, 40:])
