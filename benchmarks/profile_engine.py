@@ -8,12 +8,13 @@ output tokens) on one of its models and prints the split and the top functions:
     python benchmarks/profile_engine.py --model 26m --dtype bfloat16 --profiler torch
 
 ``--profiler torch`` lists operators by self CPU time (torch.profiler) instead of Python
-functions (cProfile).
+functions (cProfile); ``--profiler none`` gives the split without a profiler's overhead.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import json
@@ -34,9 +35,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="26m", choices=["26m", "3m"])
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--overrides", nargs="*", default=["attention=sdpa"])
+    parser.add_argument("--overrides", nargs="*", default=["attention=cpu"])
     parser.add_argument("--workdir", default="/tmp/servelab-compare")
-    parser.add_argument("--profiler", choices=["cprofile", "torch"], default="cprofile")
+    parser.add_argument("--profiler", choices=["cprofile", "torch", "none"], default="cprofile")
     args = parser.parse_args()
     from servelab import LLM, SamplingParams
 
@@ -62,14 +63,11 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
     llm.generate(workload["prompts"][:4], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
     forward_time[0] = 0.0
-    if args.profiler == "torch":
-        profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-    else:
-        profile = cProfile.Profile()
+    profile = {"torch": lambda: torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]),
+               "cprofile": cProfile.Profile, "none": contextlib.nullcontext}[args.profiler]()
     started = time.perf_counter()
-    profile.__enter__() if args.profiler == "torch" else profile.enable()
-    outputs = llm.generate(workload["prompts"], params, use_tqdm=False)
-    profile.__exit__(None, None, None) if args.profiler == "torch" else profile.disable()
+    with profile:
+        outputs = llm.generate(workload["prompts"], params, use_tqdm=False)
     total = time.perf_counter() - started
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     overhead = total - forward_time[0]
@@ -79,7 +77,7 @@ def main() -> None:
           f"engine overhead: {overhead:.1f}s ({100 * overhead / total:.1f}%)")
     if args.profiler == "torch":
         print(profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=48))
-    else:
+    elif args.profiler == "cprofile":
         text = io.StringIO()
         pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(15)
         print(text.getvalue())

@@ -78,6 +78,12 @@ class AttentionBackend(abc.ABC):
         return (2, num_blocks, block_size, self.spec.num_kv_heads, self.spec.head_dim)
 
     @classmethod
+    def resolve(cls, config: Any, spec: AttentionSpec, registry: Any) -> Any:
+        """The attention config the engine builds: ``config`` itself, or, for a selector
+        such as ``attention=auto``, the config of the backend it picks for ``spec``."""
+        return config
+
+    @classmethod
     def unsupported_reasons(cls, config: Any, spec: AttentionSpec) -> list[str]:
         """Why this backend cannot run ``spec`` here (empty when it can)."""
         return []

@@ -59,6 +59,8 @@ class LLMEngine:
         self.vocab_size = shape.vocab_size
         attention_spec = shape.attention_spec(self.dtype, self.device, self.max_model_len)
         kv_spec = shape.kv_cache_spec(self.dtype, self.max_model_len)
+        attention_cls = self.registry.spec_for_config("attention", cfg.attention).cls
+        cfg.attention = attention_cls.resolve(cfg.attention, attention_spec, self.registry)
         problems: list[str] = []
         cache = None
         try:

@@ -102,49 +102,103 @@ void dispatch_dtype(at::ScalarType type, const char* op, F&& f) {
 }
 
 // ---- paged attention ----
+//
+// Cache layout (one tensor per layer): kv_cache[2, num_blocks, Hkv, block_size * D]. Each
+// (block, KV head) holds a tile: keys transposed, [D][block_size], so the scores of
+// consecutive positions are SIMD lanes and need no horizontal sums; values row-major,
+// [block_size][D], so a weighted row adds straight into the output accumulator.
 
 // One unit of attention work: query rows [row_begin, row_end) of request `request` for the
-// query heads that share KV heads [head_begin, head_end).
+// query heads that share KV head `kv_head`.
 struct AttentionItem {
   int64_t request;
-  int64_t head_begin;
-  int64_t head_end;
+  int64_t kv_head;
   int64_t row_begin;
   int64_t row_end;
 };
 
-// Per-thread scratch for one work item.
-struct AttentionScratch {
-  std::vector<float> query, acc, scores, row_max, row_sum;
-  std::vector<int64_t> offsets;  // element offset of each span position's key row in the cache
+// Consecutive span positions [span_begin, span_begin + length) stored in one block, from
+// slot `first_slot` of block `block`.
+struct Segment {
+  int64_t block;
+  int64_t first_slot;
+  int64_t length;
+  int64_t span_begin;
 };
 
-// Span positions ahead whose key/value rows are prefetched: blocks are scattered pages,
-// which the hardware prefetcher does not follow.
+// Per-thread scratch for one work item.
+struct AttentionScratch {
+  std::vector<float> query, acc, scores, row_max, row_sum, keys;
+  std::vector<Segment> segments;
+  std::vector<int64_t> value_offsets;  // element offset of each span position's value row
+};
+
+// Blocks are scattered pages, which the hardware prefetcher does not follow: the next
+// segment's key tile and the value rows kPrefetchAhead positions ahead are prefetched.
 constexpr int64_t kPrefetchAhead = 8;
 
-template <typename T, int C>
-inline void prefetch_row(const T* row) {
-  const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t b = 0; b < C * kLanes * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(p + b, 0, 3);
+inline void prefetch(const void* data, int64_t bytes) {
+  const char* p = static_cast<const char*>(data);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
 }
 
-// Scores of `count` span positions for `vectors` query vectors (float32, scaled, contiguous
-// rows of D = C * kLanes) against the key rows at cache + offsets[t]; written to
-// scores[j * kSpan + t]. C is a template argument so the key row stays in registers.
-template <typename T, int C>
-void score_span(const T* cache, const int64_t* offsets, int64_t count, const float* query, int64_t vectors,
+// Query vectors scored together: their accumulators stay in registers while the keys of
+// kLanes positions stream through.
+constexpr int64_t kMaxScoreVectors = 8;
+
+// scores[j * kSpan + t] = q_j . k_t for NV query vectors (float32, scaled, rows of D) and
+// the kLanes (or fewer, `lanes`) positions whose float32 keys are `keys` [D][kLanes].
+template <int NV>
+inline void score_lanes(const float* keys, int64_t head_dim, const float* query, int64_t lanes, float* scores) {
+  Vec even[NV], odd[NV];
+  for (int v = 0; v < NV; ++v) even[v] = odd[v] = Vec(0.f);
+  int64_t d = 0;
+  for (; d + 2 <= head_dim; d += 2) {
+    const Vec k0 = Vec::loadu(keys + d * kLanes);
+    const Vec k1 = Vec::loadu(keys + (d + 1) * kLanes);
+    for (int v = 0; v < NV; ++v) {
+      even[v] = at::vec::fmadd(Vec(query[v * head_dim + d]), k0, even[v]);
+      odd[v] = at::vec::fmadd(Vec(query[v * head_dim + d + 1]), k1, odd[v]);
+    }
+  }
+  for (; d < head_dim; ++d)
+    for (int v = 0; v < NV; ++v) even[v] = at::vec::fmadd(Vec(query[v * head_dim + d]), Vec::loadu(keys + d * kLanes), even[v]);
+  for (int v = 0; v < NV; ++v) {
+    const Vec total = even[v] + odd[v];
+    if (lanes == kLanes) {
+      total.store(scores + v * kSpan);
+    } else {
+      total.store(scores + v * kSpan, static_cast<int>(lanes));
+    }
+  }
+}
+
+// Scores of every span position for `vectors` query vectors against one KV head's key
+// tiles (`key_tiles` + block * block_stride); `keys` is scratch of D * kLanes floats.
+template <typename T>
+void score_span(const T* key_tiles, int64_t block_stride, int64_t block_size, int64_t head_dim,
+                const std::vector<Segment>& segments, const float* query, int64_t vectors, float* keys,
                 float* scores) {
-  for (int64_t t = 0; t < count; ++t) {
-    if (t + kPrefetchAhead < count) prefetch_row<T, C>(cache + offsets[t + kPrefetchAhead]);
-    const T* key = cache + offsets[t];
-    Vec k[C];
-    for (int c = 0; c < C; ++c) k[c] = load_vec(key + c * kLanes);
-    for (int64_t j = 0; j < vectors; ++j) {
-      const float* qv = query + j * C * kLanes;
-      Vec sum = Vec::loadu(qv) * k[0];
-      for (int c = 1; c < C; ++c) sum = at::vec::fmadd(Vec::loadu(qv + c * kLanes), k[c], sum);
-      scores[j * kSpan + t] = sum_lanes(sum);
+  const int64_t tile_bytes = head_dim * block_size * static_cast<int64_t>(sizeof(T));
+  for (size_t n = 0; n < segments.size(); ++n) {
+    const Segment& seg = segments[n];
+    if (n + 1 < segments.size()) prefetch(key_tiles + segments[n + 1].block * block_stride, tile_bytes);
+    const T* tile = key_tiles + seg.block * block_stride;
+    for (int64_t o = 0; o < seg.length; o += kLanes) {
+      const int64_t lanes = std::min(kLanes, seg.length - o);
+      const T* column = tile + seg.first_slot + o;
+      if (lanes == kLanes) {
+        for (int64_t d = 0; d < head_dim; ++d) load_vec(column + d * block_size).store(keys + d * kLanes);
+      } else {
+        for (int64_t d = 0; d < head_dim; ++d)
+          for (int64_t l = 0; l < kLanes; ++l) keys[d * kLanes + l] = l < lanes ? to_float(column[d * block_size + l]) : 0.f;
+      }
+      float* out = scores + seg.span_begin + o;
+      int64_t j = 0;
+      for (; j + 8 <= vectors; j += 8) score_lanes<8>(keys, head_dim, query + j * head_dim, lanes, out + j * kSpan);
+      for (; j + 4 <= vectors; j += 4) score_lanes<4>(keys, head_dim, query + j * head_dim, lanes, out + j * kSpan);
+      for (; j + 2 <= vectors; j += 2) score_lanes<2>(keys, head_dim, query + j * head_dim, lanes, out + j * kSpan);
+      for (; j < vectors; ++j) score_lanes<1>(keys, head_dim, query + j * head_dim, lanes, out + j * kSpan);
     }
   }
 }
@@ -164,7 +218,7 @@ void accumulate_span(const T* cache, const int64_t* offsets, int64_t count, cons
     const float* w0 = weights + j * kSpan;
     const float* w1 = w0 + kSpan;
     for (int64_t t = 0; t < count; ++t) {
-      if (t + kPrefetchAhead < count) prefetch_row<T, C>(cache + offsets[t + kPrefetchAhead]);
+      if (t + kPrefetchAhead < count) prefetch(cache + offsets[t + kPrefetchAhead], C * kLanes * sizeof(T));
       const T* value = cache + offsets[t];
       const Vec p0(w0[t]), p1(w1[t]);
       for (int c = 0; c < C; ++c) {
@@ -190,30 +244,66 @@ void accumulate_span(const T* cache, const int64_t* offsets, int64_t count, cons
   }
 }
 
-// Head sizes the span loops are instantiated for: 1-6, 8 or 16 SIMD vectors.
+// Head sizes the value loop is instantiated for: 1-6, 8 or 16 SIMD vectors.
 bool head_dim_supported(int64_t head_dim) {
   const int64_t chunks = head_dim / kLanes;
   return head_dim % kLanes == 0 && ((chunks >= 1 && chunks <= 6) || chunks == 8 || chunks == 16);
 }
 
 template <typename T>
-using ScoreFn = void (*)(const T*, const int64_t*, int64_t, const float*, int64_t, float*);
-template <typename T>
 using AccumulateFn = void (*)(const T*, const int64_t*, int64_t, const float*, int64_t, float*);
 
-// The span loops instantiated for a head size of `chunks` vectors.
+// The value loop instantiated for a head size of `chunks` vectors.
 template <typename T>
-std::pair<ScoreFn<T>, AccumulateFn<T>> span_loops(int64_t chunks) {
+AccumulateFn<T> accumulate_loop(int64_t chunks) {
   switch (chunks) {
-    case 1: return {score_span<T, 1>, accumulate_span<T, 1>};
-    case 2: return {score_span<T, 2>, accumulate_span<T, 2>};
-    case 3: return {score_span<T, 3>, accumulate_span<T, 3>};
-    case 4: return {score_span<T, 4>, accumulate_span<T, 4>};
-    case 5: return {score_span<T, 5>, accumulate_span<T, 5>};
-    case 6: return {score_span<T, 6>, accumulate_span<T, 6>};
-    case 8: return {score_span<T, 8>, accumulate_span<T, 8>};
-    case 16: return {score_span<T, 16>, accumulate_span<T, 16>};
+    case 1: return accumulate_span<T, 1>;
+    case 2: return accumulate_span<T, 2>;
+    case 3: return accumulate_span<T, 3>;
+    case 4: return accumulate_span<T, 4>;
+    case 5: return accumulate_span<T, 5>;
+    case 6: return accumulate_span<T, 6>;
+    case 8: return accumulate_span<T, 8>;
+    case 16: return accumulate_span<T, 16>;
     default: TORCH_CHECK(false, "paged_attention: head_dim ", chunks * kLanes, " is not supported here");
+  }
+}
+
+// Turns the scores of `vectors` query vectors into softmax weights over the span (online:
+// running max and sum per vector), rescaling what `acc` holds when the max grows.
+inline void softmax_span(AttentionScratch& s, int64_t vectors, int64_t count, int64_t head_dim) {
+  for (int64_t j = 0; j < vectors; ++j) {
+    float* sc = s.scores.data() + j * kSpan;
+    Vec max_lanes(kMasked);
+    int64_t t = 0;
+    for (; t + kLanes <= count; t += kLanes) max_lanes = at::vec::maximum(max_lanes, Vec::loadu(sc + t));
+    float span_max = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, max_lanes);
+    for (; t < count; ++t) span_max = std::max(span_max, sc[t]);
+    if (span_max <= kMasked) {
+      std::fill(sc, sc + count, 0.f);
+      continue;
+    }
+    const float new_max = std::max(s.row_max[j], span_max);
+    const float rescale = std::exp(s.row_max[j] - new_max);
+    const Vec max_vec(new_max);
+    Vec total(0.f);
+    for (t = 0; t + kLanes <= count; t += kLanes) {
+      const Vec raw = Vec::loadu(sc + t);
+      const Vec weight = Vec::blendv(Vec(0.f), (raw - max_vec).exp_u20(), raw > Vec(kMasked));
+      weight.store(sc + t);
+      total = total + weight;
+    }
+    float sum = sum_lanes(total);
+    for (; t < count; ++t) {
+      sc[t] = sc[t] <= kMasked ? 0.f : std::exp(sc[t] - new_max);
+      sum += sc[t];
+    }
+    s.row_sum[j] = s.row_sum[j] * rescale + sum;
+    s.row_max[j] = new_max;
+    if (rescale != 1.f) {
+      float* a = s.acc.data() + j * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) a[d] *= rescale;
+    }
   }
 }
 
@@ -224,19 +314,18 @@ void paged_attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tens
                             int64_t window) {
   const int64_t num_heads = q.size(1);
   const int64_t head_dim = q.size(2);
-  const int64_t chunks = head_dim / kLanes;
-  const int64_t block_size = kv_cache.size(2);
-  const int64_t num_kv_heads = kv_cache.size(3);
+  const int64_t num_kv_heads = kv_cache.size(2);
+  const int64_t block_size = kv_cache.size(3) / head_dim;
   const int64_t group = num_heads / num_kv_heads;
   const int64_t q_row_stride = q.stride(0);
   const int64_t q_head_stride = q.stride(1);
   const int64_t out_row_stride = out.stride(0);
   const int64_t out_head_stride = out.stride(1);
-  const int64_t token_stride = num_kv_heads * head_dim;  // the cache is contiguous
-  const int64_t block_stride = block_size * token_stride;
+  const int64_t tile_size = block_size * head_dim;
+  const int64_t block_stride = num_kv_heads * tile_size;
   const int64_t value_offset = kv_cache.size(1) * block_stride;
   const int64_t table_stride = block_table.stride(0);
-  const auto [score, accumulate] = span_loops<T>(chunks);
+  const AccumulateFn<T> accumulate = accumulate_loop<T>(head_dim / kLanes);
 
   const T* q_data = q.data_ptr<T>();
   const T* cache = kv_cache.data_ptr<T>();
@@ -246,41 +335,34 @@ void paged_attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tens
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* selected = requests.data_ptr<int32_t>();
 
-  // Items take every KV head of a row tile (whole cache rows, read in order) unless that
-  // leaves too few items to keep the threads busy.
-  int64_t tiles = 0;
-  for (int64_t i = 0; i < requests.size(0); ++i) {
-    const int64_t r = selected[i];
-    tiles += (starts[r + 1] - starts[r] + kQueryTile - 1) / kQueryTile;
-  }
-  const int64_t heads_per_item = tiles >= 4 * at::get_num_threads() ? num_kv_heads : 1;
   std::vector<AttentionItem> items;
   for (int64_t i = 0; i < requests.size(0); ++i) {
     const int64_t r = selected[i];
-    for (int64_t h = 0; h < num_kv_heads; h += heads_per_item)
+    for (int64_t h = 0; h < num_kv_heads; ++h)
       for (int64_t row = starts[r]; row < starts[r + 1]; row += kQueryTile)
-        items.push_back({r, h, h + heads_per_item, row, std::min<int64_t>(row + kQueryTile, starts[r + 1])});
+        items.push_back({r, h, row, std::min<int64_t>(row + kQueryTile, starts[r + 1])});
   }
 
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     AttentionScratch s;
-    s.offsets.resize(kSpan);
+    s.value_offsets.resize(kSpan);
+    s.keys.resize(head_dim * kLanes);
     const Vec scale_vec(static_cast<float>(scale));
     for (int64_t w = begin; w < end; ++w) {
       const AttentionItem& item = items[w];
       const int64_t rows = item.row_end - item.row_begin;
-      const int64_t heads = item.head_end - item.head_begin;
-      const int64_t vectors = rows * heads * group;  // query vectors: row, then KV head, then group member
+      const int64_t vectors = rows * group;  // query vectors: row, then group member
       s.query.resize(vectors * head_dim);
       s.acc.assign(vectors * head_dim, 0.f);
       s.scores.resize(vectors * kSpan);
       s.row_max.assign(vectors, kMasked);
       s.row_sum.assign(vectors, 0.f);
       for (int64_t i = 0; i < rows; ++i)
-        for (int64_t hg = 0; hg < heads * group; ++hg) {
-          const T* src = q_data + (item.row_begin + i) * q_row_stride + (item.head_begin * group + hg) * q_head_stride;
-          float* dst = s.query.data() + (i * heads * group + hg) * head_dim;
-          for (int64_t c = 0; c < chunks; ++c) (load_vec(src + c * kLanes) * scale_vec).store(dst + c * kLanes);
+        for (int64_t g = 0; g < group; ++g) {
+          const T* src = q_data + (item.row_begin + i) * q_row_stride + (item.kv_head * group + g) * q_head_stride;
+          float* dst = s.query.data() + (i * group + g) * head_dim;
+          load_row(src, dst, head_dim);
+          for (int64_t d = 0; d < head_dim; ++d) dst[d] *= static_cast<float>(scale);
         }
       // Row i of the tile sits at position first_pos + i of its sequence.
       const int64_t query_len = starts[item.request + 1] - starts[item.request];
@@ -288,89 +370,56 @@ void paged_attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tens
       const int64_t last_pos = first_pos + rows - 1;
       const int64_t lowest = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
       const int32_t* blocks = table + item.request * table_stride;
-      const int64_t head_offset = item.head_begin * head_dim;
+      const T* key_tiles = cache + item.kv_head * tile_size;
+      const T* value_tiles = cache + value_offset + item.kv_head * tile_size;
 
       for (int64_t span_begin = lowest; span_begin <= last_pos; span_begin += kSpan) {
         const int64_t count = std::min(kSpan, last_pos + 1 - span_begin);
-        for (int64_t t = 0, pos = span_begin; t < count;) {
-          const int64_t base = static_cast<int64_t>(blocks[pos / block_size]) * block_stride;
-          for (int64_t offset = pos % block_size; offset < block_size && t < count; ++offset, ++t, ++pos)
-            s.offsets[t] = base + offset * token_stride;
+        s.segments.clear();
+        for (int64_t t = 0; t < count;) {
+          const int64_t pos = span_begin + t;
+          const int64_t slot = pos % block_size;
+          const int64_t length = std::min(block_size - slot, count - t);
+          const int64_t block = blocks[pos / block_size];
+          s.segments.push_back({block, slot, length, t});
+          for (int64_t l = 0; l < length; ++l)
+            s.value_offsets[t + l] = block * block_stride + (slot + l) * head_dim;
+          t += length;
         }
-        // Scores q . k for every query vector and span position, by (row, KV head).
         for (int64_t i = 0; i < rows; ++i)
-          for (int64_t hh = 0; hh < heads; ++hh) {
-            const int64_t j = (i * heads + hh) * group;
-            score(cache + head_offset + hh * head_dim, s.offsets.data(), count, s.query.data() + j * head_dim,
-                  group, s.scores.data() + j * kSpan);
-          }
+          score_span(key_tiles, block_stride, block_size, head_dim, s.segments, s.query.data() + i * group * head_dim,
+                     group, s.keys.data(), s.scores.data() + i * group * kSpan);
         // Causal and window masks: only partly visible spans need one.
         for (int64_t i = 0; i < rows; ++i) {
           const int64_t pos = first_pos + i;
           const int64_t visible_begin = window > 0 ? std::max<int64_t>(0, pos - window + 1 - span_begin) : 0;
           const int64_t visible_end = std::min(count, pos + 1 - span_begin);
           if (visible_begin == 0 && visible_end == count) continue;
-          for (int64_t j = i * heads * group; j < (i + 1) * heads * group; ++j) {
+          for (int64_t j = i * group; j < (i + 1) * group; ++j) {
             float* sc = s.scores.data() + j * kSpan;
-            std::fill(sc, sc + std::min(std::max<int64_t>(visible_begin, 0), count), kMasked);
+            std::fill(sc, sc + std::min(visible_begin, count), kMasked);
             std::fill(sc + std::max<int64_t>(visible_end, 0), sc + count, kMasked);
           }
         }
-        // Online softmax: turn scores into weights, rescale what was accumulated.
-        for (int64_t j = 0; j < vectors; ++j) {
-          float* sc = s.scores.data() + j * kSpan;
-          Vec max_lanes(kMasked);
-          int64_t t = 0;
-          for (; t + kLanes <= count; t += kLanes) max_lanes = at::vec::maximum(max_lanes, Vec::loadu(sc + t));
-          float span_max = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); },
-                                                          max_lanes);
-          for (; t < count; ++t) span_max = std::max(span_max, sc[t]);
-          if (span_max <= kMasked) {
-            std::fill(sc, sc + count, 0.f);
-            continue;
-          }
-          const float new_max = std::max(s.row_max[j], span_max);
-          const float rescale = std::exp(s.row_max[j] - new_max);
-          const Vec max_vec(new_max);
-          Vec total(0.f);
-          for (t = 0; t + kLanes <= count; t += kLanes) {
-            const Vec raw = Vec::loadu(sc + t);
-            const Vec weight = Vec::blendv(Vec(0.f), (raw - max_vec).exp_u20(), raw > Vec(kMasked));
-            weight.store(sc + t);
-            total = total + weight;
-          }
-          float sum = sum_lanes(total);
-          for (; t < count; ++t) {
-            sc[t] = sc[t] <= kMasked ? 0.f : std::exp(sc[t] - new_max);
-            sum += sc[t];
-          }
-          s.row_sum[j] = s.row_sum[j] * rescale + sum;
-          s.row_max[j] = new_max;
-          if (rescale != 1.f) {
-            float* a = s.acc.data() + j * head_dim;
-            const Vec r(rescale);
-            for (int64_t c = 0; c < chunks; ++c) (Vec::loadu(a + c * kLanes) * r).store(a + c * kLanes);
-          }
-        }
-        // Weighted sum of the values, by (row, KV head).
-        for (int64_t i = 0; i < rows; ++i)
-          for (int64_t hh = 0; hh < heads; ++hh) {
-            const int64_t j = (i * heads + hh) * group;
-            accumulate(cache + value_offset + head_offset + hh * head_dim, s.offsets.data(), count,
-                       s.scores.data() + j * kSpan, group, s.acc.data() + j * head_dim);
-          }
+        softmax_span(s, vectors, count, head_dim);
+        accumulate(value_tiles, s.value_offsets.data(), count, s.scores.data(), vectors, s.acc.data());
       }
-      for (int64_t i = 0; i < rows; ++i)
-        for (int64_t hg = 0; hg < heads * group; ++hg) {
-          const int64_t j = i * heads * group + hg;
-          const Vec inv(s.row_sum[j] > 0.f ? 1.f / s.row_sum[j] : 0.f);
-          T* dst = out_data + (item.row_begin + i) * out_row_stride + (item.head_begin * group + hg) * out_head_stride;
-          float* a = s.acc.data() + j * head_dim;
-          for (int64_t c = 0; c < chunks; ++c) (Vec::loadu(a + c * kLanes) * inv).store(a + c * kLanes);
-          store_row(dst, a, head_dim);
-        }
+      for (int64_t j = 0; j < vectors; ++j) {
+        const int64_t i = j / group, g = j % group;
+        const float inv = s.row_sum[j] > 0.f ? 1.f / s.row_sum[j] : 0.f;
+        T* dst = out_data + (item.row_begin + i) * out_row_stride + (item.kv_head * group + g) * out_head_stride;
+        float* a = s.acc.data() + j * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) a[d] *= inv;
+        store_row(dst, a, head_dim);
+      }
     }
   });
+}
+
+void check_cache(const at::Tensor& kv_cache, int64_t num_kv_heads, int64_t head_dim, const char* op) {
+  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
+                  kv_cache.size(2) == num_kv_heads && kv_cache.size(3) % head_dim == 0,
+              op, ": kv_cache must be a contiguous [2, blocks, Hkv, block_size * D] tensor");
 }
 
 void check_attention_args(const at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
@@ -379,10 +428,8 @@ void check_attention_args(const at::Tensor& out, const at::Tensor& q, const at::
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_attention: q must be [T, H, D] with unit last stride");
   TORCH_CHECK(out.sizes() == q.sizes() && out.stride(2) == 1, "paged_attention: out must match q's shape");
   TORCH_CHECK(head_dim_supported(q.size(2)), "paged_attention: head_dim ", q.size(2), " is not supported here");
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
-              "paged_attention: kv_cache must be a contiguous [2, blocks, block_size, Hkv, D] tensor");
-  TORCH_CHECK(kv_cache.size(4) == q.size(2), "paged_attention: head_dim of q and kv_cache differ");
-  TORCH_CHECK(q.size(1) % kv_cache.size(3) == 0, "paged_attention: query heads must be a multiple of KV heads");
+  check_cache(kv_cache, kv_cache.size(2), q.size(2), "paged_attention");
+  TORCH_CHECK(q.size(1) % kv_cache.size(2) == 0, "paged_attention: query heads must be a multiple of KV heads");
   TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() && out.scalar_type() == q.scalar_type(),
               "paged_attention: q, out and kv_cache must share a dtype");
   for (const at::Tensor* t : {&block_table, &query_start_loc, &seq_lens, &requests})
@@ -401,6 +448,53 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv_c
     using scalar_t = decltype(tag);
     paged_attention_kernel<scalar_t>(out, q, kv_cache, block_table, query_start_loc, seq_lens, requests,
                                      scale, window);
+  });
+}
+
+// Stores k, v [T, Hkv, D] at their slots (block * block_size + offset; negative: skipped)
+// in the tiled layout: keys transposed per (block, head), values row-major.
+template <typename T>
+void write_kv_cache_kernel(at::Tensor& kv_cache, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots) {
+  const int64_t tokens = k.size(0);
+  const int64_t num_kv_heads = k.size(1);
+  const int64_t head_dim = k.size(2);
+  const int64_t block_size = kv_cache.size(3) / head_dim;
+  const int64_t tile_size = block_size * head_dim;
+  const int64_t block_stride = num_kv_heads * tile_size;
+  const int64_t value_offset = kv_cache.size(1) * block_stride;
+  const int64_t* slot_data = slots.data_ptr<int64_t>();
+  const T* k_data = k.data_ptr<T>();
+  const T* v_data = v.data_ptr<T>();
+  T* cache = kv_cache.data_ptr<T>();
+  at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t slot = slot_data[t];
+      if (slot < 0) continue;
+      const int64_t block = slot / block_size;
+      const int64_t offset = slot % block_size;
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        const T* key = k_data + t * k.stride(0) + h * k.stride(1);
+        const T* value = v_data + t * v.stride(0) + h * v.stride(1);
+        T* key_tile = cache + block * block_stride + h * tile_size + offset;
+        T* value_row = cache + value_offset + block * block_stride + h * tile_size + offset * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) key_tile[d * block_size] = key[d];
+        std::copy(value, value + head_dim, value_row);
+      }
+    }
+  });
+}
+
+void write_kv_cache(at::Tensor kv_cache, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots) {
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.stride(2) == 1 && v.stride(2) == 1,
+              "write_kv_cache: k and v must be [T, Hkv, D] with unit last stride");
+  check_cache(kv_cache, k.size(1), k.size(2), "write_kv_cache");
+  TORCH_CHECK(k.scalar_type() == kv_cache.scalar_type() && v.scalar_type() == kv_cache.scalar_type(),
+              "write_kv_cache: k, v and kv_cache must share a dtype");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.size(0) == k.size(0),
+              "write_kv_cache: slot_mapping must be contiguous int64 [T]");
+  dispatch_dtype(k.scalar_type(), "write_kv_cache", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    write_kv_cache_kernel<scalar_t>(kv_cache, k, v, slots);
   });
 }
 
@@ -569,6 +663,7 @@ TORCH_LIBRARY(servelab_cpu, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_table, Tensor query_start_loc, "
         "Tensor seq_lens, Tensor requests, float scale, int window) -> ()");
   m.def("supports_head_dim(int head_dim) -> bool");
+  m.def("write_kv_cache(Tensor(a!) kv_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()");
@@ -581,6 +676,7 @@ TORCH_LIBRARY_IMPL(servelab_cpu, CatchAll, m) {
 
 TORCH_LIBRARY_IMPL(servelab_cpu, CPU, m) {
   m.impl("paged_attention", &paged_attention);
+  m.impl("write_kv_cache", &write_kv_cache);
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rotary_embedding", &rotary_embedding);

@@ -23,10 +23,10 @@ def servelab_register_kv_caches():
 
 @hookimpl
 def servelab_register_attention_backends():
-    """naive, sdpa, cpu (native C++) and flash (Triton) attention."""
-    from servelab.plugins.attention import cpu, flash, naive, sdpa
+    """naive, sdpa, cpu (native C++) and flash (Triton) attention, and auto (picks one)."""
+    from servelab.plugins.attention import auto, cpu, flash, naive, sdpa
 
-    return [naive.SPEC, sdpa.SPEC, cpu.SPEC, flash.SPEC]
+    return [naive.SPEC, sdpa.SPEC, cpu.SPEC, flash.SPEC, auto.SPEC]
 
 
 @hookimpl

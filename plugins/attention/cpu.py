@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from servelab.core.attention import AttentionBackend, AttentionSpec, BatchLayout
 from servelab.core.component import ComponentSpec
 from servelab.kernels.cpu_ops import native_cpu_ops, native_cpu_unavailable_reason
-from servelab.plugins.attention.cache_ops import write_kv
 
 
 @dataclass
@@ -32,9 +31,10 @@ class CpuMetadata:
 
 class CpuAttention(AttentionBackend):
     """Requests with cached context go through ``servelab_cpu.paged_attention``: one pass
-    over each context straight from the block table, grouped-query heads sharing every
-    key/value load, online softmax in float32, threads over (request, KV head, query tile).
-    Fresh prefills use torch's fused SDPA on the new keys and values.
+    over each context straight from the block table in its own tiled cache layout
+    (``kv_cache_shape``), grouped-query heads sharing every key/value load, online softmax
+    in float32, threads over (request, KV head, query tile). Fresh prefills use torch's
+    fused SDPA on the new keys and values.
     """
 
     @classmethod
@@ -55,6 +55,12 @@ class CpuAttention(AttentionBackend):
         super().__init__(config, spec)
         self._ops = native_cpu_ops()
 
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """``[2, num_blocks, Hkv, block_size * D]``: per (block, KV head) a tile of keys
+        transposed ([D][block_size], so scores of consecutive positions are SIMD lanes) and
+        a tile of values row-major ([block_size][D])."""
+        return (2, num_blocks, self.spec.num_kv_heads, block_size * self.spec.head_dim)
+
     def build_metadata(self, layout: BatchLayout) -> CpuMetadata:
         """Sort requests into fresh prefills and cached-context requests."""
         window = self.spec.sliding_window
@@ -71,7 +77,7 @@ class CpuAttention(AttentionBackend):
                 meta: CpuMetadata, layer_index: int) -> torch.Tensor:
         """See ``AttentionBackend.forward``."""
         layout = meta.layout
-        write_kv(kv_cache, k, v, layout.slot_mapping)
+        self._ops.write_kv_cache(kv_cache, k, v, layout.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         gqa = self.spec.num_heads != self.spec.num_kv_heads
         for start, length in meta.fresh:

@@ -12,8 +12,11 @@ from servelab.testing import assert_engine_matches_transformers, mixed_prompts
 REGISTRY = get_registry()
 INTERPRETED = ("flash",)
 """Backends whose kernels run in Triton's interpreter on CPU: slow, so they get shorter prompts."""
+SELECTORS = ("auto",)
+"""Options that stand for another backend (tested in tests/unit/test_auto_attention.py)."""
 SCHEDULERS, CACHES = sorted(REGISTRY.specs("scheduler")), sorted(REGISTRY.specs("cache"))
-COMBINATIONS = list(itertools.product(SCHEDULERS, CACHES, sorted(set(REGISTRY.specs("attention")) - set(INTERPRETED))))
+BACKENDS = sorted(set(REGISTRY.specs("attention")) - set(INTERPRETED) - set(SELECTORS))
+COMBINATIONS = list(itertools.product(SCHEDULERS, CACHES, BACKENDS))
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])

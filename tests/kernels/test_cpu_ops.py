@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from servelab.kernels.cpu_ops import native_cpu_unavailable_reason
 from servelab.kernels.varlen_attention_reference import gather_context, varlen_paged_attention_reference
-from servelab.plugins.attention.cache_ops import attention_mask
+from servelab.plugins.attention.cache_ops import attention_mask, write_kv
 
 pytestmark = pytest.mark.skipif(native_cpu_unavailable_reason() is not None,
                                 reason=f"native CPU ops: {native_cpu_unavailable_reason()}")
@@ -28,10 +28,19 @@ def ops():
     return torch.ops.servelab_cpu
 
 
+def tiled(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The standard [2, blocks, block_size, Hkv, D] cache in attention=cpu's layout
+    [2, blocks, Hkv, block_size * D]: keys transposed per (block, head), values row-major."""
+    keys = kv_cache[0].permute(0, 2, 3, 1)
+    values = kv_cache[1].permute(0, 2, 1, 3)
+    blocks, heads = keys.shape[:2]
+    return torch.stack([keys.reshape(blocks, heads, -1), values.reshape(blocks, heads, -1)]).contiguous()
+
+
 def run_kernel(batch: dict, requests: list[int], window: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
     """paged_attention over ``requests`` of ``batch`` (a tests/kernels/conftest.py batch)."""
     out = torch.zeros_like(batch["q"]) if out is None else out
-    ops().paged_attention(out, batch["q"], batch["kv_cache"], batch["block_table"], batch["query_start_loc"],
+    ops().paged_attention(out, batch["q"], tiled(batch["kv_cache"]), batch["block_table"], batch["query_start_loc"],
                           batch["seq_lens"], torch.tensor(requests, dtype=torch.int32), batch["scale"], window)
     return out
 
@@ -86,8 +95,24 @@ def test_paged_attention_rejects_bad_arguments(paged_batch):
     batch = paged_batch([10], [1], 4, 2, 16, 16, torch.float32)
     with pytest.raises(RuntimeError, match="share a dtype"):
         run_kernel({**batch, "kv_cache": batch["kv_cache"].to(torch.bfloat16)}, [0])
+    with pytest.raises(RuntimeError, match="head_dim 24 is not supported"):
+        run_kernel(paged_batch([10], [1], 4, 2, 24, 16, torch.float32), [0])
     with pytest.raises(RuntimeError, match="int32"):
         run_kernel({**batch, "seq_lens": batch["seq_lens"].long()}, [0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_cache_places_rows_in_the_tiled_layout(dtype):
+    """Rows written at their slots read back like the standard layout's write; slot -1 is skipped."""
+    blocks, block_size, heads, head_dim = 5, 4, 2, 16
+    k, v = torch.randn(6, heads, head_dim).to(dtype), torch.randn(6, heads, head_dim).to(dtype)
+    slots = torch.tensor([0, 7, 9, 19, -1, 3], dtype=torch.int64)
+    standard = torch.zeros(2, blocks, block_size, heads, head_dim, dtype=dtype)
+    keep = slots >= 0
+    write_kv(standard, k[keep], v[keep], slots[keep])
+    cache = torch.zeros(2, blocks, heads, block_size * head_dim, dtype=dtype)
+    ops().write_kv_cache(cache, k, v, slots)
+    assert torch.equal(cache, tiled(standard))
 
 
 def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
