@@ -10,7 +10,10 @@ Each engine runs in its own fresh process, one after the other; vLLM runs with t
 Python of its own environment (``--vllm-python``), servelab with this one.
 
     python benchmarks/compare_vllm.py --vllm-python /path/to/vllm-venv/bin/python \\
-        --models 26m 3m --dtypes float32 bfloat16 --out docs/results/compare_vllm.json
+        --models 26m 3m --dtypes float32 bfloat16 --repeats 3 --out docs/results/compare_vllm.json
+
+This machine's speed drifts by tens of percent from minute to minute, so ``--repeats``
+alternates the engines and the table reports medians (and every run).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -105,7 +109,9 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float32"])
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--output-tokens", type=int, default=128)
-    parser.add_argument("--overrides", nargs="*", default=["attention=sdpa"], help="servelab Hydra overrides")
+    parser.add_argument("--overrides", nargs="*", default=["attention=cpu"], help="servelab Hydra overrides")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs per engine, alternating servelab and vLLM; the table shows medians")
     parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "servelab-compare"))
     parser.add_argument("--out", help="write the rows as JSON here")
     parser.add_argument("--servelab-worker", nargs=3, metavar=("FOLDER", "WORKLOAD", "DTYPE"), help=argparse.SUPPRESS)
@@ -116,24 +122,26 @@ def main() -> None:
     os.makedirs(args.workdir, exist_ok=True)
     workload = make_workload(os.path.join(args.workdir, "workload.json"), args.requests, args.output_tokens)
     rows = []
-    print("| model | dtype | servelab tok/s | vLLM tok/s | ratio | first outputs equal |")
-    print("|---|---|---:|---:|---:|---|")
+    print("| model | dtype | servelab tok/s | vLLM tok/s | ratio | servelab runs | vLLM runs | first outputs equal |")
+    print("|---|---|---:|---:|---:|---|---|---|")
     for name in args.models:
         folder = make_checkpoint(os.path.join(args.workdir, name), name)
         for dtype in args.dtypes:
-            ours = in_fresh_process([sys.executable, __file__, "--servelab-worker", folder, workload, dtype,
-                                     "--overrides", *args.overrides])
-            theirs = None
-            if args.vllm_python:
-                env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="4")
-                theirs = in_fresh_process([args.vllm_python, os.path.join(HERE, "vllm_offline.py"), folder,
-                                           workload, dtype], env)
-            row = {"model": name, "dtype": dtype, "servelab": ours, "vllm": theirs}
-            rows.append(row)
-            ours_tps = ours["output_tokens"] / ours["seconds"]
-            theirs_tps = theirs["output_tokens"] / theirs["seconds"] if theirs else float("nan")
-            same = theirs is not None and theirs["first_outputs"] == ours["first_outputs"]
-            print(f"| {name} | {dtype} | {ours_tps:.1f} | {theirs_tps:.1f} | {ours_tps / theirs_tps:.2f}x | {same} |",
+            ours, theirs = [], []
+            for _ in range(args.repeats):
+                ours.append(in_fresh_process([sys.executable, __file__, "--servelab-worker", folder, workload, dtype,
+                                              "--overrides", *args.overrides]))
+                if args.vllm_python:
+                    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="4")
+                    theirs.append(in_fresh_process([args.vllm_python, os.path.join(HERE, "vllm_offline.py"), folder,
+                                                    workload, dtype], env))
+            rows.append({"model": name, "dtype": dtype, "servelab": ours, "vllm": theirs})
+            ours_tps = [run["output_tokens"] / run["seconds"] for run in ours]
+            theirs_tps = [run["output_tokens"] / run["seconds"] for run in theirs] or [float("nan")]
+            same = bool(theirs) and theirs[0]["first_outputs"] == ours[0]["first_outputs"]
+            ours_median, theirs_median = statistics.median(ours_tps), statistics.median(theirs_tps)
+            print(f"| {name} | {dtype} | {ours_median:.1f} | {theirs_median:.1f} | {ours_median / theirs_median:.2f}x | "
+                  f"{' '.join(f'{x:.0f}' for x in ours_tps)} | {' '.join(f'{x:.0f}' for x in theirs_tps)} | {same} |",
                   flush=True)
     if args.out:
         with open(args.out, "w") as f:

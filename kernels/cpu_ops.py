@@ -33,10 +33,15 @@ def capability_flags() -> list[str]:
     return ["-DCPU_CAPABILITY=DEFAULT"]
 
 
+def native_cpu_enabled() -> bool:
+    """False when ``SERVELAB_NATIVE_CPU=0`` turns servelab's CPU-specific fast paths off."""
+    return os.environ.get(DISABLE_VARIABLE, "1") != "0"
+
+
 @functools.lru_cache(maxsize=None)
 def native_cpu_unavailable_reason() -> str | None:
     """Why the native CPU ops cannot be used here (None when they are built and loaded)."""
-    if os.environ.get(DISABLE_VARIABLE, "1") == "0":
+    if not native_cpu_enabled():
         return f"{DISABLE_VARIABLE}=0"
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:

