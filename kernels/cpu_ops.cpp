@@ -15,6 +15,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -58,12 +61,35 @@ inline void load_row(const T* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = to_float(src[i]);
 }
 
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+// CPUs with AVX512-BF16 round 32 float32 values to bfloat16 (nearest even) in one
+// instruction, where the generic conversion takes about ten per vector.
+constexpr bool kNativeBf16 = true;
+
+inline __m512i pack_bf16(const float* src) {
+  return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src)));
+}
+
+inline void unpack_bf16(__m512i packed, float* dst) {
+  const __m512i low = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(packed));
+  const __m512i high = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(packed, 1));
+  _mm512_storeu_si512(dst, _mm512_slli_epi32(low, 16));
+  _mm512_storeu_si512(dst + 16, _mm512_slli_epi32(high, 16));
+}
+#else
+constexpr bool kNativeBf16 = false;
+#endif
+
 // dst[0:n] = src[0:n] rounded to T (two vectors at a time: full-width stores).
 template <typename T>
 inline void store_row(T* dst, const float* src, int64_t n) {
   int64_t i = 0;
   if constexpr (std::is_same_v<T, float>) {
     for (; i + kLanes <= n; i += kLanes) Vec::loadu(src + i).store(dst + i);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16> && kNativeBf16) {
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+    for (; i + 32 <= n; i += 32) _mm512_storeu_si512(dst + i, pack_bf16(src + i));
+#endif
   } else {
     for (; i + 2 * kLanes <= n; i += 2 * kLanes)
       at::vec::convert_from_float<T>(Vec::loadu(src + i), Vec::loadu(src + i + kLanes)).store(dst + i);
@@ -75,7 +101,12 @@ inline void store_row(T* dst, const float* src, int64_t n) {
 template <typename T>
 inline void round_row(float* x, int64_t n) {
   int64_t i = 0;
-  if constexpr (!std::is_same_v<T, float>) {
+  if constexpr (std::is_same_v<T, c10::BFloat16> && kNativeBf16) {
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+    for (; i + 32 <= n; i += 32) unpack_bf16(pack_bf16(x + i), x + i);
+#endif
+    for (; i < n; ++i) x[i] = round_to<T>(x[i]);
+  } else if constexpr (!std::is_same_v<T, float>) {
     for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
       const auto [low, high] = at::vec::convert_to_float<T>(
           at::vec::convert_from_float<T>(Vec::loadu(x + i), Vec::loadu(x + i + kLanes)));
