@@ -15,13 +15,15 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#if defined(CPU_CAPABILITY_AVX512)
-#include <immintrin.h>
-#endif
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
+
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define SERVELAB_AVX512_BF16 1
+#endif
 
 namespace {
 
@@ -61,11 +63,9 @@ inline void load_row(const T* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = to_float(src[i]);
 }
 
-#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+#ifdef SERVELAB_AVX512_BF16
 // CPUs with AVX512-BF16 round 32 float32 values to bfloat16 (nearest even) in one
 // instruction, where the generic conversion takes about ten per vector.
-constexpr bool kNativeBf16 = true;
-
 inline __m512i pack_bf16(const float* src) {
   return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src)));
 }
@@ -76,8 +76,6 @@ inline void unpack_bf16(__m512i packed, float* dst) {
   _mm512_storeu_si512(dst, _mm512_slli_epi32(low, 16));
   _mm512_storeu_si512(dst + 16, _mm512_slli_epi32(high, 16));
 }
-#else
-constexpr bool kNativeBf16 = false;
 #endif
 
 // dst[0:n] = src[0:n] rounded to T (two vectors at a time: full-width stores).
@@ -86,11 +84,13 @@ inline void store_row(T* dst, const float* src, int64_t n) {
   int64_t i = 0;
   if constexpr (std::is_same_v<T, float>) {
     for (; i + kLanes <= n; i += kLanes) Vec::loadu(src + i).store(dst + i);
-  } else if constexpr (std::is_same_v<T, c10::BFloat16> && kNativeBf16) {
-#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+  }
+#ifdef SERVELAB_AVX512_BF16
+  else if constexpr (std::is_same_v<T, c10::BFloat16>) {
     for (; i + 32 <= n; i += 32) _mm512_storeu_si512(dst + i, pack_bf16(src + i));
+  }
 #endif
-  } else {
+  else {
     for (; i + 2 * kLanes <= n; i += 2 * kLanes)
       at::vec::convert_from_float<T>(Vec::loadu(src + i), Vec::loadu(src + i + kLanes)).store(dst + i);
   }
@@ -100,18 +100,20 @@ inline void store_row(T* dst, const float* src, int64_t n) {
 // x[0:n] rounded through T in place, as storing an intermediate tensor in T does.
 template <typename T>
 inline void round_row(float* x, int64_t n) {
-  int64_t i = 0;
-  if constexpr (std::is_same_v<T, c10::BFloat16> && kNativeBf16) {
-#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
-    for (; i + 32 <= n; i += 32) unpack_bf16(pack_bf16(x + i), x + i);
+  if constexpr (!std::is_same_v<T, float>) {
+    int64_t i = 0;
+#ifdef SERVELAB_AVX512_BF16
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      for (; i + 32 <= n; i += 32) unpack_bf16(pack_bf16(x + i), x + i);
+    } else
 #endif
-    for (; i < n; ++i) x[i] = round_to<T>(x[i]);
-  } else if constexpr (!std::is_same_v<T, float>) {
-    for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
-      const auto [low, high] = at::vec::convert_to_float<T>(
-          at::vec::convert_from_float<T>(Vec::loadu(x + i), Vec::loadu(x + i + kLanes)));
-      low.store(x + i);
-      high.store(x + i + kLanes);
+    {
+      for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
+        const auto [low, high] = at::vec::convert_to_float<T>(
+            at::vec::convert_from_float<T>(Vec::loadu(x + i), Vec::loadu(x + i + kLanes)));
+        low.store(x + i);
+        high.store(x + i + kLanes);
+      }
     }
     for (; i < n; ++i) x[i] = round_to<T>(x[i]);
   }
@@ -173,11 +175,8 @@ inline void prefetch(const void* data, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
 }
 
-// Query vectors scored together: their accumulators stay in registers while the keys of
-// kLanes positions stream through.
-constexpr int64_t kMaxScoreVectors = 8;
-
-// scores[j * kSpan + t] = q_j . k_t for NV query vectors (float32, scaled, rows of D) and
+// NV query vectors scored together, their accumulators in registers while the keys of
+// kLanes positions stream through: scores[j * kSpan + t] = q_j . k_t for the NV vectors (float32, scaled, rows of D) and
 // the kLanes (or fewer, `lanes`) positions whose float32 keys are `keys` [D][kLanes].
 template <int NV>
 inline void score_lanes(const float* keys, int64_t head_dim, const float* query, int64_t lanes, float* scores) {
