@@ -10,8 +10,10 @@ from servelab.core.attention import AttentionBackend, AttentionSpec
 from servelab.core.component import ComponentSpec
 from servelab.core.errors import ConfigError
 
-PREFERENCE = {"cpu": ("cpu", "sdpa")}
-"""Backends tried in order, per device type; any other device gets ``sdpa``."""
+PREFERENCE = {"cpu": ("cpu",)}
+"""Backends tried first, in order, per device type."""
+FALLBACK = "sdpa"
+"""The backend when none of the preferred ones can run (it runs on every device)."""
 
 
 @dataclass
@@ -27,12 +29,12 @@ class AutoAttention(AttentionBackend):
     @classmethod
     def resolve(cls, config, spec: AttentionSpec, registry):
         """The chosen backend's default config."""
-        for name in PREFERENCE.get(spec.device.type, ()) + ("sdpa",):
+        for name in PREFERENCE.get(spec.device.type, ()):
             candidate = registry.get("attention", name)
             chosen = OmegaConf.structured(candidate.config_cls)
             if not candidate.cls.unsupported_reasons(OmegaConf.to_object(chosen), spec):
                 return chosen
-        return chosen
+        return OmegaConf.structured(registry.get("attention", FALLBACK).config_cls)
 
     def forward(self, q, k, v, kv_cache, meta, layer_index):
         """Never runs: the engine builds the backend ``resolve`` picks."""

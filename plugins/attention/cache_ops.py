@@ -32,3 +32,9 @@ def attention_mask(query_len: int, seq_len: int, sliding_window: int | None, dev
     if sliding_window is not None:
         allowed &= key_pos > query_pos - sliding_window
     return allowed
+
+
+def reads_only_new_tokens(query_len: int, seq_len: int, sliding_window: int | None) -> bool:
+    """True when a request's attention is plain causal attention over its new tokens: no
+    cached context and no window shorter than the sequence (a fresh prefill)."""
+    return seq_len == query_len and (sliding_window is None or sliding_window >= seq_len)

@@ -5,11 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from servelab.core.attention import AttentionBackend, AttentionSpec, BatchLayout
 from servelab.core.component import ComponentSpec
 from servelab.kernels.cpu_ops import native_cpu_ops, native_cpu_unavailable_reason
+from servelab.plugins.attention.cache_ops import reads_only_new_tokens
+from servelab.plugins.attention.sdpa import sdpa_one_request
 
 
 @dataclass
@@ -66,7 +67,7 @@ class CpuAttention(AttentionBackend):
         window = self.spec.sliding_window
         fresh, cached, start = [], [], 0
         for r, (query_len, seq_len) in enumerate(zip(layout.query_lens, layout.seq_lens_list)):
-            if query_len > 1 and seq_len == query_len and (window is None or window >= seq_len):
+            if query_len > 1 and reads_only_new_tokens(query_len, seq_len, window):
                 fresh.append((start, query_len))
             else:
                 cached.append(r)
@@ -82,10 +83,7 @@ class CpuAttention(AttentionBackend):
         gqa = self.spec.num_heads != self.spec.num_kv_heads
         for start, length in meta.fresh:
             rows = slice(start, start + length)
-            # 4-D inputs take torch's fused CPU kernel; 3-D ones fall back to the math path
-            out[rows] = F.scaled_dot_product_attention(
-                q[rows].transpose(0, 1)[None], k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None],
-                is_causal=True, scale=self.spec.scale, enable_gqa=gqa)[0].transpose(0, 1)
+            out[rows] = sdpa_one_request(q[rows], k[rows], v[rows], self.spec.scale, gqa)
         if meta.cached.numel():
             self._ops.paged_attention(out, q, kv_cache, layout.block_table, layout.query_start_loc, layout.seq_lens,
                                       meta.cached, self.spec.scale, self.spec.sliding_window or 0)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from servelab.core.attention import AttentionBackend, BatchLayout
 from servelab.core.component import ComponentSpec
-from servelab.plugins.attention.cache_ops import attention_mask, write_kv
+from servelab.plugins.attention.cache_ops import attention_mask, reads_only_new_tokens, write_kv
 
 
 @dataclass
@@ -49,6 +49,16 @@ class SdpaMetadata:
     prefills: tuple[PrefillPart, ...]
 
 
+def sdpa_one_request(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, gqa: bool,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of one request's query rows q [n, H, D] over keys/values [m, Hkv, D]:
+    causal when ``mask`` is None, else ``mask`` [n, m] (True = may attend). Returns [n, H, D]."""
+    # 4-D inputs take torch's fused CPU kernel; 3-D ones fall back to the math path
+    result = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                            attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa)
+    return result[0].transpose(0, 1)
+
+
 MAX_DECODE_BUCKETS = 4
 MIN_BUCKET_REQUESTS = 16
 """Decodes are sorted by context length and split into up to 4 buckets of >= 16
@@ -80,7 +90,7 @@ class SdpaAttention(AttentionBackend):
         for r, (query_len, seq_len) in enumerate(zip(layout.query_lens, layout.seq_lens_list)):
             if query_len == 1:
                 continue
-            fresh = seq_len == query_len and (window is None or window >= seq_len)
+            fresh = reads_only_new_tokens(query_len, seq_len, window)
             num_blocks = -(-seq_len // size)
             blocks = None if fresh else layout.block_table[r, :num_blocks].long()
             mask = None
@@ -136,11 +146,7 @@ class SdpaAttention(AttentionBackend):
                 keys, values = k[rows], v[rows]
             else:
                 keys, values = self._gather(kv_cache, part.blocks)
-            # 4-D inputs take torch's fused CPU kernel; 3-D ones fall back to the math path
-            result = F.scaled_dot_product_attention(
-                q[rows].transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-                attn_mask=part.mask, is_causal=part.mask is None, scale=scale, enable_gqa=gqa)
-            out[rows] = result[0].transpose(0, 1)
+            out[rows] = sdpa_one_request(q[rows], keys, values, scale, gqa, part.mask)
         for bucket in meta.buckets:
             keys, values = self._gather(kv_cache, bucket.blocks)
             out[bucket.rows] = F.scaled_dot_product_attention(
