@@ -1,0 +1,58 @@
+"""The CPU linear layer: oneDNN-prepacked weights, row buckets, kernel warm-up."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from servelab.kernels.cpu_ops import native_cpu_enabled
+from servelab.plugins.models.layers import Linear, padded_rows, warm_up_linears
+
+packing = pytest.mark.skipif(not (native_cpu_enabled() and torch.backends.mkldnn.is_available()),
+                             reason="the prepacked oneDNN path is off here")
+
+
+def test_row_buckets_are_few_and_waste_little():
+    buckets = {padded_rows(rows) for rows in range(1, 8193)}
+    assert len(buckets) <= 80
+    for rows in range(1, 8193):
+        padded = padded_rows(rows)
+        assert padded >= rows
+        assert padded == rows or rows > 16
+        if rows > 128:
+            assert padded <= rows * 1.125, rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 17, 130, 300])
+def test_packed_linear_matches_f_linear(dtype, rows):
+    torch.manual_seed(0)
+    layer = Linear(64, 48, bias=True).to(dtype)
+    x = torch.randn(rows, 64, dtype=dtype)
+    with torch.inference_mode():
+        out = layer(x)
+    assert out.shape == (rows, 48) and out.is_contiguous()
+    expected = F.linear(x.float(), layer.weight.float(), layer.bias.float())
+    tolerance = 1e-4 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_packed_linear_keeps_leading_dims_and_follows_weight_updates():
+    torch.manual_seed(0)
+    layer = Linear(32, 16, bias=False)
+    x = torch.randn(3, 19, 32)
+    with torch.inference_mode():
+        first = layer(x)
+    assert first.shape == (3, 19, 16)
+    with torch.no_grad():
+        layer.weight.mul_(2)
+    with torch.inference_mode():
+        second = layer(x)
+    torch.testing.assert_close(second, 2 * first, atol=1e-4, rtol=1e-4)
+
+
+@packing
+def test_warm_up_visits_each_distinct_shape_once_per_bucket():
+    model = torch.nn.Sequential(Linear(32, 64), Linear(32, 64), Linear(64, 32))
+    buckets = {padded_rows(rows) for rows in range(1, 41)}
+    assert warm_up_linears(model, 40) == 2 * len(buckets)
+    assert warm_up_linears(model, 0) == 0
