@@ -15,4 +15,9 @@ class InvalidRequestError(ValueError):
 
     def __init__(self, field: str, message: str):
         self.field = field
+        self.message = message
         super().__init__(f"{field}: {message}")
+
+    def __reduce__(self):
+        """Pickle by field and message (the server gets it from the engine process)."""
+        return type(self), (self.field, self.message)

@@ -2,8 +2,8 @@
 
 The public API: ``LLM`` for offline generation, ``SamplingParams`` per request,
 ``LLMEngine`` for step-by-step control, and the output types. They are imported on first
-access, so ``import servelab.<module>`` does not load torch by itself (the server sets the
-OpenMP environment before torch starts; see ``servelab.server.cli``).
+access, so ``import servelab.<module>`` does not load torch by itself (tools and the
+server's processes import only what they use).
 """
 
 from __future__ import annotations

@@ -157,7 +157,7 @@ async def version() -> JSONResponse:
 
 
 def create_app(state: ServerState) -> FastAPI:
-    """The application over ``state``; its lifespan starts the engine thread and, at
+    """The application over ``state``; its lifespan starts receiving from the engine and, at
     shutdown, drains (``server.drain_timeout_s``) and stops it."""
 
     @asynccontextmanager

@@ -1,24 +1,21 @@
-"""Drives one ``LLMEngine`` on its own thread for an asyncio server.
+"""The server's handle on the engine process, used from one asyncio event loop.
 
-The engine is not thread-safe, so only the engine thread touches it (and its tokenizer).
-The asyncio side sends commands, plain callables, through a thread-safe queue and awaits
-their results through futures; each step's outputs come back in one
-``loop.call_soon_threadsafe`` call and are routed to the ``OutputStream`` that owns each
-request. The loop blocks on the queue while the engine is idle, so an idle server costs
-nothing.
+Commands go to the engine process through its pipe (``engine_loop`` lists them); a reader
+thread receives its messages and hands each to the event loop in one
+``loop.call_soon_threadsafe`` call, which settles pending adds, feeds the metrics and
+routes each step's delta outputs to the ``OutputStream`` that owns the request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
-from typing import Any, Callable, TypeVar
+from typing import Callable, TypeVar
 
-from servelab.core.errors import InvalidRequestError
-from servelab.core.outputs import RequestOutput
 from servelab.core.sampling_params import SamplingParams
+from servelab.server.engine_loop import EngineInfo, StepReport
+from servelab.server.engine_process import EngineProcess
 from servelab.server.errors import EngineDeadError, RequestAbortedError
 from servelab.server.metrics import ServerMetrics
 from servelab.server.output_stream import OutputStream
@@ -26,29 +23,31 @@ from servelab.server.output_stream import OutputStream
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-_STOP = object()
 
 
 class AsyncEngine:
-    """An ``LLMEngine`` on a dedicated thread, used from one asyncio event loop."""
+    """The engine process seen from the event loop: add and abort requests, stream their
+    outputs, answer tokenizer questions locally (``call``)."""
 
-    def __init__(self, engine: Any, metrics: ServerMetrics):
-        self.engine = engine
+    def __init__(self, process: EngineProcess, metrics: ServerMetrics):
+        self.process = process
+        self.engine: EngineInfo = process.info
         self.metrics = metrics
         self.dead: BaseException | None = None
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, OutputStream] = {}  # touched on the event loop only
+        self._streams: dict[str, OutputStream] = {}
+        self._adding: dict[str, asyncio.Future] = {}
         self._idle = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._reader: threading.Thread | None = None
+        self._stopping = False
 
-    # -- lifecycle (event loop) ---------------------------------------------------------------
+    # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
-        """Start the engine thread; call from the running event loop."""
+        """Start receiving from the engine process; call from the running event loop."""
         self._loop = asyncio.get_running_loop()
         self._idle.set()
-        self._thread = threading.Thread(target=self._run, name="servelab-engine", daemon=True)
-        self._thread.start()
+        self._reader = threading.Thread(target=self._receive, name="servelab-engine-reader", daemon=True)
+        self._reader.start()
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no request is in flight; False if ``timeout`` seconds passed first."""
@@ -65,16 +64,20 @@ class AsyncEngine:
         self.abort(list(self._streams))
 
     async def stop(self) -> None:
-        """Abort what is left, stop the engine thread and shut the engine down."""
-        if self._thread is None:
+        """Abort what is left, stop the engine process and wait for it to exit."""
+        if self._reader is None:
             return
         self.abort_all(RequestAbortedError())
-        self._commands.put(_STOP)
-        await asyncio.to_thread(self._thread.join)
-        self._thread = None
-        self.metrics.close()
+        self._stopping = True
+        try:
+            self.process.send(("stop",))
+        except OSError:  # already gone
+            pass
+        await asyncio.to_thread(self.process.join)
+        await asyncio.to_thread(self._reader.join)
+        self._reader = None
 
-    # -- requests (event loop) ----------------------------------------------------------------
+    # -- requests -----------------------------------------------------------------------------
     @property
     def num_in_flight(self) -> int:
         """Requests added and not finished yet."""
@@ -84,54 +87,91 @@ class AsyncEngine:
         """A new stream to add one API call's prompts to."""
         return OutputStream(self)
 
-    async def call(self, fn: Callable[[Any], T]) -> T:
-        """Run ``fn(engine)`` on the engine thread between steps; return its result or raise
-        its exception here."""
-        if self.dead is not None or self._thread is None:
-            raise EngineDeadError("the engine is not running" if self.dead is None
-                                  else f"the engine loop failed: {self.dead!r}")
-        loop = self._loop
-        future = loop.create_future()
-
-        def command(engine: Any) -> None:
-            try:
-                if self.dead is not None:
-                    raise EngineDeadError(f"the engine loop failed: {self.dead!r}")
-                result = fn(engine)
-            except BaseException as exc:  # handed to the awaiting coroutine
-                loop.call_soon_threadsafe(_settle, future, None, exc)
-            else:
-                loop.call_soon_threadsafe(_settle, future, result, None)
-
-        self._commands.put(command)
-        return await future
+    async def call(self, fn: Callable[[EngineInfo], T]) -> T:
+        """``fn(engine info)``: tokenizer work and limits, answered here without a trip to
+        the engine process; raises ``EngineDeadError`` once the engine has failed."""
+        self._check_alive()
+        return fn(self.engine)
 
     async def add(self, stream: OutputStream, prompt: str | list[int], params: SamplingParams,
                   request_id: str, arrival_time: float) -> int:
         """Validate and queue a request whose outputs go to ``stream``; returns its prompt
         length. Raises ``InvalidRequestError`` (nothing queued) for a bad request."""
+        self._check_alive()
         self._streams[request_id] = stream
         self._idle.clear()
+        added = self._loop.create_future()
+        self._adding[request_id] = added
         try:
-            return await self.call(lambda engine: self._add(engine, prompt, params, request_id, arrival_time))
-        except BaseException:  # rejected, or cancelled while the engine thread may add it
+            self._send(("add", request_id, prompt, params, arrival_time))
+            length = await added
+        except BaseException:  # rejected, or cancelled while the engine may have added it
             self.abort([request_id])
             raise
+        finally:
+            self._adding.pop(request_id, None)
+        self.metrics.prompt_tokens.inc(length)
+        return length
 
     def abort(self, request_ids: list[str]) -> None:
         """Abort requests (unknown or finished ids are ignored); returns at once."""
         for request_id in request_ids:
             self._forget(request_id)
-        if request_ids and self._thread is not None:
-            self._commands.put(lambda engine: self._abort(engine, request_ids))
+        if request_ids and self.dead is None and self._reader is not None:
+            self._send(("abort", request_ids))
+
+    def _check_alive(self) -> None:
+        if self.dead is not None or self._reader is None:
+            raise EngineDeadError("the engine is not running" if self.dead is None
+                                  else f"the engine loop failed: {self.dead}")
+
+    def _send(self, message: tuple) -> None:
+        try:
+            self.process.send(message)
+        except OSError as exc:  # the engine process is gone; the reader reports it
+            raise EngineDeadError(f"the engine process is gone: {exc!r}") from exc
 
     def _forget(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
         if not self._streams:
             self._idle.set()
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        for output in outputs:
+    # -- messages from the engine process (reader thread, then the event loop) ----------------
+    def _receive(self) -> None:
+        while True:
+            try:
+                message = self.process.recv()
+            except (EOFError, OSError):
+                if not self._stopping:
+                    code = self.process.exitcode
+                    self._loop.call_soon_threadsafe(self._on_failed, f"the engine process exited (code {code})")
+                return
+            self._loop.call_soon_threadsafe(self._on_message, message)
+
+    def _on_message(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "report":
+            self._on_report(message[1])
+        elif kind == "added":
+            _, request_id, length, error = message
+            future = self._adding.get(request_id)
+            if future is not None and not future.done():
+                if error is None:
+                    future.set_result(length)
+                else:
+                    future.set_exception(error)
+        elif kind == "failed":
+            self._on_failed(message[1])
+
+    def _on_report(self, report: StepReport) -> None:
+        metrics = self.metrics
+        for stats in report.stats:
+            metrics.observe_step(stats)
+        metrics.set_gauges(report.num_running, report.num_waiting, report.kv_usage)
+        metrics.record_aborted(report.num_aborted)
+        for output in report.outputs:
+            if output.finished:
+                metrics.record_finished(output)
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
@@ -139,89 +179,15 @@ class AsyncEngine:
                 self._forget(output.request_id)
             stream.put(output)
 
-    def _fail_all(self, exc: BaseException) -> None:
-        self.abort_all(EngineDeadError(f"the engine loop failed: {exc!r}"))
-
-    # -- the engine thread --------------------------------------------------------------------
-    def _add(self, engine: Any, prompt: str | list[int], params: SamplingParams, request_id: str,
-             arrival_time: float) -> int:
-        token_ids = engine.tokenize(prompt)
-        engine.check_request(token_ids, params)
-        if params.max_tokens is not None and len(token_ids) + params.max_tokens > engine.max_model_len:
-            raise InvalidRequestError("max_tokens", (
-                f"This model's maximum context length is {engine.max_model_len} tokens. However, you requested "
-                f"{len(token_ids) + params.max_tokens} tokens ({len(token_ids)} in the prompt, {params.max_tokens} "
-                f"in the completion). Please reduce the length of the prompt or completion."))
-        engine.add_request(prompt, params, request_id, arrival_time=arrival_time, output_kind="delta")
-        self.metrics.prompt_tokens.inc(len(token_ids))
-        return len(token_ids)
-
-    def _abort(self, engine: Any, request_ids: list[str]) -> None:
-        groups = engine.outputs.groups
-        aborted = sum(len(groups[r].children) for r in request_ids if r in groups)
-        engine.abort_request(request_ids)
-        self.metrics.record_aborted(aborted)
-
-    def _run(self) -> None:
-        engine = self.engine
-        try:
-            while self._run_commands(block=not engine.has_unfinished_requests()):
-                if engine.has_unfinished_requests():
-                    outputs = engine.step()
-                    self._finish_outputs(outputs)
-                    if outputs:
-                        self._loop.call_soon_threadsafe(self._deliver, outputs)
-                self.metrics.update_gauges(engine)
-        except BaseException as exc:  # a bug in the engine: fail every request, stay up for /health
-            log.exception("the engine loop failed")
-            self.dead = exc
-            self._loop.call_soon_threadsafe(self._fail_all, exc)
-            self._drain_until_stop()
-        finally:
-            engine.shutdown()
-            self.metrics.update_gauges(engine)
-
-    def _run_commands(self, block: bool) -> bool:
-        """Run queued commands (waiting for one when ``block``); False on the stop command."""
-        commands = [self._commands.get()] if block else []
-        while True:
-            try:
-                commands.append(self._commands.get_nowait())
-            except queue.Empty:
-                break
-        for command in commands:
-            if command is _STOP:
-                return False
-            command(self.engine)
-        return True
-
-    def _drain_until_stop(self) -> None:
-        """After a failure: keep answering commands (calls fail with ``EngineDeadError``)
-        until told to stop."""
-        while (command := self._commands.get()) is not _STOP:
-            try:
-                command(self.engine)
-            except Exception:
-                log.exception("command failed after the engine loop failed")
-
-    def _finish_outputs(self, outputs: list[RequestOutput]) -> None:
-        """Decode logprob tokens (the tokenizer lives on this thread) and record finished
-        requests in the metrics."""
-        decode = self.engine.tokenizer.decode if self.engine.tokenizer is not None else None
-        for output in outputs:
-            for completion in output.outputs:
-                for entry in completion.logprobs or ():
-                    for logprob in entry.values():
-                        if logprob.decoded_token is None:
-                            logprob.decoded_token = decode([logprob.token_id]) if decode else str(logprob.token_id)
-            if output.finished:
-                self.metrics.record_finished(output)
-
-
-def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
-    if future.cancelled():
-        return
-    if exc is not None:
-        future.set_exception(exc)
-    else:
-        future.set_result(result)
+    def _on_failed(self, reason: str) -> None:
+        """The engine loop failed or its process died: fail every request, stay up for
+        /health to report it."""
+        if self.dead is not None:
+            return
+        log.error("the engine failed: %s", reason)
+        self.dead = RuntimeError(reason)
+        error = EngineDeadError(f"the engine loop failed: {reason}")
+        for future in self._adding.values():
+            if not future.done():
+                future.set_exception(error)
+        self.abort_all(error)

@@ -28,7 +28,7 @@ def fallback_chat_prompt(messages: Sequence[ChatMessage], add_generation_prompt:
 
 def render_chat(tokenizer: Any, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
     """The prompt text for ``messages``: the tokenizer's chat template when it has one,
-    the fallback template otherwise. Run on the engine thread (it uses the tokenizer)."""
+    the fallback template otherwise."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         return fallback_chat_prompt(messages, add_generation_prompt)
     conversation = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}

@@ -20,7 +20,10 @@ class ServerConfig:
     from ``$SERVELAB_API_KEY``). ``served_model_name``: the ``model`` clients must send
     (default: the model preset or folder). ``drain_timeout_s``: on SIGTERM, how long
     in-flight requests may run before they are aborted. ``log_level``/``access_log``:
-    uvicorn logging.
+    uvicorn logging. The engine runs in its own process: ``engine_threads`` is its number
+    of compute threads (default: all cores but one, which is left to the HTTP side);
+    ``warmup_tokens``: before listening, it compiles the CPU matmul kernels of steps up to
+    this many tokens (0: skip; larger steps compile on first use).
     """
 
     host: str = "127.0.0.1"
@@ -30,6 +33,8 @@ class ServerConfig:
     drain_timeout_s: float = 30.0
     log_level: str = "info"
     access_log: bool = True
+    engine_threads: Optional[int] = None
+    warmup_tokens: int = 512
 
 
 @dataclass

@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 class DrainingServer(uvicorn.Server):
     """On the first SIGTERM or SIGINT: answer new requests with 503, let in-flight ones
     finish for up to ``server.drain_timeout_s``, abort the rest, then run uvicorn's
-    graceful shutdown (the lifespan stops the engine thread). A second signal exits at
+    graceful shutdown (the lifespan stops the engine process). A second signal exits at
     once. Unlike plain uvicorn, the signal is not re-raised afterwards, so the process
     exits with status 0.
     """

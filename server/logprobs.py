@@ -2,7 +2,7 @@
 
 Entries come from the engine: per generated token, a dict of token id to ``Logprob``
 holding the sampled token and the top-``k`` alternatives, with ``decoded_token`` filled
-by the engine thread. Logprobs are of the model's raw distribution; ``-inf`` is sent
+by the engine process. Logprobs are of the model's raw distribution; ``-inf`` is sent
 as -9999.0 (JSON has no infinity).
 """
 

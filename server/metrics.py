@@ -6,7 +6,6 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from servelab.core.hookspecs import hookimpl
 from servelab.core.outputs import RequestOutput
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
@@ -18,12 +17,13 @@ class ServerMetrics:
     """Histograms, gauges and counters of the engine behind the server.
 
     Request latencies are observed when a request finishes (``record_finished``), gauges
-    after every engine-loop iteration (``update_gauges``), token and preemption counters
-    from each step's ``StepStats`` (the ``servelab_step_end`` hook). Counters for prefix
-    cache hits and speculative decoding exist only when the engine uses those features.
+    after every engine-loop iteration (``set_gauges``), token and preemption counters
+    from each step's ``StepStats`` (``observe_step``); the engine process reports both.
+    Counters for prefix cache hits and speculative decoding exist only when the engine
+    uses those features.
     """
 
-    def __init__(self, engine: Any):
+    def __init__(self, prefix_caching: bool = False, speculative: bool = False):
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram("servelab:time_to_first_token_seconds", "Time to first token.",
@@ -44,17 +44,14 @@ class ServerMetrics:
         self.success = Counter("servelab:request_success", "Finished sequences by finish reason "
                                "(stop, length, abort).", ["finished_reason"], registry=r)
         self.prefix_hits = self.spec_proposed = self.spec_accepted = None
-        if engine.cfg.cache.get("enable_prefix_caching", False):
+        if prefix_caching:
             self.prefix_hits = Counter("servelab:prefix_cache_hit_tokens", "Prompt tokens found in the "
                                        "prefix cache.", registry=r)
-        if engine.strategy.num_lookahead_tokens > 0:
+        if speculative:
             self.spec_proposed = Counter("servelab:spec_decode_num_draft_tokens", "Draft tokens verified.",
                                          registry=r)
             self.spec_accepted = Counter("servelab:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
                                          registry=r)
-        self._engine = engine
-        self._observer = _StepObserver(self, engine)
-        engine.registry.plugin_manager.register(self._observer)
 
     def observe_step(self, stats: Any) -> None:
         """Add one step's ``StepStats`` to the counters."""
@@ -66,11 +63,11 @@ class ServerMetrics:
             self.spec_proposed.inc(getattr(stats, "spec_proposed", 0))
             self.spec_accepted.inc(getattr(stats, "spec_accepted", 0))
 
-    def update_gauges(self, engine: Any) -> None:
-        """Read running/waiting counts and KV usage (call on the engine thread)."""
-        self.running.set(engine.scheduler.num_running)
-        self.waiting.set(engine.scheduler.num_waiting)
-        self.kv_usage.set(engine.cache.usage.usage)
+    def set_gauges(self, num_running: int, num_waiting: int, kv_usage: float) -> None:
+        """Running/waiting sequence counts and KV usage after the engine's latest step."""
+        self.running.set(num_running)
+        self.waiting.set(num_waiting)
+        self.kv_usage.set(kv_usage)
 
     def record_finished(self, output: RequestOutput) -> None:
         """Latencies of a finished request and one success count per sequence."""
@@ -92,21 +89,3 @@ class ServerMetrics:
     def render(self) -> bytes:
         """The text exposition of every metric."""
         return generate_latest(self.registry)
-
-    def close(self) -> None:
-        """Stop observing the engine's steps."""
-        self._engine.registry.plugin_manager.unregister(self._observer)
-
-
-class _StepObserver:
-    """The ``servelab_step_end`` hook implementation feeding ``ServerMetrics``."""
-
-    def __init__(self, metrics: ServerMetrics, engine: Any):
-        self.metrics = metrics
-        self.engine = engine
-
-    @hookimpl
-    def servelab_step_end(self, engine: Any, stats: Any) -> None:
-        """Count the step if it belongs to the served engine."""
-        if engine is self.engine:
-            self.metrics.observe_step(stats)

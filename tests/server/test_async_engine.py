@@ -1,34 +1,82 @@
-"""The engine thread in process: a failing engine fails its requests instead of hanging."""
+"""The engine process and its loop: a failing or dying engine fails its requests instead
+of hanging them."""
 
 from __future__ import annotations
 
-import json
-
 import asyncio
+import json
+import multiprocessing
+import threading
 import time
 
 import pytest
+from server_process import ENGINE_OVERRIDES
 
 from servelab import SamplingParams
 from servelab.server.async_engine import AsyncEngine
+from servelab.server.config import compose_serve_config
+from servelab.server.engine_loop import EngineLoop
+from servelab.server.engine_process import EngineProcess
 from servelab.server.errors import EngineDeadError
 from servelab.server.metrics import ServerMetrics
 
 
-def test_engine_failure_fails_requests_and_later_calls(offline, monkeypatch):
+def test_failing_step_is_reported_once_then_adds_are_refused(offline, monkeypatch):
     engine = offline.engine
 
     def broken_step():
         raise RuntimeError("boom")
 
     monkeypatch.setattr(engine, "step", broken_step)
+    server_end, engine_end = multiprocessing.Pipe()
+    loop = threading.Thread(target=EngineLoop(engine, engine_end).run)
+    loop.start()
+    server_end.send(("add", "doomed", "hi", SamplingParams(max_tokens=2), time.perf_counter()))
+    assert server_end.recv() == ("added", "doomed", 2, None)
+    kind, reason = server_end.recv()
+    assert kind == "failed" and "boom" in reason
+    server_end.send(("add", "late", "hi", SamplingParams(max_tokens=2), time.perf_counter()))
+    kind, request_id, _, error = server_end.recv()
+    assert (kind, request_id) == ("added", "late") and "boom" in str(error)
+    server_end.send(("stop",))
+    loop.join(timeout=30)
+    assert not loop.is_alive()
+    assert not engine.has_unfinished_requests()
+
+
+def test_bad_request_is_refused_by_name_and_loop_keeps_serving(offline):
+    server_end, engine_end = multiprocessing.Pipe()
+    loop = threading.Thread(target=EngineLoop(offline.engine, engine_end).run)
+    loop.start()
+    server_end.send(("add", "long", "hi", SamplingParams(max_tokens=10**6), time.perf_counter()))
+    kind, _, _, error = server_end.recv()
+    assert kind == "added" and error.field == "max_tokens" and "maximum context length" in str(error)
+    server_end.send(("add", "fine", "hi", SamplingParams(max_tokens=2, temperature=0), time.perf_counter()))
+    assert server_end.recv()[:2] == ("added", "fine")
+    tokens = []
+    while True:
+        kind, report = server_end.recv()
+        tokens += [t for o in report.outputs for c in o.outputs for t in c.token_ids]
+        if any(o.finished for o in report.outputs):
+            break
+    assert len(tokens) == 2
+    server_end.send(("stop",))
+    loop.join(timeout=30)
+    assert not loop.is_alive()
+
+
+def test_dead_engine_process_fails_requests_and_later_calls():
+    cfg = compose_serve_config([*ENGINE_OVERRIDES, "server.engine_threads=1", "server.warmup_tokens=0"])
+    process = EngineProcess.launch(cfg, cfg.server.engine_threads, cfg.server.warmup_tokens)
 
     async def run() -> None:
-        async_engine = AsyncEngine(engine, ServerMetrics(engine))
+        async_engine = AsyncEngine(process, ServerMetrics())
         async_engine.start()
+        assert await async_engine.call(lambda e: e.max_model_len) == process.info.max_model_len
         async with async_engine.open_stream() as stream:
-            await stream.add("hi", SamplingParams(max_tokens=2), "doomed", time.perf_counter())
-            with pytest.raises(EngineDeadError, match="boom"):
+            await stream.add("hi", SamplingParams(max_tokens=400, ignore_eos=True), "doomed", time.perf_counter())
+            process.process.kill()
+            with pytest.raises(EngineDeadError, match="exited"):
                 async for _ in stream:
                     pass
         assert async_engine.dead is not None
@@ -36,8 +84,8 @@ def test_engine_failure_fails_requests_and_later_calls(offline, monkeypatch):
             await async_engine.call(lambda e: e.max_model_len)
         await async_engine.stop()
 
-    asyncio.run(asyncio.wait_for(run(), timeout=60))
-    assert not engine.has_unfinished_requests()
+    asyncio.run(asyncio.wait_for(run(), timeout=120))
+    assert process.exitcode is not None
 
 
 def test_sse_events_survive_line_separators_in_text():

@@ -1,5 +1,5 @@
 """SIGTERM: new requests get 503, in-flight ones finish within the drain timeout, the rest
-are aborted, and the process exits 0 leaving no child behind."""
+are aborted, and the process exits 0 leaving no child (engine process included) behind."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -63,6 +64,9 @@ def test_sigterm_drains_then_exits_zero(tmp_path):
             assert all(json.loads(t)["choices"][0]["finish_reason"] is None for t in tokens)
         assert server.process.wait(60) == 0
         assert "draining" in server.log() and "Traceback" not in server.log()
+        deadline = time.monotonic() + 10  # helper processes see the pipe close, then exit
+        while [pid for pid in children if os.path.exists(f"/proc/{pid}")] and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert not [pid for pid in children if os.path.exists(f"/proc/{pid}")]
     finally:
         server.stop()

@@ -1,0 +1,169 @@
+"""The engine side of ``servelab-serve``: steps one ``LLMEngine`` and trades messages with
+the server over a pipe.
+
+It runs in the engine process (``engine_process.py``), so the HTTP side never holds the
+interpreter lock the engine needs, nor takes the cores its threads compute on.
+
+Messages, plain tuples pickled through a ``multiprocessing`` connection:
+
+- server -> engine: ``("add", request_id, prompt, params, arrival_time)``,
+  ``("abort", request_ids)``, ``("stop",)``;
+- engine -> server: ``("added", request_id, prompt_length, error)`` (error None or an
+  ``InvalidRequestError``), ``("report", StepReport)`` after every step and after aborts,
+  ``("failed", description)`` once if the loop fails.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from servelab.core.errors import InvalidRequestError
+from servelab.core.hookspecs import hookimpl
+from servelab.core.outputs import RequestOutput
+from servelab.core.step_stats import StepStats
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the server knows of its engine without asking: limits, the tokenizer (for
+    /tokenize, /detokenize, echo and chat templates) and which metrics exist."""
+
+    max_model_len: int
+    vocab_size: int
+    tokenizer: Any
+    prefix_caching: bool
+    speculative: bool
+
+    @classmethod
+    def of(cls, engine: Any) -> "EngineInfo":
+        """The info of a built ``LLMEngine``."""
+        return cls(engine.max_model_len, engine.vocab_size, engine.tokenizer,
+                   bool(engine.cfg.cache.get("enable_prefix_caching", False)),
+                   engine.strategy.num_lookahead_tokens > 0)
+
+
+@dataclass
+class StepReport:
+    """What changed since the last report: delta outputs, the steps' statistics, the
+    scheduler and cache gauges, and sequences aborted on request."""
+
+    outputs: list[RequestOutput] = field(default_factory=list)
+    stats: list[StepStats] = field(default_factory=list)
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    num_aborted: int = 0
+
+
+class EngineLoop:
+    """Runs commands from the connection between engine steps; blocks on the connection
+    while the engine is idle, so an idle server costs nothing."""
+
+    def __init__(self, engine: Any, conn: Any):
+        self.engine = engine
+        self.conn = conn
+        self._stats: list[StepStats] = []
+        self._num_aborted = 0
+        self._observer = _StepCollector(engine, self._stats)
+
+    def run(self) -> None:
+        """Serve until the stop command or the server's end of the pipe closes. A failing
+        step is reported once; after it, every add is refused until stop."""
+        engine = self.engine
+        engine.registry.plugin_manager.register(self._observer)
+        try:
+            while self._run_commands(block=not engine.has_unfinished_requests()):
+                if engine.has_unfinished_requests():
+                    self._report(engine.step())
+                elif self._num_aborted:
+                    self._report([])
+        except (EOFError, OSError):  # the server went away
+            pass
+        except Exception as exc:  # a bug in the engine: the server fails every request
+            log.exception("the engine loop failed")
+            self.conn.send(("failed", repr(exc)))
+            self._refuse_until_stop(repr(exc))
+        finally:
+            engine.registry.plugin_manager.unregister(self._observer)
+            engine.shutdown()
+
+    def _run_commands(self, block: bool) -> bool:
+        """Run the waiting commands (first waiting for one when ``block``); False on stop."""
+        if block:
+            self.conn.poll(None)
+        while self.conn.poll(0):
+            command = self.conn.recv()
+            if command[0] == "stop":
+                return False
+            if command[0] == "add":
+                self._add(*command[1:])
+            elif command[0] == "abort":
+                self._abort(command[1])
+        return True
+
+    def _add(self, request_id: str, prompt: str | list[int], params: Any, arrival_time: float) -> None:
+        engine = self.engine
+        try:
+            token_ids = engine.tokenize(prompt)
+            engine.check_request(token_ids, params)
+            if params.max_tokens is not None and len(token_ids) + params.max_tokens > engine.max_model_len:
+                raise InvalidRequestError("max_tokens", (
+                    f"This model's maximum context length is {engine.max_model_len} tokens. However, you "
+                    f"requested {len(token_ids) + params.max_tokens} tokens ({len(token_ids)} in the prompt, "
+                    f"{params.max_tokens} in the completion). Please reduce the length of the prompt or "
+                    "completion."))
+            engine.add_request(prompt, params, request_id, arrival_time=arrival_time, output_kind="delta")
+        except InvalidRequestError as exc:
+            self.conn.send(("added", request_id, 0, exc))
+        else:
+            self.conn.send(("added", request_id, len(token_ids), None))
+
+    def _abort(self, request_ids: list[str]) -> None:
+        groups = self.engine.outputs.groups
+        self._num_aborted += sum(len(groups[r].children) for r in request_ids if r in groups)
+        self.engine.abort_request(request_ids)
+
+    def _report(self, outputs: list[RequestOutput]) -> None:
+        """Send the outputs (logprob tokens decoded here, where the tokenizer is warm)
+        with the statistics gathered since the last report."""
+        tokenizer = self.engine.tokenizer
+        for output in outputs:
+            for completion in output.outputs:
+                for entry in completion.logprobs or ():
+                    for logprob in entry.values():
+                        if logprob.decoded_token is None:
+                            logprob.decoded_token = (tokenizer.decode([logprob.token_id]) if tokenizer is not None
+                                                     else str(logprob.token_id))
+        scheduler = self.engine.scheduler
+        report = StepReport(outputs, list(self._stats), scheduler.num_running, scheduler.num_waiting,
+                            self.engine.cache.usage.usage, self._num_aborted)
+        self._stats.clear()
+        self._num_aborted = 0
+        self.conn.send(("report", report))
+
+    def _refuse_until_stop(self, reason: str) -> None:
+        """After a failure: answer adds with an error until told to stop."""
+        try:
+            while (command := self.conn.recv())[0] != "stop":
+                if command[0] == "add":
+                    self.conn.send(("added", command[1], 0, RuntimeError(f"the engine loop failed: {reason}")))
+        except (EOFError, OSError):
+            pass
+
+
+class _StepCollector:
+    """The ``servelab_step_end`` hook implementation gathering one engine's step stats."""
+
+    def __init__(self, engine: Any, stats: list[StepStats]):
+        self.engine = engine
+        self.stats = stats
+
+    @hookimpl
+    def servelab_step_end(self, engine: Any, stats: Any) -> None:
+        """Keep the step's stats if it belongs to the served engine."""
+        if engine is self.engine:
+            self.stats.append(stats)
