@@ -45,6 +45,13 @@ class EngineProcess:
     def launch(cls, cfg: DictConfig, threads: int | None, warmup_tokens: int) -> "EngineProcess":
         """Start the engine process and wait until it serves. Raises ``ConfigError`` for a
         bad configuration and ``RuntimeError`` if the process dies while starting."""
+        problems = []
+        if threads is not None and threads < 1:
+            problems.append(f"server.engine_threads must be at least 1 (or null for all cores but one), got {threads}")
+        if warmup_tokens < 0:
+            problems.append(f"server.warmup_tokens must be 0 (no warm-up) or more, got {warmup_tokens}")
+        if problems:
+            raise ConfigError(problems)
         context = multiprocessing.get_context("spawn")
         server_end, engine_end = context.Pipe()
         process = context.Process(target=_engine_main, name="servelab-engine", daemon=True,

@@ -13,6 +13,7 @@ import pytest
 from server_process import ENGINE_OVERRIDES
 
 from servelab import SamplingParams
+from servelab.core.errors import ConfigError
 from servelab.server.async_engine import AsyncEngine
 from servelab.server.config import compose_serve_config
 from servelab.server.engine_loop import EngineLoop
@@ -63,6 +64,14 @@ def test_bad_request_is_refused_by_name_and_loop_keeps_serving(offline):
     server_end.send(("stop",))
     loop.join(timeout=30)
     assert not loop.is_alive()
+
+
+@pytest.mark.parametrize("override, field", [("server.engine_threads=0", "server.engine_threads"),
+                                             ("server.warmup_tokens=-1", "server.warmup_tokens")])
+def test_bad_engine_process_settings_name_the_field(override, field):
+    cfg = compose_serve_config([*ENGINE_OVERRIDES, override])
+    with pytest.raises(ConfigError, match=field):
+        EngineProcess.launch(cfg, cfg.server.engine_threads, cfg.server.warmup_tokens)
 
 
 def test_dead_engine_process_fails_requests_and_later_calls():
