@@ -118,7 +118,10 @@ class AsyncEngine:
         for request_id in request_ids:
             self._forget(request_id)
         if request_ids and self.dead is None and self._reader is not None:
-            self._send(("abort", request_ids))
+            try:
+                self._send(("abort", request_ids))
+            except EngineDeadError:  # the process is gone with its requests; the reader reports it
+                pass
 
     def _check_alive(self) -> None:
         if self.dead is not None or self._reader is None:
