@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -123,6 +124,25 @@ inline float sum_lanes(const Vec& v) {
   return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
 }
 
+// sum_i x_i^2 in float32, four vector accumulators wide (a scalar loop would be one chain
+// of dependent adds: the compiler may not reorder float sums).
+inline float sum_of_squares(const float* x, int64_t n) {
+  Vec acc[4] = {Vec(0.f), Vec(0.f), Vec(0.f), Vec(0.f)};
+  int64_t i = 0;
+  for (; i + 4 * kLanes <= n; i += 4 * kLanes)
+    for (int a = 0; a < 4; ++a) {
+      const Vec v = Vec::loadu(x + i + a * kLanes);
+      acc[a] = at::vec::fmadd(v, v, acc[a]);
+    }
+  for (; i + kLanes <= n; i += kLanes) {
+    const Vec v = Vec::loadu(x + i);
+    acc[0] = at::vec::fmadd(v, v, acc[0]);
+  }
+  float total = sum_lanes((acc[0] + acc[1]) + (acc[2] + acc[3]));
+  for (; i < n; ++i) total += x[i] * x[i];
+  return total;
+}
+
 // Calls f(T{}) with T the C++ type of `type` (float32, bfloat16 or float16).
 template <typename F>
 void dispatch_dtype(at::ScalarType type, const char* op, F&& f) {
@@ -139,7 +159,28 @@ void dispatch_dtype(at::ScalarType type, const char* op, F&& f) {
 // Cache layout (one tensor per layer): kv_cache[2, num_blocks, Hkv, block_size * D]. Each
 // (block, KV head) holds a tile: keys transposed, [D][block_size], so the scores of
 // consecutive positions are SIMD lanes and need no horizontal sums; values row-major,
-// [block_size][D], so a weighted row adds straight into the output accumulator.
+// [block_size][D], so a weighted row adds straight into the output accumulator. Where the
+// CPU has AVX512-BF16, bfloat16 keys are stored as dimension pairs, [D/2][block_size][2]:
+// one 32-bit lane holds a position's two dimensions, the operand of a bfloat16 pair dot
+// product (vdpbf16ps), which scores 16 positions over two dimensions in one instruction.
+
+// True when bfloat16 key tiles use the pair layout on this build.
+constexpr bool kBf16KeyPairs =
+#ifdef SERVELAB_AVX512_BF16
+    true;
+#else
+    false;
+#endif
+
+// Offset of key dimension d of slot `slot` in a key tile of T.
+template <typename T>
+inline int64_t key_offset(int64_t d, int64_t slot, int64_t block_size) {
+  if constexpr (kBf16KeyPairs && std::is_same_v<T, c10::BFloat16>) {
+    return ((d / 2) * block_size + slot) * 2 + d % 2;
+  } else {
+    return d * block_size + slot;
+  }
+}
 
 // One unit of attention work: query rows [row_begin, row_end) of request `request` for the
 // query heads that share KV head `kv_head`.
@@ -162,6 +203,7 @@ struct Segment {
 // Per-thread scratch for one work item.
 struct AttentionScratch {
   std::vector<float> query, acc, scores, row_max, row_sum, keys;
+  std::vector<uint32_t> query_pairs;  // bfloat16 query pairs, for pair dot products
   std::vector<Segment> segments;
   std::vector<int64_t> value_offsets;  // element offset of each span position's value row
 };
@@ -203,6 +245,61 @@ inline void score_lanes(const float* keys, int64_t head_dim, const float* query,
   }
 }
 
+#ifdef SERVELAB_AVX512_BF16
+// NV query vectors scored with bfloat16 pair dot products: scores[j * kSpan + t] = scale *
+// q_j . k_t for the `lanes` positions whose pair rows start at `keys` (pair p of a position
+// at keys[p * block_size], as 32-bit words) and the queries' pairs `query` [NV][pairs].
+template <int NV>
+inline void score_pair_lanes(const uint32_t* keys, int64_t block_size, int64_t pairs, const uint32_t* query,
+                             int64_t lanes, float scale, float* scores) {
+  const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1);
+  __m512 even[NV], odd[NV];
+  for (int v = 0; v < NV; ++v) even[v] = odd[v] = _mm512_setzero_ps();
+  int64_t p = 0;
+  for (; p + 2 <= pairs; p += 2) {
+    const __m512bh k0 = reinterpret_cast<__m512bh>(_mm512_maskz_loadu_epi32(mask, keys + p * block_size));
+    const __m512bh k1 = reinterpret_cast<__m512bh>(_mm512_maskz_loadu_epi32(mask, keys + (p + 1) * block_size));
+    for (int v = 0; v < NV; ++v) {
+      even[v] = _mm512_dpbf16_ps(even[v], k0, reinterpret_cast<__m512bh>(_mm512_set1_epi32(query[v * pairs + p])));
+      odd[v] = _mm512_dpbf16_ps(odd[v], k1, reinterpret_cast<__m512bh>(_mm512_set1_epi32(query[v * pairs + p + 1])));
+    }
+  }
+  for (; p < pairs; ++p) {
+    const __m512bh k = reinterpret_cast<__m512bh>(_mm512_maskz_loadu_epi32(mask, keys + p * block_size));
+    for (int v = 0; v < NV; ++v)
+      even[v] = _mm512_dpbf16_ps(even[v], k, reinterpret_cast<__m512bh>(_mm512_set1_epi32(query[v * pairs + p])));
+  }
+  const __m512 scale_vec = _mm512_set1_ps(scale);
+  for (int v = 0; v < NV; ++v)
+    _mm512_mask_storeu_ps(scores + v * kSpan, mask, _mm512_mul_ps(_mm512_add_ps(even[v], odd[v]), scale_vec));
+}
+
+// score_span for bfloat16 pair tiles: `query` holds the vectors' bfloat16 pairs, unscaled.
+void score_pair_span(const c10::BFloat16* key_tiles, int64_t block_stride, int64_t block_size, int64_t head_dim,
+                     const std::vector<Segment>& segments, const uint32_t* query, int64_t vectors, float scale,
+                     float* scores) {
+  const int64_t pairs = head_dim / 2;
+  const int64_t tile_bytes = head_dim * block_size * static_cast<int64_t>(sizeof(c10::BFloat16));
+  for (size_t n = 0; n < segments.size(); ++n) {
+    const Segment& seg = segments[n];
+    if (n + 1 < segments.size()) prefetch(key_tiles + segments[n + 1].block * block_stride, tile_bytes);
+    const uint32_t* tile = reinterpret_cast<const uint32_t*>(key_tiles + seg.block * block_stride);
+    for (int64_t o = 0; o < seg.length; o += kLanes) {
+      const int64_t lanes = std::min(kLanes, seg.length - o);
+      const uint32_t* column = tile + seg.first_slot + o;
+      float* out = scores + seg.span_begin + o;
+      int64_t j = 0;
+      for (; j + 4 <= vectors; j += 4)
+        score_pair_lanes<4>(column, block_size, pairs, query + j * pairs, lanes, scale, out + j * kSpan);
+      for (; j + 2 <= vectors; j += 2)
+        score_pair_lanes<2>(column, block_size, pairs, query + j * pairs, lanes, scale, out + j * kSpan);
+      for (; j < vectors; ++j)
+        score_pair_lanes<1>(column, block_size, pairs, query + j * pairs, lanes, scale, out + j * kSpan);
+    }
+  }
+}
+#endif
+
 // Scores of every span position for `vectors` query vectors against one KV head's key
 // tiles (`key_tiles` + block * block_stride); `keys` is scratch of D * kLanes floats.
 template <typename T>
@@ -233,45 +330,44 @@ void score_span(const T* key_tiles, int64_t block_stride, int64_t block_size, in
   }
 }
 
+// acc[j] += sum_t weights[j * kSpan + t] * value row at cache + offsets[t] for the NV
+// accumulators of D = C * kLanes floats at `acc`, held in registers over the span: each
+// value row is loaded (and converted to float32) once for all of them.
+template <typename T, int C, int NV>
+inline void accumulate_vectors(const T* cache, const int64_t* offsets, int64_t count, const float* weights,
+                               float* acc) {
+  Vec a[NV][C];
+  for (int n = 0; n < NV; ++n)
+    for (int c = 0; c < C; ++c) a[n][c] = Vec::loadu(acc + (n * C + c) * kLanes);
+  for (int64_t t = 0; t < count; ++t) {
+    if (t + kPrefetchAhead < count) prefetch(cache + offsets[t + kPrefetchAhead], C * kLanes * sizeof(T));
+    const T* value = cache + offsets[t];
+    for (int c = 0; c < C; ++c) {
+      const Vec v = load_vec(value + c * kLanes);
+      for (int n = 0; n < NV; ++n) a[n][c] = at::vec::fmadd(Vec(weights[n * kSpan + t]), v, a[n][c]);
+    }
+  }
+  for (int n = 0; n < NV; ++n)
+    for (int c = 0; c < C; ++c) a[n][c].store(acc + (n * C + c) * kLanes);
+}
+
+// accumulate_vectors over `vectors` accumulators from the j-th on, NV at a time while at
+// least NV are left, then fewer.
+template <typename T, int C, int NV>
+inline void accumulate_from(const T* cache, const int64_t* offsets, int64_t count, const float* weights,
+                            int64_t vectors, float* acc, int64_t j) {
+  for (; j + NV <= vectors; j += NV)
+    accumulate_vectors<T, C, NV>(cache, offsets, count, weights + j * kSpan, acc + j * C * kLanes);
+  if constexpr (NV > 1) accumulate_from<T, C, NV / 2>(cache, offsets, count, weights, vectors, acc, j);
+}
+
 // acc[j] += sum_t weights[j * kSpan + t] * value row at cache + offsets[t], for `vectors`
-// accumulators of D = C * kLanes floats; two at a time held in registers over the span.
+// accumulators of D = C * kLanes floats; as many at a time as 16 registers hold.
 template <typename T, int C>
 void accumulate_span(const T* cache, const int64_t* offsets, int64_t count, const float* weights, int64_t vectors,
                      float* acc) {
-  int64_t j = 0;
-  for (; j + 2 <= vectors; j += 2) {
-    Vec a0[C], a1[C];
-    for (int c = 0; c < C; ++c) {
-      a0[c] = Vec::loadu(acc + j * C * kLanes + c * kLanes);
-      a1[c] = Vec::loadu(acc + (j + 1) * C * kLanes + c * kLanes);
-    }
-    const float* w0 = weights + j * kSpan;
-    const float* w1 = w0 + kSpan;
-    for (int64_t t = 0; t < count; ++t) {
-      if (t + kPrefetchAhead < count) prefetch(cache + offsets[t + kPrefetchAhead], C * kLanes * sizeof(T));
-      const T* value = cache + offsets[t];
-      const Vec p0(w0[t]), p1(w1[t]);
-      for (int c = 0; c < C; ++c) {
-        const Vec v = load_vec(value + c * kLanes);
-        a0[c] = at::vec::fmadd(p0, v, a0[c]);
-        a1[c] = at::vec::fmadd(p1, v, a1[c]);
-      }
-    }
-    for (int c = 0; c < C; ++c) {
-      a0[c].store(acc + j * C * kLanes + c * kLanes);
-      a1[c].store(acc + (j + 1) * C * kLanes + c * kLanes);
-    }
-  }
-  for (; j < vectors; ++j) {
-    Vec a[C];
-    for (int c = 0; c < C; ++c) a[c] = Vec::loadu(acc + j * C * kLanes + c * kLanes);
-    const float* w = weights + j * kSpan;
-    for (int64_t t = 0; t < count; ++t) {
-      const T* value = cache + offsets[t];
-      for (int c = 0; c < C; ++c) a[c] = at::vec::fmadd(Vec(w[t]), load_vec(value + c * kLanes), a[c]);
-    }
-    for (int c = 0; c < C; ++c) a[c].store(acc + j * C * kLanes + c * kLanes);
-  }
+  constexpr int kVectorsAtOnce = std::max(1, std::min(8, 16 / C));
+  accumulate_from<T, C, kVectorsAtOnce>(cache, offsets, count, weights, vectors, acc, 0);
 }
 
 // Head sizes the value loop is instantiated for: 1-6, 8 or 16 SIMD vectors.
@@ -356,6 +452,8 @@ void paged_attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tens
   const int64_t value_offset = kv_cache.size(1) * block_stride;
   const int64_t table_stride = block_table.stride(0);
   const AccumulateFn<T> accumulate = accumulate_loop<T>(head_dim / kLanes);
+  // bfloat16 keys in pairs are scored by pair dot products of the unscaled bfloat16 query.
+  constexpr bool kPairScores = kBf16KeyPairs && std::is_same_v<T, c10::BFloat16>;
 
   const T* q_data = q.data_ptr<T>();
   const T* cache = kv_cache.data_ptr<T>();
@@ -382,7 +480,11 @@ void paged_attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tens
       const AttentionItem& item = items[w];
       const int64_t rows = item.row_end - item.row_begin;
       const int64_t vectors = rows * group;  // query vectors: row, then group member
-      s.query.resize(vectors * head_dim);
+      if constexpr (kPairScores) {
+        s.query_pairs.resize(vectors * head_dim / 2);
+      } else {
+        s.query.resize(vectors * head_dim);
+      }
       s.acc.assign(vectors * head_dim, 0.f);
       s.scores.resize(vectors * kSpan);
       s.row_max.assign(vectors, kMasked);
@@ -390,9 +492,13 @@ void paged_attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tens
       for (int64_t i = 0; i < rows; ++i)
         for (int64_t g = 0; g < group; ++g) {
           const T* src = q_data + (item.row_begin + i) * q_row_stride + (item.kv_head * group + g) * q_head_stride;
-          float* dst = s.query.data() + (i * group + g) * head_dim;
-          load_row(src, dst, head_dim);
-          for (int64_t d = 0; d < head_dim; ++d) dst[d] *= static_cast<float>(scale);
+          if constexpr (kPairScores) {
+            std::memcpy(s.query_pairs.data() + (i * group + g) * head_dim / 2, src, head_dim * sizeof(T));
+          } else {
+            float* dst = s.query.data() + (i * group + g) * head_dim;
+            load_row(src, dst, head_dim);
+            for (int64_t d = 0; d < head_dim; ++d) dst[d] *= static_cast<float>(scale);
+          }
         }
       // Row i of the tile sits at position first_pos + i of its sequence.
       const int64_t query_len = starts[item.request + 1] - starts[item.request];
@@ -416,9 +522,18 @@ void paged_attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tens
             s.value_offsets[t + l] = block * block_stride + (slot + l) * head_dim;
           t += length;
         }
-        for (int64_t i = 0; i < rows; ++i)
+        for (int64_t i = 0; i < rows; ++i) {
+          float* scores = s.scores.data() + i * group * kSpan;
+#ifdef SERVELAB_AVX512_BF16
+          if constexpr (kPairScores) {
+            score_pair_span(key_tiles, block_stride, block_size, head_dim, s.segments,
+                            s.query_pairs.data() + i * group * head_dim / 2, group, static_cast<float>(scale), scores);
+            continue;
+          }
+#endif
           score_span(key_tiles, block_stride, block_size, head_dim, s.segments, s.query.data() + i * group * head_dim,
-                     group, s.keys.data(), s.scores.data() + i * group * kSpan);
+                     group, s.keys.data(), scores);
+        }
         // Causal and window masks: only partly visible spans need one.
         for (int64_t i = 0; i < rows; ++i) {
           const int64_t pos = first_pos + i;
@@ -482,7 +597,7 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv_c
 }
 
 // Stores k, v [T, Hkv, D] at their slots (block * block_size + offset; negative: skipped)
-// in the tiled layout: keys transposed per (block, head), values row-major.
+// in the tiled layout: keys transposed per (block, head) (in pairs: key_offset), values row-major.
 template <typename T>
 void write_kv_cache_kernel(at::Tensor& kv_cache, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots) {
   const int64_t tokens = k.size(0);
@@ -505,9 +620,9 @@ void write_kv_cache_kernel(at::Tensor& kv_cache, const at::Tensor& k, const at::
       for (int64_t h = 0; h < num_kv_heads; ++h) {
         const T* key = k_data + t * k.stride(0) + h * k.stride(1);
         const T* value = v_data + t * v.stride(0) + h * v.stride(1);
-        T* key_tile = cache + block * block_stride + h * tile_size + offset;
+        T* key_tile = cache + block * block_stride + h * tile_size;
         T* value_row = cache + value_offset + block * block_stride + h * tile_size + offset * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) key_tile[d * block_size] = key[d];
+        for (int64_t d = 0; d < head_dim; ++d) key_tile[key_offset<T>(d, offset, block_size)] = key[d];
         std::copy(value, value + head_dim, value_row);
       }
     }
@@ -551,8 +666,7 @@ void rms_norm_kernel(at::Tensor& out, const at::Tensor& x, const at::Tensor* res
         round_row<T>(row.data(), size);
         store_row(res_data + r * size, row.data(), size);
       }
-      float squares = 0.f;
-      for (int64_t i = 0; i < size; ++i) squares += row[i] * row[i];
+      const float squares = sum_of_squares(row.data(), size);
       const float inv_rms = 1.f / std::sqrt(squares / static_cast<float>(size) + static_cast<float>(eps));
       for (int64_t i = 0; i < size; ++i) row[i] *= inv_rms;
       round_row<T>(row.data(), size);
@@ -687,12 +801,15 @@ void silu_and_mul(at::Tensor out, const at::Tensor& x) {
 
 bool supports_head_dim(int64_t head_dim) { return head_dim_supported(head_dim); }
 
+bool bf16_key_pairs() { return kBf16KeyPairs; }
+
 }  // namespace
 
 TORCH_LIBRARY(servelab_cpu, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_table, Tensor query_start_loc, "
         "Tensor seq_lens, Tensor requests, float scale, int window) -> ()");
   m.def("supports_head_dim(int head_dim) -> bool");
+  m.def("bf16_key_pairs() -> bool");
   m.def("write_kv_cache(Tensor(a!) kv_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
@@ -702,6 +819,7 @@ TORCH_LIBRARY(servelab_cpu, m) {
 
 TORCH_LIBRARY_IMPL(servelab_cpu, CatchAll, m) {
   m.impl("supports_head_dim", &supports_head_dim);
+  m.impl("bf16_key_pairs", &bf16_key_pairs);
 }
 
 TORCH_LIBRARY_IMPL(servelab_cpu, CPU, m) {

@@ -30,10 +30,14 @@ def ops():
 
 def tiled(kv_cache: torch.Tensor) -> torch.Tensor:
     """The standard [2, blocks, block_size, Hkv, D] cache in attention=cpu's layout
-    [2, blocks, Hkv, block_size * D]: keys transposed per (block, head), values row-major."""
-    keys = kv_cache[0].permute(0, 2, 3, 1)
+    [2, blocks, Hkv, block_size * D]: keys transposed per (block, head) ([D][block_size], or
+    [D/2][block_size][2] for bfloat16 where the build scores dimension pairs), values row-major."""
+    blocks, block_size, heads, head_dim = kv_cache.shape[1:]
+    if kv_cache.dtype == torch.bfloat16 and ops().bf16_key_pairs():
+        keys = kv_cache[0].reshape(blocks, block_size, heads, head_dim // 2, 2).permute(0, 2, 3, 1, 4)
+    else:
+        keys = kv_cache[0].permute(0, 2, 3, 1)
     values = kv_cache[1].permute(0, 2, 1, 3)
-    blocks, heads = keys.shape[:2]
     return torch.stack([keys.reshape(blocks, heads, -1), values.reshape(blocks, heads, -1)]).contiguous()
 
 
