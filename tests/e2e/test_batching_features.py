@@ -150,3 +150,31 @@ def test_beam_search_matches_transformers_and_shares_blocks(llama, step_recorder
     blocks_per_beam = -(-(48 + 8) // 4)
     assert max(s.kv.used_blocks for s in recorder.stats) < 2 * blocks_per_beam < 4 * blocks_per_beam
     assert llm.engine.cache.usage.used_blocks == 0 and not llm.engine.has_unfinished_requests()
+
+
+def test_continuous_budget_defaults_to_2048_tokens_per_step(llama, step_recorder):
+    """Unset, ``max_num_batched_tokens`` caps steps at 2048 tokens: a burst of prompts
+    prefills over several steps and every request still completes."""
+    llm = LLM(llama, overrides=BASE)
+    assert llm.engine.scheduler.token_budget == 2048
+    recorder = step_recorder(llm.engine)
+    prompts = mixed_prompts(llm.engine.vocab_size, lengths=(100,) * 25)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 2 for o in outputs)
+    prefill_steps = [o for o in recorder.outputs if o.num_prefill_tokens]
+    assert len(prefill_steps) >= 2 and max(o.num_tokens for o in recorder.outputs) <= 2048
+    assert sum(o.num_prefill_tokens for o in prefill_steps) == 2500
+
+
+def test_continuous_budget_default_grows_to_max_model_len(tmp_path):
+    """A model whose context is longer than 2048 gets a budget that holds its longest prompt."""
+    import json
+
+    from servelab.testing import tiny_checkpoint
+
+    folder = tiny_checkpoint(tmp_path / "m", "llama")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    config["max_position_embeddings"] = 3000
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    llm = LLM(folder, overrides=[*BASE, "model.max_model_len=3000"])
+    assert llm.engine.scheduler.token_budget == 3000
