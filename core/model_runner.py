@@ -8,6 +8,7 @@ import torch
 
 from servelab.core.batch_builder import build_step_inputs
 from servelab.core.decoding import DecodeBatch, DecodeResult, DecodingStrategy
+from servelab.core.huge_pages import huge_page_zeros
 from servelab.core.scheduler import SchedulerOutput
 
 
@@ -27,7 +28,7 @@ class ModelRunner:
         self.spec_verifications = 0
         self.spec_rejections = 0
         shape = attention.kv_cache_shape(cache.num_blocks, cache.block_size)
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.kv_caches = [huge_page_zeros(shape, dtype, device) for _ in range(num_layers)]
         host_blocks = getattr(cache, "num_host_blocks", 0)
         host_shape = attention.kv_cache_shape(host_blocks, cache.block_size)
         self.host_caches = [torch.zeros(host_shape, dtype=dtype, pin_memory=device.type == "cuda")

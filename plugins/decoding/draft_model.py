@@ -9,6 +9,7 @@ import torch
 from servelab.core.batch_builder import build_step_inputs
 from servelab.core.checkpoint import load_checkpoint
 from servelab.core.errors import ConfigError
+from servelab.core.huge_pages import huge_page_zeros
 from servelab.core.request import Request
 from servelab.core.scheduler import ScheduledRequest
 from servelab.plugins.cache.paged import PagedCacheConfig, PagedKVCacheManager
@@ -62,7 +63,7 @@ class DraftModel:
         self.model.load_weights(checkpoint.weights())
         self.model.to(self.device).eval()
         kv_shape = self.attention.kv_cache_shape(self.cache.num_blocks, self.cache.block_size)
-        self.kv_caches = [torch.zeros(kv_shape, dtype=dtype, device=self.device) for _ in range(shape.num_layers)]
+        self.kv_caches = [huge_page_zeros(kv_shape, dtype, self.device) for _ in range(shape.num_layers)]
         self.sequences: dict[str, DraftSequence] = {}
 
     @torch.inference_mode()
