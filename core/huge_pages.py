@@ -39,7 +39,7 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
     memory starts on a 2 MiB boundary and is advised for huge pages before it is zeroed
     (the first touch, which is when the kernel picks the page size)."""
     device = torch.device(device)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     madvise = _madvise()
     if device.type != "cpu" or madvise is None or nbytes < HUGE_PAGE_BYTES:
         return torch.zeros(shape, dtype=dtype, device=device)

@@ -217,6 +217,23 @@ inline void prefetch(const void* data, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
 }
 
+// Calls visit(tile, slot, lanes, span_offset) for each run of up to kLanes consecutive
+// span positions in `segments`: `tile` is the key tile of the run's block (`key_tiles` +
+// block * block_stride, `tile_elements` long), `slot` its first slot, `span_offset` its
+// first position in the span. The next segment's key tile is prefetched meanwhile.
+template <typename T, typename Visit>
+inline void for_each_key_run(const T* key_tiles, int64_t block_stride, int64_t tile_elements,
+                             const std::vector<Segment>& segments, Visit&& visit) {
+  for (size_t n = 0; n < segments.size(); ++n) {
+    const Segment& seg = segments[n];
+    if (n + 1 < segments.size())
+      prefetch(key_tiles + segments[n + 1].block * block_stride, tile_elements * static_cast<int64_t>(sizeof(T)));
+    const T* tile = key_tiles + seg.block * block_stride;
+    for (int64_t o = 0; o < seg.length; o += kLanes)
+      visit(tile, seg.first_slot + o, std::min(kLanes, seg.length - o), seg.span_begin + o);
+  }
+}
+
 // NV query vectors scored together, their accumulators in registers while the keys of
 // kLanes positions stream through: scores[j * kSpan + t] = q_j . k_t for the NV vectors (float32, scaled, rows of D) and
 // the kLanes (or fewer, `lanes`) positions whose float32 keys are `keys` [D][kLanes].
@@ -279,24 +296,18 @@ void score_pair_span(const c10::BFloat16* key_tiles, int64_t block_stride, int64
                      const std::vector<Segment>& segments, const uint32_t* query, int64_t vectors, float scale,
                      float* scores) {
   const int64_t pairs = head_dim / 2;
-  const int64_t tile_bytes = head_dim * block_size * static_cast<int64_t>(sizeof(c10::BFloat16));
-  for (size_t n = 0; n < segments.size(); ++n) {
-    const Segment& seg = segments[n];
-    if (n + 1 < segments.size()) prefetch(key_tiles + segments[n + 1].block * block_stride, tile_bytes);
-    const uint32_t* tile = reinterpret_cast<const uint32_t*>(key_tiles + seg.block * block_stride);
-    for (int64_t o = 0; o < seg.length; o += kLanes) {
-      const int64_t lanes = std::min(kLanes, seg.length - o);
-      const uint32_t* column = tile + seg.first_slot + o;
-      float* out = scores + seg.span_begin + o;
-      int64_t j = 0;
-      for (; j + 4 <= vectors; j += 4)
-        score_pair_lanes<4>(column, block_size, pairs, query + j * pairs, lanes, scale, out + j * kSpan);
-      for (; j + 2 <= vectors; j += 2)
-        score_pair_lanes<2>(column, block_size, pairs, query + j * pairs, lanes, scale, out + j * kSpan);
-      for (; j < vectors; ++j)
-        score_pair_lanes<1>(column, block_size, pairs, query + j * pairs, lanes, scale, out + j * kSpan);
-    }
-  }
+  for_each_key_run(key_tiles, block_stride, head_dim * block_size, segments,
+                   [&](const c10::BFloat16* tile, int64_t slot, int64_t lanes, int64_t span_offset) {
+    const uint32_t* column = reinterpret_cast<const uint32_t*>(tile) + slot;
+    float* out = scores + span_offset;
+    int64_t j = 0;
+    for (; j + 4 <= vectors; j += 4)
+      score_pair_lanes<4>(column, block_size, pairs, query + j * pairs, lanes, scale, out + j * kSpan);
+    for (; j + 2 <= vectors; j += 2)
+      score_pair_lanes<2>(column, block_size, pairs, query + j * pairs, lanes, scale, out + j * kSpan);
+    for (; j < vectors; ++j)
+      score_pair_lanes<1>(column, block_size, pairs, query + j * pairs, lanes, scale, out + j * kSpan);
+  });
 }
 #endif
 
@@ -306,28 +317,22 @@ template <typename T>
 void score_span(const T* key_tiles, int64_t block_stride, int64_t block_size, int64_t head_dim,
                 const std::vector<Segment>& segments, const float* query, int64_t vectors, float* keys,
                 float* scores) {
-  const int64_t tile_bytes = head_dim * block_size * static_cast<int64_t>(sizeof(T));
-  for (size_t n = 0; n < segments.size(); ++n) {
-    const Segment& seg = segments[n];
-    if (n + 1 < segments.size()) prefetch(key_tiles + segments[n + 1].block * block_stride, tile_bytes);
-    const T* tile = key_tiles + seg.block * block_stride;
-    for (int64_t o = 0; o < seg.length; o += kLanes) {
-      const int64_t lanes = std::min(kLanes, seg.length - o);
-      const T* column = tile + seg.first_slot + o;
-      if (lanes == kLanes) {
-        for (int64_t d = 0; d < head_dim; ++d) load_vec(column + d * block_size).store(keys + d * kLanes);
-      } else {
-        for (int64_t d = 0; d < head_dim; ++d)
-          for (int64_t l = 0; l < kLanes; ++l) keys[d * kLanes + l] = l < lanes ? to_float(column[d * block_size + l]) : 0.f;
-      }
-      float* out = scores + seg.span_begin + o;
-      int64_t j = 0;
-      for (; j + 8 <= vectors; j += 8) score_lanes<8>(keys, head_dim, query + j * head_dim, lanes, out + j * kSpan);
-      for (; j + 4 <= vectors; j += 4) score_lanes<4>(keys, head_dim, query + j * head_dim, lanes, out + j * kSpan);
-      for (; j + 2 <= vectors; j += 2) score_lanes<2>(keys, head_dim, query + j * head_dim, lanes, out + j * kSpan);
-      for (; j < vectors; ++j) score_lanes<1>(keys, head_dim, query + j * head_dim, lanes, out + j * kSpan);
+  for_each_key_run(key_tiles, block_stride, head_dim * block_size, segments,
+                   [&](const T* tile, int64_t slot, int64_t lanes, int64_t span_offset) {
+    const T* column = tile + slot;
+    if (lanes == kLanes) {
+      for (int64_t d = 0; d < head_dim; ++d) load_vec(column + d * block_size).store(keys + d * kLanes);
+    } else {
+      for (int64_t d = 0; d < head_dim; ++d)
+        for (int64_t l = 0; l < kLanes; ++l) keys[d * kLanes + l] = l < lanes ? to_float(column[d * block_size + l]) : 0.f;
     }
-  }
+    float* out = scores + span_offset;
+    int64_t j = 0;
+    for (; j + 8 <= vectors; j += 8) score_lanes<8>(keys, head_dim, query + j * head_dim, lanes, out + j * kSpan);
+    for (; j + 4 <= vectors; j += 4) score_lanes<4>(keys, head_dim, query + j * head_dim, lanes, out + j * kSpan);
+    for (; j + 2 <= vectors; j += 2) score_lanes<2>(keys, head_dim, query + j * head_dim, lanes, out + j * kSpan);
+    for (; j < vectors; ++j) score_lanes<1>(keys, head_dim, query + j * head_dim, lanes, out + j * kSpan);
+  });
 }
 
 // acc[j] += sum_t weights[j * kSpan + t] * value row at cache + offsets[t] for the NV

@@ -46,8 +46,7 @@ def warm_up_linears(module: nn.Module, max_rows: int) -> int:
             if not isinstance(layer, Linear) or layer.weight.device.type != "cpu":
                 continue
             shape = (layer.in_features, layer.out_features, layer.weight.dtype, layer.bias is not None)
-            probe = layer.weight.new_zeros(1, layer.in_features)
-            if shape in shapes or layer._packed_weight(probe) is None:
+            if shape in shapes or layer._packed_weight(layer.weight) is None:
                 continue
             shapes.add(shape)
             for rows in buckets:
@@ -75,7 +74,7 @@ class Linear(nn.Linear):
         num_rows = rows.shape[0]
         padded = padded_rows(num_rows)
         if padded != num_rows:
-            rows = torch.cat((rows, rows.new_zeros(padded - num_rows, rows.shape[1])))
+            rows = F.pad(rows, (0, 0, 0, padded - num_rows))
         out = torch.ops.mkldnn._linear_pointwise(rows, packed, self.bias, "none", [], "")
         return out[:num_rows].view(*x.shape[:-1], out.shape[-1])
 
