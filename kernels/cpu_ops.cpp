@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -767,28 +768,60 @@ void rotary_embedding(at::Tensor q, at::Tensor k, const at::Tensor& positions, c
 
 // ---- SiLU(gate) x up ----
 
-// out [N, I] = round(round(silu(gate)) * up) for x [N, 2I] = [gate | up].
+// silu(g) = g / (1 + exp(-g)) for a vector of float32 gates. float32 results use torch's
+// own formula (exp to 1 ulp, exact division), so they equal F.silu bit for bit; results
+// that are rounded to bfloat16 or float16 next take exp_u20 and a refined reciprocal,
+// about 1e-6 relative error, far below the 8- or 11-bit rounding that follows.
+template <typename T>
+inline Vec silu_vec(const Vec& g) {
+  const Vec one(1.f);
+  if constexpr (std::is_same_v<T, float>) {
+    return g / (one + g.neg().exp());
+  } else {
+    // exp's argument is capped where exp(-g) stays finite (g < -88 gives silu ~ 0 either way),
+    // so the reciprocal step below never meets inf * 0.
+    const Vec denom = one + at::vec::minimum(g.neg(), Vec(88.f)).exp_u20();
+#if defined(CPU_CAPABILITY_AVX512)
+    // rcp14 is good to 14 bits; one Newton step doubles that.
+    const __m512 d = denom;
+    const __m512 r = _mm512_rcp14_ps(d);
+    const __m512 refined = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.f)));
+    return g * Vec(refined);
+#else
+    return g / denom;
+#endif
+  }
+}
+
+// out [N, I] = round(round(silu(gate)) * up) for x [N, 2I] = [gate | up], in one pass over
+// registers per row.
 template <typename T>
 void silu_and_mul_kernel(at::Tensor& out, const at::Tensor& x) {
   const int64_t rows = x.size(0);
   const int64_t size = out.size(1);
   const T* in = x.data_ptr<T>();
   T* dst = out.data_ptr<T>();
+  constexpr int64_t kStep = std::is_same_v<T, float> ? kLanes : 2 * kLanes;
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> gate(size), up(size);
-    const Vec one(1.f);
+    float gate[kStep], up[kStep];
     for (int64_t r = begin; r < end; ++r) {
-      load_row(in + r * 2 * size, gate.data(), size);
-      load_row(in + r * 2 * size + size, up.data(), size);
+      const T* gate_row = in + r * 2 * size;
+      const T* up_row = gate_row + size;
+      T* out_row = dst + r * size;
       int64_t i = 0;
-      for (; i + kLanes <= size; i += kLanes) {
-        const Vec g = Vec::loadu(gate.data() + i);
-        (g / (one + g.neg().exp())).store(gate.data() + i);
+      for (; i + kStep <= size; i += kStep) {
+        for (int64_t h = 0; h < kStep; h += kLanes) {
+          silu_vec<T>(load_vec(gate_row + i + h)).store(gate + h);
+          load_vec(up_row + i + h).store(up + h);
+        }
+        round_row<T>(gate, kStep);
+        for (int64_t h = 0; h < kStep; h += kLanes) (Vec::loadu(gate + h) * Vec::loadu(up + h)).store(gate + h);
+        store_row(out_row + i, gate, kStep);
       }
-      for (; i < size; ++i) gate[i] = gate[i] / (1.f + std::exp(-gate[i]));
-      round_row<T>(gate.data(), size);
-      for (i = 0; i < size; ++i) gate[i] *= up[i];
-      store_row(dst + r * size, gate.data(), size);
+      for (; i < size; ++i) {
+        const float g = to_float(gate_row[i]);
+        out_row[i] = static_cast<T>(round_to<T>(g / (1.f + std::exp(-g))) * to_float(up_row[i]));
+      }
     }
   });
 }
@@ -801,6 +834,40 @@ void silu_and_mul(at::Tensor out, const at::Tensor& x) {
   dispatch_dtype(x.scalar_type(), "silu_and_mul", [&](auto tag) {
     using scalar_t = decltype(tag);
     silu_and_mul_kernel<scalar_t>(out, x);
+  });
+}
+
+// ---- greedy token choice ----
+
+// out[r] = the first index of the largest value of row r of float32 `logits` [N, V], or of
+// its first NaN (torch.argmax's answer): one vector pass for the maximum, a second that
+// stops at its first occurrence.
+void argmax_rows(at::Tensor out, const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == at::kFloat &&
+                  logits.size(1) > 0,
+              "argmax_rows: logits must be a contiguous float32 [N, V] tensor with V > 0");
+  TORCH_CHECK(out.dim() == 1 && out.is_contiguous() && out.scalar_type() == at::kLong && out.size(0) == logits.size(0),
+              "argmax_rows: out must be a contiguous int64 [N] tensor");
+  const int64_t vocab = logits.size(1);
+  const float* data = logits.data_ptr<float>();
+  int64_t* result = out.data_ptr<int64_t>();
+  at::parallel_for(0, logits.size(0), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = data + r * vocab;
+      Vec best_lanes(-std::numeric_limits<float>::infinity());
+      int64_t i = 0;
+      for (; i + kLanes <= vocab; i += kLanes) best_lanes = at::vec::maximum(best_lanes, Vec::loadu(row + i));
+      float best = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); },
+                                                  best_lanes);
+      for (; i < vocab; ++i) best = (std::isnan(row[i]) || row[i] > best) ? row[i] : best;
+      int64_t index = 0;
+      if (std::isnan(best)) {
+        while (!std::isnan(row[index])) ++index;
+      } else {
+        while (row[index] != best) ++index;
+      }
+      result[r] = index;
+    }
   });
 }
 
@@ -820,6 +887,7 @@ TORCH_LIBRARY(servelab_cpu, m) {
   m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.def("argmax_rows(Tensor(a!) out, Tensor logits) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(servelab_cpu, CatchAll, m) {
@@ -834,4 +902,5 @@ TORCH_LIBRARY_IMPL(servelab_cpu, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("argmax_rows", &argmax_rows);
 }

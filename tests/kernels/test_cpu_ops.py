@@ -173,8 +173,30 @@ def test_rotary_embedding_in_place(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_and_mul(dtype):
-    """out = silu(gate) * up, for x = [gate | up]."""
+    """out = silu(gate) * up, for x = [gate | up]; float32 bit for bit, bfloat16 (a faster
+    exp and reciprocal) within the rounding; gates far out in both tails included."""
     x = (3 * torch.randn(9, 2 * 40)).to(dtype)
+    x[0, :6] = torch.tensor([-1e4, -100.0, -88.5, 0.0, 100.0, 1e4], dtype=dtype)
     out = torch.empty(9, 40, dtype=dtype)
     ops().silu_and_mul(out, x)
-    assert_nearly_equal(out, F.silu(x[:, :40]) * x[:, 40:])
+    expected = F.silu(x[:, :40]) * x[:, 40:]
+    if dtype == torch.float32:
+        assert torch.equal(out, expected)
+    assert_nearly_equal(out, expected)
+
+
+def test_argmax_rows_matches_torch_argmax():
+    """First index of the maximum per row, ties and a vocabulary that is not a multiple of
+    the SIMD width included; a NaN row answers its first NaN, as torch does."""
+    torch.manual_seed(0)
+    logits = torch.randn(37, 1003)
+    logits[3, [5, 700]] = 50.0          # a tie: the first wins
+    logits[4, 1002] = 60.0              # the maximum in the scalar tail
+    logits[5] = float("-inf")
+    logits[6, [9, 400]] = float("nan")
+    logits[7, 1001] = float("nan")      # NaN only in the tail
+    out = torch.empty(37, dtype=torch.long)
+    ops().argmax_rows(out, logits)
+    assert torch.equal(out, logits.argmax(dim=-1))
+    with pytest.raises(RuntimeError, match="float32"):
+        ops().argmax_rows(out, logits.double())
