@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -74,7 +75,7 @@ class Linear(nn.Linear):
         num_rows = rows.shape[0]
         padded = padded_rows(num_rows)
         if padded != num_rows:
-            rows = F.pad(rows, (0, 0, 0, padded - num_rows))
+            rows = _padding_buffer(padded, rows)
         out = torch.ops.mkldnn._linear_pointwise(rows, packed, self.bias, "none", [], "")
         return out[:num_rows].view(*x.shape[:-1], out.shape[-1])
 
@@ -85,6 +86,26 @@ class Linear(nn.Linear):
             self._packed = (key, _pack(weight))
         packed = self._packed[1]
         return packed if packed is not None and x.dtype == weight.dtype else None
+
+
+_padding = threading.local()
+
+
+def _padding_buffer(num_rows: int, rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` copied into the first rows of a reused [num_rows, K] buffer of this thread.
+
+    The rows past them hold whatever an earlier call left: every output row of a matmul
+    depends on its own input row alone, and the caller drops those rows, so they need no
+    zeros. Reusing the buffer saves allocating, page-faulting and zero-filling a fresh
+    tensor (megabytes in a prefill step) for each linear layer."""
+    key = (rows.shape[1], rows.dtype)
+    buffers = _padding.__dict__.setdefault("buffers", {})
+    buffer = buffers.get(key)
+    if buffer is None or buffer.shape[0] < num_rows:
+        with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode
+            buffer = buffers[key] = rows.new_zeros(num_rows, rows.shape[1])
+    buffer[:rows.shape[0]].copy_(rows)
+    return buffer[:num_rows]
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor | None:

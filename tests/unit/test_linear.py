@@ -56,3 +56,22 @@ def test_warm_up_visits_each_distinct_shape_once_per_bucket():
     buckets = {padded_rows(rows) for rows in range(1, 41)}
     assert warm_up_linears(model, 40) == 2 * len(buckets)
     assert warm_up_linears(model, 0) == 0
+
+
+@packing
+def test_padded_rows_are_independent_of_what_the_reused_buffer_held():
+    """Row counts between buckets share one padding buffer per width: a smaller batch after
+    a larger one (stale NaN rows below it) still gets exactly its own rows' products, in
+    and out of inference mode."""
+    torch.manual_seed(0)
+    layer = Linear(64, 48, bias=False).to(torch.bfloat16)
+    small = torch.randn(130, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        clean = layer(small)
+        layer(torch.full((300, 64), float("nan"), dtype=torch.bfloat16))
+        after_nan = layer(small)
+    with torch.no_grad():
+        outside = layer(small)
+    assert torch.isfinite(after_nan).all()
+    assert torch.equal(after_nan, clean) and torch.equal(outside, clean)
+    torch.testing.assert_close(clean.float(), F.linear(small.float(), layer.weight.float()), atol=5e-2, rtol=5e-2)
