@@ -13,6 +13,9 @@ from servelab.plugins.cache.block_pool import BlockPool
 from servelab.plugins.cache.prefix_cache import PrefixCache
 from servelab.plugins.cache.sizing import num_blocks_for
 
+# What allocate returns when the request's blocks already have room (shared: immutable).
+NOTHING_NEW = Allocation()
+
 
 @dataclass
 class PagedCacheConfig:
@@ -103,6 +106,11 @@ class PagedKVCacheManager(KVCacheManager):
         needed = max(0, self._blocks_for(min(used + num_lookahead_tokens, self.spec.max_model_len)) - len(table))
         write_index = computed // self.block_size
         copy_on_write = write_index < len(table) and self.pool.ref_counts[table[write_index]] > 1
+        if table and not needed and not copy_on_write:  # most decode steps: the last block has room
+            self._set_used(rid, used)
+            if self.prefix is not None and min(used // self.block_size, len(table)) > len(self._hashes.get(rid, ())):
+                self._register_full_blocks(request, table, used)
+            return NOTHING_NEW
         taken = self._take(needed + copy_on_write)
         if taken is None:
             return None
