@@ -8,6 +8,7 @@ import torch
 
 from servelab.core.batch_builder import build_step_inputs
 from servelab.core.decoding import DecodeBatch, DecodeResult, DecodingStrategy
+from servelab.core.heap_retention import retain_freed_heap_memory
 from servelab.core.huge_pages import huge_page_zeros
 from servelab.core.scheduler import SchedulerOutput
 
@@ -27,6 +28,8 @@ class ModelRunner:
         self.spec_accepted = 0
         self.spec_verifications = 0
         self.spec_rejections = 0
+        if device.type == "cpu":
+            retain_freed_heap_memory()
         shape = attention.kv_cache_shape(cache.num_blocks, cache.block_size)
         self.kv_caches = [huge_page_zeros(shape, dtype, device) for _ in range(num_layers)]
         host_blocks = getattr(cache, "num_host_blocks", 0)
