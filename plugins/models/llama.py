@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from servelab.core.component import ComponentSpec
@@ -158,15 +157,11 @@ class LlamaFamilyForCausalLM(CausalLM):
         self.rotary = RotaryEmbedding(hf_config, head_dim_of(hf_config), max_positions, dtype)
         self.model = DecoderModel(hf_config, attention, self.rotary)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        if not self.tie_word_embeddings:
-            self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        if self.tie_word_embeddings:  # one parameter, named model.embed_tokens.weight; still packed
+            self.lm_head.weight = self.model.embed_tokens.weight
         self.to(dtype)
         self.rotary.to(dtype)
-
-    @property
-    def output_weight(self) -> torch.Tensor:
-        """The unembedding matrix [vocab, hidden]."""
-        return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face tensors in, fusing q/k/v and gate/up; every parameter must be set."""
@@ -215,8 +210,6 @@ class LlamaFamilyForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> float32 logits [N, vocab]."""
-        if self.tie_word_embeddings:
-            return F.linear(hidden, self.output_weight).float()
         return self.lm_head(hidden).float()
 
 

@@ -56,6 +56,19 @@ def test_sliding_window_matches_transformers(tmp_path):
         assert_engine_matches_transformers(folder, [f"attention={attention}"], max_tokens=20)
 
 
+def test_tied_embeddings_match_transformers(tmp_path):
+    """With tie_word_embeddings the LM head multiplies by the embedding matrix itself (one
+    parameter, prepacked on the CPU like any linear layer)."""
+    from servelab import LLM
+    from servelab.testing import tiny_checkpoint
+
+    folder = tiny_checkpoint(tmp_path / "llama-tied", "llama", tie_word_embeddings=True)
+    assert_engine_matches_transformers(folder)
+    model = LLM(folder, overrides=["model.dtype=float32"]).engine.runner.model
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert "lm_head.weight" not in dict(model.named_parameters())
+
+
 @pytest.mark.parametrize("attention", ["sdpa", "naive", "cpu"])
 def test_large_batch_of_decodes_matches_transformers(llama, attention):
     """48 requests of mixed lengths: sdpa splits the decodes into length buckets, cpu
