@@ -67,3 +67,8 @@ class CausalLM(nn.Module, abc.ABC):
     @abc.abstractmethod
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> logits [N, vocab] in float32."""
+
+    def warm_up(self, max_tokens: int) -> int:
+        """Prepare whatever kernels steps of up to ``max_tokens`` tokens will need (compiled
+        on first use otherwise); returns how many were prepared. Nothing by default."""
+        return 0

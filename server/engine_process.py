@@ -118,12 +118,10 @@ def _engine_main(cfg: DictConfig, conn: Any, threads: int, warmup_tokens: int) -
 def warm_up(engine: Any, max_tokens: int) -> None:
     """Compile the model's CPU matmul kernels for steps of up to ``max_tokens`` tokens
     (each new step size would otherwise cost milliseconds per layer on first use)."""
-    from servelab.plugins.models.layers import warm_up_linears
-
     if max_tokens <= 0:
         return
     started = time.perf_counter()
-    kernels = warm_up_linears(engine.runner.model, max_tokens)
+    kernels = engine.warm_up(max_tokens)
     if kernels:
         log.info("warmed up %d matmul kernels (steps up to %d tokens) in %.1f s", kernels, max_tokens,
                  time.perf_counter() - started)

@@ -16,7 +16,7 @@ from torch import nn
 from servelab.core.component import ComponentSpec
 from servelab.core.errors import ConfigError
 from servelab.core.model import CausalLM, ModelShape
-from servelab.plugins.models.layers import Linear, RMSNorm, RotaryEmbedding, use_native
+from servelab.plugins.models.layers import Linear, RMSNorm, RotaryEmbedding, use_native, warm_up_linears
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -211,6 +211,10 @@ class LlamaFamilyForCausalLM(CausalLM):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> float32 logits [N, vocab]."""
         return self.lm_head(hidden).float()
+
+    def warm_up(self, max_tokens: int) -> int:
+        """Compile the prepacked CPU matmuls for every row bucket up to ``max_tokens``."""
+        return warm_up_linears(self, max_tokens)
 
 
 def model_specs() -> list[ComponentSpec]:

@@ -22,7 +22,7 @@ STEPS = textwrap.dedent("""
     for i in range(10):
         step(i)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for i in range(10, 30):
+    for i in range(10, 40):
         step(i)
     print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """)
@@ -34,7 +34,8 @@ def page_faults(mode: str) -> int:
 
 
 def test_retained_heap_memory_stops_page_faults_between_steps():
-    assert page_faults("retain") * 10 < page_faults("default")
+    retained, default = page_faults("retain"), page_faults("default")
+    assert retained * 4 < default, f"{retained} page faults with retention against {default} without"
 
 
 def test_cpu_engine_retains_heap_memory(llama):

@@ -75,3 +75,22 @@ def test_padded_rows_are_independent_of_what_the_reused_buffer_held():
     assert torch.isfinite(after_nan).all()
     assert torch.equal(after_nan, clean) and torch.equal(outside, clean)
     torch.testing.assert_close(clean.float(), F.linear(small.float(), layer.weight.float()), atol=5e-2, rtol=5e-2)
+
+
+@packing
+def test_llm_warm_up_compiles_every_bucket_and_generation_is_unchanged(llama):
+    """``LLM.warm_up(n)`` multiplies through each distinct linear shape of the model at
+    every row bucket up to n (the LM head included), leaves the outputs as they were, and
+    names a bad argument."""
+    from servelab import LLM, SamplingParams
+
+    llm = LLM(llama, overrides=["model.dtype=float32", "device=cpu"])
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    before = llm.generate("hello world", params, use_tqdm=False)[0].outputs[0].token_ids
+    model = llm.engine.runner.model
+    shapes = {(m.in_features, m.out_features) for m in model.modules() if isinstance(m, Linear)}
+    buckets = {padded_rows(rows) for rows in range(1, 65)}
+    assert llm.warm_up(64) == len(shapes) * len(buckets)
+    assert llm.generate("hello world", params, use_tqdm=False)[0].outputs[0].token_ids == before
+    with pytest.raises(ValueError, match="max_tokens must be 0 or more"):
+        llm.warm_up(-1)
