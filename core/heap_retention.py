@@ -13,9 +13,9 @@ every step anyway. Blocks above 32 MiB (glibc's ceiling for the threshold) stay 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
-import sys
+
+from servelab.core.libc import linux_libc
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
@@ -28,12 +28,9 @@ TRIM_THRESHOLD_BYTES = 256 << 20
 def retain_freed_heap_memory() -> bool:
     """Raise glibc's mmap and trim thresholds for this process (once); True when applied,
     False where there is no glibc ``mallopt`` (other OSes and C libraries)."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    libc = linux_libc()
+    mallopt = getattr(libc, "mallopt", None)  # musl and other C libraries have none
+    if mallopt is None:
         return False
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int

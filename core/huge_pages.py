@@ -11,12 +11,12 @@ kernel allows it (``/sys/kernel/mm/transparent_hugepage/enabled`` = ``always`` o
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import math
-import sys
 
 import torch
+
+from servelab.core.libc import linux_libc
 
 HUGE_PAGE_BYTES = 2 << 20
 MADV_HUGEPAGE = 14
@@ -25,9 +25,9 @@ MADV_HUGEPAGE = 14
 @functools.lru_cache(maxsize=None)
 def _madvise():
     """libc's ``madvise``, or None where there is none (not Linux)."""
-    if not sys.platform.startswith("linux"):
+    libc = linux_libc()
+    if libc is None:
         return None
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     madvise = libc.madvise
     madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     madvise.restype = ctypes.c_int

@@ -106,12 +106,8 @@ class PagedKVCacheManager(KVCacheManager):
         needed = max(0, self._blocks_for(min(used + num_lookahead_tokens, self.spec.max_model_len)) - len(table))
         write_index = computed // self.block_size
         copy_on_write = write_index < len(table) and self.pool.ref_counts[table[write_index]] > 1
-        if table and not needed and not copy_on_write:  # most decode steps: the last block has room
-            self._set_used(rid, used)
-            if self.prefix is not None and min(used // self.block_size, len(table)) > len(self._hashes.get(rid, ())):
-                self._register_full_blocks(request, table, used)
-            return NOTHING_NEW
-        taken = self._take(needed + copy_on_write)
+        count = needed + copy_on_write
+        taken = self._take(count) if count else []  # most decode steps: the last block has room
         if taken is None:
             return None
         copies: tuple[tuple[int, int], ...] = ()
@@ -126,12 +122,17 @@ class PagedKVCacheManager(KVCacheManager):
         self._set_used(rid, used)
         if self.prefix is not None:
             self._register_full_blocks(request, table, used)
+        if not count:
+            return NOTHING_NEW
         return Allocation(tuple(taken) + tuple(d for _, d in copies), copies)
 
     def _register_full_blocks(self, request: Request, table: list[int], used: int) -> None:
-        hashes = self._hashes.setdefault(request.request_id, [])
         size = self.block_size
-        for index in range(len(hashes), min(used // size, len(table))):
+        full = min(used // size, len(table))
+        if full <= len(self._hashes.get(request.request_id, ())):
+            return
+        hashes = self._hashes.setdefault(request.request_id, [])
+        for index in range(len(hashes), full):
             parent = hashes[-1] if hashes else None
             tokens = tuple(request.token_ids[index * size:(index + 1) * size])
             hashes.append(self.prefix.register(table[index], parent, tokens))

@@ -58,9 +58,9 @@ def sample_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Te
     """logits: [N, V] float32, row i for requests[i] (modified in place). Returns [N] ids."""
     logits = processed_logits(logits, requests)
     greedy = [r.sampling_params.greedy for r in requests]
-    if all(greedy):
-        return greedy_tokens(logits)
     tokens = greedy_tokens(logits)
+    if all(greedy):
+        return tokens
     rows = [i for i, g in enumerate(greedy) if not g]
     random_requests = [requests[i] for i in rows]
     index = torch.tensor(rows, device=logits.device)

@@ -1,0 +1,20 @@
+"""The C library of this process, for the few memory calls torch does not expose."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import sys
+
+
+@functools.lru_cache(maxsize=None)
+def linux_libc() -> ctypes.CDLL | None:
+    """libc on Linux (with ``errno`` kept for callers), None on other systems or when it
+    cannot be loaded."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
