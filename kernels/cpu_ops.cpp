@@ -10,11 +10,13 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -837,6 +839,48 @@ void silu_and_mul(at::Tensor out, const at::Tensor& x) {
   });
 }
 
+// ---- fresh prefills ----
+
+// Requests of at least this many query rows keep all threads for their own attention
+// call; shorter ones run side by side, one thread each (torch's fused kernel gains little
+// from a second thread on a few hundred rows).
+constexpr int64_t kSharedPrefillRows = 512;
+
+// Causal attention of each request over its own new tokens: rows starts[i]..starts[i] +
+// lengths[i] of q [T, H, D] against the same rows of k, v [T, Hkv, D], into those rows of
+// out. Each request is one call of torch's fused SDPA kernel; short requests run
+// concurrently on the threads (longest first, each thread taking the next one when done),
+// so the results are exactly those of calling the kernel request by request.
+void causal_prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              at::IntArrayRef starts, at::IntArrayRef lengths, double scale) {
+  TORCH_CHECK(starts.size() == lengths.size(), "causal_prefill_attention: starts and lengths differ in length");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.sizes() == q.sizes(),
+              "causal_prefill_attention: q, out [T, H, D] and k, v [T, Hkv, D] expected");
+  const bool gqa = q.size(1) != k.size(1);
+  auto attend = [&](int64_t i) {
+    const int64_t start = starts[i], length = lengths[i];
+    auto rows = [&](const at::Tensor& t) { return t.narrow(0, start, length).transpose(0, 1).unsqueeze(0); };
+    at::Tensor result = at::scaled_dot_product_attention(rows(q), rows(k), rows(v), std::nullopt, 0.0,
+                                                         /*is_causal=*/true, scale, gqa);
+    out.narrow(0, start, length).copy_(result.squeeze(0).transpose(0, 1));
+  };
+  std::vector<int64_t> shared, side_by_side;
+  for (int64_t i = 0; i < static_cast<int64_t>(starts.size()); ++i)
+    (lengths[i] >= kSharedPrefillRows ? shared : side_by_side).push_back(i);
+  for (int64_t i : shared) attend(i);
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), side_by_side.size());
+  if (threads <= 1) {
+    for (int64_t i : side_by_side) attend(i);
+    return;
+  }
+  std::sort(side_by_side.begin(), side_by_side.end(), [&](int64_t a, int64_t b) { return lengths[a] > lengths[b]; });
+  std::atomic<size_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    c10::InferenceMode inference_mode;  // worker threads do not inherit the caller's mode
+    for (size_t w = next++; w < side_by_side.size(); w = next++) attend(side_by_side[w]);
+  });
+}
+
 // ---- greedy token choice ----
 
 // out[r] = the first index of the largest value of row r of float32 `logits` [N, V], or of
@@ -888,6 +932,8 @@ TORCH_LIBRARY(servelab_cpu, m) {
   m.def("rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("argmax_rows(Tensor(a!) out, Tensor logits) -> ()");
+  m.def("causal_prefill_attention(Tensor(a!) out, Tensor q, Tensor k, Tensor v, int[] starts, int[] lengths, "
+        "float scale) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(servelab_cpu, CatchAll, m) {
@@ -903,4 +949,5 @@ TORCH_LIBRARY_IMPL(servelab_cpu, CPU, m) {
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("argmax_rows", &argmax_rows);
+  m.impl("causal_prefill_attention", &causal_prefill_attention);
 }

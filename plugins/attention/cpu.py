@@ -10,7 +10,6 @@ from servelab.core.attention import AttentionBackend, AttentionSpec, BatchLayout
 from servelab.core.component import ComponentSpec
 from servelab.kernels.cpu_ops import native_cpu_ops, native_cpu_unavailable_reason
 from servelab.plugins.attention.cache_ops import reads_only_new_tokens
-from servelab.plugins.attention.sdpa import sdpa_one_request
 
 
 @dataclass
@@ -20,13 +19,15 @@ class CpuAttentionConfig:
 
 @dataclass(frozen=True, slots=True)
 class CpuMetadata:
-    """Per-step split of the batch: ``fresh`` (start, length) query ranges of requests
-    whose context is exactly their new tokens (plain causal SDPA over k/v, no cache read),
-    and ``cached`` [n] int32 indices of the other requests (decodes, chunked prefills,
-    prefix-cache hits, speculative verification), which the kernel serves."""
+    """Per-step split of the batch: the query rows ``fresh_starts[i]`` to ``fresh_starts[i]
+    + fresh_lengths[i]`` of requests whose context is exactly their new tokens (causal
+    SDPA over their own k/v, no cache read), and ``cached`` [n] int32 indices of the other
+    requests (decodes, chunked prefills, prefix-cache hits, speculative verification),
+    which the paged kernel serves."""
 
     layout: BatchLayout
-    fresh: tuple[tuple[int, int], ...]
+    fresh_starts: tuple[int, ...]
+    fresh_lengths: tuple[int, ...]
     cached: torch.Tensor
 
 
@@ -35,7 +36,8 @@ class CpuAttention(AttentionBackend):
     over each context straight from the block table in its own tiled cache layout
     (``kv_cache_shape``), grouped-query heads sharing every key/value load, online softmax
     in float32, threads over (request, KV head, query tile). Fresh prefills use torch's
-    fused SDPA on the new keys and values.
+    fused SDPA on the new keys and values, short ones side by side on the threads
+    (``servelab_cpu.causal_prefill_attention``).
     """
 
     @classmethod
@@ -65,14 +67,15 @@ class CpuAttention(AttentionBackend):
     def build_metadata(self, layout: BatchLayout) -> CpuMetadata:
         """Sort requests into fresh prefills and cached-context requests."""
         window = self.spec.sliding_window
-        fresh, cached, start = [], [], 0
+        fresh_starts, fresh_lengths, cached, start = [], [], [], 0
         for r, (query_len, seq_len) in enumerate(zip(layout.query_lens, layout.seq_lens_list)):
             if query_len > 1 and reads_only_new_tokens(query_len, seq_len, window):
-                fresh.append((start, query_len))
+                fresh_starts.append(start)
+                fresh_lengths.append(query_len)
             else:
                 cached.append(r)
             start += query_len
-        return CpuMetadata(layout, tuple(fresh), torch.tensor(cached, dtype=torch.int32))
+        return CpuMetadata(layout, tuple(fresh_starts), tuple(fresh_lengths), torch.tensor(cached, dtype=torch.int32))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: CpuMetadata, layer_index: int) -> torch.Tensor:
@@ -80,10 +83,8 @@ class CpuAttention(AttentionBackend):
         layout = meta.layout
         self._ops.write_kv_cache(kv_cache, k, v, layout.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        gqa = self.spec.num_heads != self.spec.num_kv_heads
-        for start, length in meta.fresh:
-            rows = slice(start, start + length)
-            out[rows] = sdpa_one_request(q[rows], k[rows], v[rows], self.spec.scale, gqa)
+        if meta.fresh_starts:
+            self._ops.causal_prefill_attention(out, q, k, v, meta.fresh_starts, meta.fresh_lengths, self.spec.scale)
         if meta.cached.numel():
             self._ops.paged_attention(out, q, kv_cache, layout.block_table, layout.query_start_loc, layout.seq_lens,
                                       meta.cached, self.spec.scale, self.spec.sliding_window or 0)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from servelab.kernels.cpu_ops import native_cpu_unavailable_reason
 from servelab.kernels.varlen_attention_reference import gather_context, varlen_paged_attention_reference
 from servelab.plugins.attention.cache_ops import attention_mask, write_kv
+from servelab.plugins.attention.sdpa import sdpa_one_request
 
 pytestmark = pytest.mark.skipif(native_cpu_unavailable_reason() is not None,
                                 reason=f"native CPU ops: {native_cpu_unavailable_reason()}")
@@ -200,3 +201,29 @@ def test_argmax_rows_matches_torch_argmax():
     assert torch.equal(out, logits.argmax(dim=-1))
     with pytest.raises(RuntimeError, match="float32"):
         ops().argmax_rows(out, logits.double())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_causal_prefill_attention_equals_sdpa_per_request(dtype, threads):
+    """Each request's rows equal torch's causal SDPA over that request alone, bit for bit,
+    whether requests run side by side or one by one; a request long enough to keep every
+    thread and grouped-query heads included; rows of no listed request stay untouched."""
+    torch.manual_seed(0)
+    lengths = [3, 530, 40, 1, 17, 96]
+    starts = [sum(lengths[:i]) + 5 for i in range(len(lengths))]
+    total = starts[-1] + lengths[-1]
+    q, k, v = torch.randn(total, 8, 16, dtype=dtype), torch.randn(total, 2, 16, dtype=dtype), torch.randn(total, 2, 16, dtype=dtype)
+    out = torch.full_like(q, 7.0)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        ops().causal_prefill_attention(out, q, k, v, starts, lengths, 0.25)
+    finally:
+        torch.set_num_threads(previous)
+    for start, length in zip(starts, lengths):
+        rows = slice(start, start + length)
+        assert torch.equal(out[rows], sdpa_one_request(q[rows], k[rows], v[rows], 0.25, gqa=True))
+    assert torch.equal(out[:5], torch.full_like(out[:5], 7.0))
+    with pytest.raises(RuntimeError, match="starts and lengths"):
+        ops().causal_prefill_attention(out, q, k, v, starts, lengths[:-1], 0.25)
