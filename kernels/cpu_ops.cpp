@@ -27,6 +27,11 @@
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define SERVELAB_AVX512_BF16 1
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define SERVELAB_AMX 1
+#endif
 #endif
 
 namespace {
@@ -312,6 +317,69 @@ void score_pair_span(const c10::BFloat16* key_tiles, int64_t block_stride, int64
       score_pair_lanes<1>(column, block_size, pairs, query + j * pairs, lanes, scale, out + j * kSpan);
   });
 }
+
+#ifdef SERVELAB_AMX
+// ---- scores on the AMX tile unit ----
+//
+// A key tile in pair layout is already the B operand of a tile dot product: row p holds
+// dimension pair p of block_size positions, 64 bytes (16 positions) per tile row. With the
+// query vectors' pairs as the A operand, one tdpbf16ps scores 16 positions of up to 16
+// query vectors over 32 dimensions, where score_pair_lanes needs a vdpbf16ps per pair
+// and vector.
+
+// Tile registers (the intrinsics take them as literals): tmm0 scores (C), tmm1 query
+// pairs (A), tmm2 key pairs (B).
+constexpr int64_t kTilePairs = 16;  // dimension pairs per tile: 64-byte rows
+
+// The tile unit is usable in this process (Linux grants its register state on request).
+bool amx_available() {
+  static const bool available = [] {
+    constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return available;
+}
+
+// Shapes the score tiles for `vectors` query vectors (at most 16) on the calling thread.
+void configure_score_tiles(int64_t vectors) {
+  struct alignas(64) {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+  } config;
+  config.colsb[0] = config.colsb[1] = config.colsb[2] = 64;
+  config.rows[0] = config.rows[1] = static_cast<uint8_t>(vectors);
+  config.rows[2] = kTilePairs;
+  _tile_loadconfig(&config);
+}
+
+// score_pair_span on the tile unit, for tiles configured by configure_score_tiles(vectors);
+// `query` [vectors][pairs] bfloat16 pairs, pairs a multiple of 16. Each run reads the 16
+// positions from its first slot on (the key tile, a neighbour's or the value tiles after
+// the keys supply the rest of a short run) and keeps its `lanes`.
+void score_pair_span_amx(const c10::BFloat16* key_tiles, int64_t block_stride, int64_t block_size,
+                         int64_t head_dim, const std::vector<Segment>& segments, const uint32_t* query,
+                         int64_t vectors, float scale, float* scores) {
+  const int64_t pairs = head_dim / 2;
+  alignas(64) float tile_scores[16 * 16];
+  const __m512 scale_vec = _mm512_set1_ps(scale);
+  for_each_key_run(key_tiles, block_stride, head_dim * block_size, segments,
+                   [&](const c10::BFloat16* tile, int64_t slot, int64_t lanes, int64_t span_offset) {
+    const uint32_t* column = reinterpret_cast<const uint32_t*>(tile) + slot;
+    _tile_zero(0);
+    for (int64_t p = 0; p < pairs; p += kTilePairs) {
+      _tile_loadd(1, query + p, pairs * 4);
+      _tile_loadd(2, column + p * block_size, block_size * 4);
+      _tile_dpbf16ps(0, 1, 2);
+    }
+    _tile_stored(0, tile_scores, 64);
+    const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1);
+    for (int64_t v = 0; v < vectors; ++v)
+      _mm512_mask_storeu_ps(scores + v * kSpan + span_offset, mask,
+                            _mm512_mul_ps(_mm512_load_ps(tile_scores + v * 16), scale_vec));
+  });
+}
+#endif
 #endif
 
 // Scores of every span position for `vectors` query vectors against one KV head's key
@@ -479,7 +547,15 @@ void paged_attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tens
         items.push_back({r, h, row, std::min<int64_t>(row + kQueryTile, starts[r + 1])});
   }
 
+#ifdef SERVELAB_AMX
+  // Runs of 16 positions need blocks of whole tile rows; up to 16 query vectors per tile.
+  const bool tile_scores = kPairScores && block_size % 16 == 0 && head_dim % (2 * kTilePairs) == 0 &&
+                           group <= 16 && amx_available();
+#endif
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+#ifdef SERVELAB_AMX
+    if (tile_scores) configure_score_tiles(group);
+#endif
     AttentionScratch s;
     s.value_offsets.resize(kSpan);
     s.keys.resize(head_dim * kLanes);
@@ -534,8 +610,16 @@ void paged_attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tens
           float* scores = s.scores.data() + i * group * kSpan;
 #ifdef SERVELAB_AVX512_BF16
           if constexpr (kPairScores) {
-            score_pair_span(key_tiles, block_stride, block_size, head_dim, s.segments,
-                            s.query_pairs.data() + i * group * head_dim / 2, group, static_cast<float>(scale), scores);
+            const uint32_t* query = s.query_pairs.data() + i * group * head_dim / 2;
+#ifdef SERVELAB_AMX
+            if (tile_scores) {
+              score_pair_span_amx(key_tiles, block_stride, block_size, head_dim, s.segments, query, group,
+                                  static_cast<float>(scale), scores);
+              continue;
+            }
+#endif
+            score_pair_span(key_tiles, block_stride, block_size, head_dim, s.segments, query, group,
+                            static_cast<float>(scale), scores);
             continue;
           }
 #endif
@@ -566,6 +650,9 @@ void paged_attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tens
         store_row(dst, a, head_dim);
       }
     }
+#ifdef SERVELAB_AMX
+    if (tile_scores) _tile_release();
+#endif
   });
 }
 

@@ -69,10 +69,12 @@ def test_paged_attention_writes_only_the_selected_requests(paged_batch):
     assert not torch.equal(out[0], torch.full_like(out[0], 7.0))
 
 
-def test_paged_attention_sliding_window(paged_batch, close):
-    """With a window, each row sees only its last ``window`` positions."""
+@pytest.mark.parametrize("head_dim,block_size,dtype", [(16, 8, torch.float32), (64, 16, torch.bfloat16)])
+def test_paged_attention_sliding_window(paged_batch, close, head_dim, block_size, dtype):
+    """With a window, each row sees only its last ``window`` positions (runs of positions
+    that start inside a block; with bfloat16, scores from two 32-dimension tiles)."""
     window = 9
-    batch = paged_batch([37, 50], [1, 6], 4, 2, 16, 8, torch.float32)
+    batch = paged_batch([37, 50], [1, 6], 4, 2, head_dim, block_size, dtype)
     out = run_kernel(batch, [0, 1], window=window)
     starts = batch["query_start_loc"].tolist()
     for r, seq_len in enumerate(batch["seq_lens"].tolist()):
