@@ -549,12 +549,12 @@ void paged_attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tens
 
 #ifdef SERVELAB_AMX
   // Runs of 16 positions need blocks of whole tile rows; up to 16 query vectors per tile.
-  const bool tile_scores = kPairScores && block_size % 16 == 0 && head_dim % (2 * kTilePairs) == 0 &&
+  const bool use_tile_unit = kPairScores && block_size % 16 == 0 && head_dim % (2 * kTilePairs) == 0 &&
                            group <= 16 && amx_available();
 #endif
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
 #ifdef SERVELAB_AMX
-    if (tile_scores) configure_score_tiles(group);
+    if (use_tile_unit) configure_score_tiles(group);
 #endif
     AttentionScratch s;
     s.value_offsets.resize(kSpan);
@@ -612,7 +612,7 @@ void paged_attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tens
           if constexpr (kPairScores) {
             const uint32_t* query = s.query_pairs.data() + i * group * head_dim / 2;
 #ifdef SERVELAB_AMX
-            if (tile_scores) {
+            if (use_tile_unit) {
               score_pair_span_amx(key_tiles, block_stride, block_size, head_dim, s.segments, query, group,
                                   static_cast<float>(scale), scores);
               continue;
@@ -651,7 +651,7 @@ void paged_attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tens
       }
     }
 #ifdef SERVELAB_AMX
-    if (tile_scores) _tile_release();
+    if (use_tile_unit) _tile_release();
 #endif
   });
 }
