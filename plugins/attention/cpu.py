@@ -35,9 +35,10 @@ class CpuAttention(AttentionBackend):
     """Requests with cached context go through ``servelab_cpu.paged_attention``: one pass
     over each context straight from the block table in its own tiled cache layout
     (``kv_cache_shape``), grouped-query heads sharing every key/value load, online softmax
-    in float32, threads over (request, KV head, query tile). Fresh prefills use torch's
-    fused SDPA on the new keys and values, short ones side by side on the threads
-    (``servelab_cpu.causal_prefill_attention``).
+    in float32, threads over (request, KV head, query tile). Fresh prefills attend over
+    their new keys and values only (``servelab_cpu.causal_prefill_attention``): on the AMX
+    tile unit in bfloat16, otherwise torch's fused SDPA, short prompts side by side on the
+    threads.
     """
 
     @classmethod
