@@ -75,14 +75,6 @@ def make_workload(path: str, num_requests: int, output_tokens: int, seed: int = 
     return path
 
 
-def step_budget(llm) -> int:
-    """The most tokens one step of ``llm``'s scheduler holds (what its warm-up covers)."""
-    scheduler = llm.engine.scheduler
-    config = scheduler.config
-    return (getattr(scheduler, "token_budget", None) or getattr(config, "token_budget", None)
-            or getattr(config, "max_num_batched_tokens", None) or llm.engine.cfg.model.max_model_len)
-
-
 def run_servelab(folder: str, workload_path: str, dtype: str, overrides: list[str]) -> dict:
     """servelab's offline generate over the workload (called in a fresh process)."""
     from servelab import LLM, SamplingParams
@@ -92,7 +84,7 @@ def run_servelab(folder: str, workload_path: str, dtype: str, overrides: list[st
     llm = LLM(folder, overrides=[f"model.dtype={dtype}", f"model.max_model_len={workload['max_model_len']}",
                                  f"scheduler.max_num_seqs={workload['max_num_seqs']}", *overrides])
     params = SamplingParams(temperature=0.0, max_tokens=workload["output_tokens"], ignore_eos=True)
-    llm.warm_up(step_budget(llm))
+    llm.warm_up()
     llm.generate(workload["prompts"][:4], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
     started = time.perf_counter()
     outputs = llm.generate(workload["prompts"], params, use_tqdm=False)

@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from compare_vllm import make_checkpoint, make_workload, step_budget  # noqa: E402
+from compare_vllm import make_checkpoint, make_workload  # noqa: E402
 
 
 def main() -> None:
@@ -61,7 +61,7 @@ def main() -> None:
 
     runner.model.forward, runner.model.compute_logits = timed(model_forward), timed(compute_logits)
     params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
-    llm.warm_up(step_budget(llm))
+    llm.warm_up()
     llm.generate(workload["prompts"][:4], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
     forward_time[0] = 0.0
     profile = {"torch": lambda: torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]),

@@ -252,10 +252,18 @@ class LLMEngine:
                     request.cumulative_logprob += entry[token].logprob
         return generated
 
-    def warm_up(self, max_tokens: int) -> int:
-        """Compile the model's kernels for steps of up to ``max_tokens`` tokens now rather
-        than on each new step size's first use (milliseconds per layer each on the CPU);
-        returns the number of kernels prepared."""
+    @property
+    def max_step_tokens(self) -> int:
+        """The most tokens one step holds: the scheduler's budget, else ``max_model_len``."""
+        return self.scheduler.max_step_tokens() or self.cfg.model.max_model_len
+
+    def warm_up(self, max_tokens: int | None = None) -> int:
+        """Compile the model's kernels for steps of up to ``max_tokens`` tokens (default:
+        ``max_step_tokens``, which covers every step) now rather than on each new step
+        size's first use (milliseconds per layer each on the CPU); returns the number of
+        kernels prepared."""
+        if max_tokens is None:
+            max_tokens = self.max_step_tokens
         if max_tokens < 0:
             raise ValueError(f"warm_up: max_tokens must be 0 or more, got {max_tokens}")
         return self.runner.model.warm_up(max_tokens)

@@ -42,10 +42,10 @@ class LLM:
         llm.engine = LLMEngine(cfg)
         return llm
 
-    def warm_up(self, max_tokens: int) -> int:
+    def warm_up(self, max_tokens: int | None = None) -> int:
         """Compile the model's CPU matmul kernels for steps of up to ``max_tokens`` tokens
-        (the scheduler's per-step budget covers every step), so the first ``generate`` does
-        not pay that compilation; returns the number of kernels prepared."""
+        (default: the scheduler's per-step budget, which covers every step), so the first
+        ``generate`` does not pay that compilation; returns the number of kernels prepared."""
         return self.engine.warm_up(max_tokens)
 
     def get_tokenizer(self) -> Any:

@@ -98,6 +98,11 @@ class Scheduler(abc.ABC):
     def has_unfinished(self) -> bool:
         """True while any request is waiting or running."""
 
+    def max_step_tokens(self) -> int | None:
+        """The most tokens one step of this policy holds (what ``LLMEngine.warm_up``
+        prepares kernels for); None when the policy sets no such bound."""
+        return None
+
     def next_wakeup(self) -> float | None:
         """For policies that wait on a timer with nothing to run: when to step again
         (``time.perf_counter`` seconds); None otherwise."""

@@ -22,8 +22,9 @@ class ServerConfig:
     in-flight requests may run before they are aborted. ``log_level``/``access_log``:
     uvicorn logging. The engine runs in its own process: ``engine_threads`` is its number
     of compute threads (default: all cores but one, which is left to the HTTP side);
-    ``warmup_tokens``: before listening, it compiles the CPU matmul kernels of steps up to
-    this many tokens (0: skip; larger steps compile on first use).
+    ``warmup_tokens``: before listening, it packs the weights and compiles the CPU matmul
+    kernels of steps up to this many tokens (default: the scheduler's step budget, which
+    covers every step; 0: skip; larger steps compile on first use).
     """
 
     host: str = "127.0.0.1"
@@ -34,7 +35,7 @@ class ServerConfig:
     log_level: str = "info"
     access_log: bool = True
     engine_threads: Optional[int] = None
-    warmup_tokens: int = 512
+    warmup_tokens: Optional[int] = None
 
 
 @dataclass

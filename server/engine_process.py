@@ -42,14 +42,15 @@ class EngineProcess:
         self.info = info
 
     @classmethod
-    def launch(cls, cfg: DictConfig, threads: int | None, warmup_tokens: int) -> "EngineProcess":
+    def launch(cls, cfg: DictConfig, threads: int | None, warmup_tokens: int | None) -> "EngineProcess":
         """Start the engine process and wait until it serves. Raises ``ConfigError`` for a
         bad configuration and ``RuntimeError`` if the process dies while starting."""
         problems = []
         if threads is not None and threads < 1:
             problems.append(f"server.engine_threads must be at least 1 (or null for all cores but one), got {threads}")
-        if warmup_tokens < 0:
-            problems.append(f"server.warmup_tokens must be 0 (no warm-up) or more, got {warmup_tokens}")
+        if warmup_tokens is not None and warmup_tokens < 0:
+            problems.append(f"server.warmup_tokens must be 0 (no warm-up), more, or null (the step budget), "
+                            f"got {warmup_tokens}")
         if problems:
             raise ConfigError(problems)
         context = multiprocessing.get_context("spawn")
@@ -92,7 +93,7 @@ class EngineProcess:
         return self.process.exitcode
 
 
-def _engine_main(cfg: DictConfig, conn: Any, threads: int, warmup_tokens: int) -> None:
+def _engine_main(cfg: DictConfig, conn: Any, threads: int, warmup_tokens: int | None) -> None:
     """Entry point of the engine process."""
     # The server process decides when the engine stops; a Ctrl-C reaches the whole group.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -115,9 +116,12 @@ def _engine_main(cfg: DictConfig, conn: Any, threads: int, warmup_tokens: int) -
     EngineLoop(engine, conn).run()
 
 
-def warm_up(engine: Any, max_tokens: int) -> None:
-    """Compile the model's CPU matmul kernels for steps of up to ``max_tokens`` tokens
-    (each new step size would otherwise cost milliseconds per layer on first use)."""
+def warm_up(engine: Any, max_tokens: int | None) -> None:
+    """Pack the weights and compile the model's CPU matmul kernels for steps of up to
+    ``max_tokens`` tokens (None: the engine's step budget; each new step size would
+    otherwise cost milliseconds per layer on first use)."""
+    if max_tokens is None:
+        max_tokens = engine.max_step_tokens
     if max_tokens <= 0:
         return
     started = time.perf_counter()

@@ -37,9 +37,10 @@ def padded_rows(rows: int) -> int:
 
 
 def warm_up_linears(module: nn.Module, max_rows: int) -> int:
-    """Multiply once through every distinct packed ``Linear`` shape in ``module`` at every
-    row bucket up to ``max_rows`` (zeros in, nothing kept), so oneDNN compiles those
-    kernels before the first request instead of during it; returns the kernels warmed."""
+    """Pack every CPU ``Linear`` of ``module`` and multiply once through each distinct
+    packed shape at every row bucket up to ``max_rows`` (zeros in, nothing kept), so
+    neither the packing nor oneDNN's kernel compilation happens during the first requests;
+    returns the kernels warmed."""
     buckets = sorted({padded_rows(rows) for rows in range(1, max_rows + 1)})
     shapes = set()
     with torch.inference_mode():
@@ -47,7 +48,7 @@ def warm_up_linears(module: nn.Module, max_rows: int) -> int:
             if not isinstance(layer, Linear) or layer.weight.device.type != "cpu":
                 continue
             shape = (layer.in_features, layer.out_features, layer.weight.dtype, layer.bias is not None)
-            if shape in shapes or layer._packed_weight(layer.weight) is None:
+            if layer._packed_weight(layer.weight) is None or shape in shapes:
                 continue
             shapes.add(shape)
             for rows in buckets:

@@ -24,6 +24,10 @@ class ChunkedScheduler(QueueScheduler):
     is split into chunks that fit the remaining budget, so a long prefill never stalls
     the decodes, and decode and prefill tokens share one forward pass."""
 
+    def max_step_tokens(self) -> int:
+        """The step budget (``token_budget``)."""
+        return self.config.token_budget
+
     def schedule(self) -> SchedulerOutput:
         """Fill the step's token budget in stall-free order."""
         budget = self.config.token_budget

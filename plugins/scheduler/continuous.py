@@ -37,6 +37,10 @@ class ContinuousScheduler(QueueScheduler):
         super().__init__(config, context)
         self.token_budget = config.max_num_batched_tokens or max(DEFAULT_BATCHED_TOKENS, context.max_model_len)
 
+    def max_step_tokens(self) -> int:
+        """The step budget (``max_num_batched_tokens`` or its default)."""
+        return self.token_budget
+
     def schedule(self) -> SchedulerOutput:
         """One step of prefills (new prompts) or decodes, or both when mixing."""
         config = self.config

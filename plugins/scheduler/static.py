@@ -27,6 +27,10 @@ class StaticScheduler(QueueScheduler):
         """Whether a new batch may start now (overridden by ``dynamic``)."""
         return True
 
+    def max_step_tokens(self) -> int:
+        """The step budget (``max_num_batched_tokens``)."""
+        return self.config.max_num_batched_tokens
+
     def schedule(self) -> SchedulerOutput:
         """Prefill a new batch when idle, else advance the running batch."""
         config = self.config

@@ -94,3 +94,35 @@ def test_llm_warm_up_compiles_every_bucket_and_generation_is_unchanged(llama):
     assert llm.generate("hello world", params, use_tqdm=False)[0].outputs[0].token_ids == before
     with pytest.raises(ValueError, match="max_tokens must be 0 or more"):
         llm.warm_up(-1)
+
+
+@packing
+def test_warm_up_defaults_to_the_step_budget_and_packs_every_layer(llama, monkeypatch):
+    """``LLM.warm_up()`` covers every step the scheduler can form (its token budget) and
+    packs the weight of every linear layer, so serving afterwards neither packs nor meets
+    a new step size; each built-in scheduler reports its budget."""
+    from servelab import LLM, SamplingParams
+    from servelab.plugins.models import layers
+
+    llm = LLM(llama, overrides=["model.dtype=float32", "device=cpu", "scheduler=chunked", "scheduler.token_budget=96"])
+    assert llm.engine.max_step_tokens == 96
+    model = llm.engine.runner.model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    shapes = {(m.in_features, m.out_features) for m in linears}
+    buckets = {padded_rows(rows) for rows in range(1, 97)}
+    assert llm.warm_up() == len(shapes) * len(buckets)
+    assert len(linears) > len(shapes)  # layers sharing a shape are packed too
+    assert all(m._packed is not None and m._packed[1] is not None for m in linears)
+
+    def no_packing(weight):
+        raise AssertionError("a weight was packed after warm_up")
+
+    monkeypatch.setattr(layers, "_pack", no_packing)
+    out = llm.generate(["hello world", "a longer prompt for the step"], SamplingParams(temperature=0.0, max_tokens=4),
+                       use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 4 for o in out)
+
+    budgets = {"continuous": 2048, "static": 8192, "dynamic": 8192}
+    for scheduler, budget in budgets.items():
+        engine = LLM(llama, overrides=["model.dtype=float32", "device=cpu", f"scheduler={scheduler}"]).engine
+        assert engine.max_step_tokens == budget
