@@ -933,6 +933,29 @@ void silu_and_mul(at::Tensor out, const at::Tensor& x) {
 // from a second thread on a few hundred rows).
 constexpr int64_t kSharedPrefillRows = 512;
 
+// Sorts request indices longest first, the order in which the threads take them (the
+// longest ones start early, so no thread is left with one at the end).
+inline void sort_longest_first(std::vector<int64_t>& requests, at::IntArrayRef lengths) {
+  std::sort(requests.begin(), requests.end(), [&](int64_t a, int64_t b) { return lengths[a] > lengths[b]; });
+}
+
+// Hands items 0..count-1, in order, to up to all of torch's threads: each thread calls
+// worker(take) once, where take() returns the next item no thread has taken yet, or -1.
+template <typename Worker>
+void share_in_turn(int64_t count, const Worker& worker) {
+  std::atomic<int64_t> next{0};
+  const auto take = [&]() -> int64_t {
+    const int64_t item = next++;
+    return item < count ? item : -1;
+  };
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), count);
+  if (threads <= 1) {
+    worker(take);
+    return;
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) { worker(take); });
+}
+
 #ifdef SERVELAB_AMX
 // On the tile unit (bfloat16, head_dim a multiple of 32), one work item is a request's
 // query heads that share a KV head. Its keys are packed once into dimension pairs
@@ -1117,14 +1140,11 @@ void causal_prefill_attention_amx(at::Tensor& out, const at::Tensor& q, const at
   const int64_t num_kv_heads = k.size(1);
   std::vector<int64_t> order(starts.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
-  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return lengths[a] > lengths[b]; });
-  const int64_t items = static_cast<int64_t>(order.size()) * num_kv_heads;
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+  sort_longest_first(order, lengths);
+  share_in_turn(static_cast<int64_t>(order.size()) * num_kv_heads, [&](const auto& take) {
     configure_prefill_tiles();
     PrefillScratch scratch;
-    for (int64_t w = next++; w < items; w = next++) {
+    for (int64_t w = take(); w >= 0; w = take()) {
       const int64_t request = order[w / num_kv_heads];
       prefill_item_amx(out, q, k, v, starts[request], lengths[request], w % num_kv_heads, scale, scratch);
     }
@@ -1162,16 +1182,10 @@ void causal_prefill_attention(at::Tensor out, const at::Tensor& q, const at::Ten
   for (int64_t i = 0; i < static_cast<int64_t>(starts.size()); ++i)
     (lengths[i] >= kSharedPrefillRows ? shared : side_by_side).push_back(i);
   for (int64_t i : shared) attend(i);
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), side_by_side.size());
-  if (threads <= 1) {
-    for (int64_t i : side_by_side) attend(i);
-    return;
-  }
-  std::sort(side_by_side.begin(), side_by_side.end(), [&](int64_t a, int64_t b) { return lengths[a] > lengths[b]; });
-  std::atomic<size_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+  sort_longest_first(side_by_side, lengths);
+  share_in_turn(static_cast<int64_t>(side_by_side.size()), [&](const auto& take) {
     c10::InferenceMode inference_mode;  // worker threads do not inherit the caller's mode
-    for (size_t w = next++; w < side_by_side.size(); w = next++) attend(side_by_side[w]);
+    for (int64_t w = take(); w >= 0; w = take()) attend(side_by_side[w]);
   });
 }
 
