@@ -38,6 +38,23 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kLanes = Vec::size();
+// The SIMD register a Vec wraps, and a multiply-add on it. Accumulator arrays that a loop
+// updates are declared of this type: GCC keeps an array of Vec objects in memory (a store
+// and reload around every update), an array of the raw register type in registers.
+#if defined(CPU_CAPABILITY_AVX512)
+using VecRegister = __m512;
+inline VecRegister fmadd_register(float w, VecRegister v, VecRegister acc) {
+  return _mm512_fmadd_ps(_mm512_set1_ps(w), v, acc);
+}
+#elif defined(CPU_CAPABILITY_AVX2)
+using VecRegister = __m256;
+inline VecRegister fmadd_register(float w, VecRegister v, VecRegister acc) {
+  return _mm256_fmadd_ps(_mm256_set1_ps(w), v, acc);
+}
+#else
+using VecRegister = Vec;
+inline VecRegister fmadd_register(float w, VecRegister v, VecRegister acc) { return at::vec::fmadd(Vec(w), v, acc); }
+#endif
 // Sentinel for masked scores (finite, so no inf arithmetic is needed).
 constexpr float kMasked = -1e30f;
 // Query rows of one request processed together (they share every key/value load).
@@ -72,37 +89,48 @@ inline void load_row(const T* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = to_float(src[i]);
 }
 
+// Two vectors of float32 values stored as 2 * kLanes values of T. CPUs with AVX512-BF16
+// round 32 float32 values to bfloat16 (nearest even) in one instruction, where the generic
+// conversion takes about ten per vector.
+template <typename T>
+inline void store_pair(T* dst, const Vec& low, const Vec& high) {
+  if constexpr (std::is_same_v<T, float>) {
+    low.store(dst);
+    high.store(dst + kLanes);
+  }
 #ifdef SERVELAB_AVX512_BF16
-// CPUs with AVX512-BF16 round 32 float32 values to bfloat16 (nearest even) in one
-// instruction, where the generic conversion takes about ten per vector.
-inline __m512i pack_bf16(const float* src) {
-  return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src)));
+  else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    _mm512_storeu_si512(dst, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low)));
+  }
+#endif
+  else {
+    at::vec::convert_from_float<T>(low, high).store(dst);
+  }
 }
 
-inline void unpack_bf16(__m512i packed, float* dst) {
-  const __m512i low = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(packed));
-  const __m512i high = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(packed, 1));
-  _mm512_storeu_si512(dst, _mm512_slli_epi32(low, 16));
-  _mm512_storeu_si512(dst + 16, _mm512_slli_epi32(high, 16));
-}
+// Two vectors rounded through T in registers, as storing them in T and reading them back does.
+template <typename T>
+inline void round_pair(Vec& low, Vec& high) {
+  if constexpr (std::is_same_v<T, float>) {
+    return;
+  }
+#ifdef SERVELAB_AVX512_BF16
+  else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const __m512i packed = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low));
+    low = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(packed)), 16));
+    high = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(packed, 1)), 16));
+  }
 #endif
+  else {
+    std::tie(low, high) = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(low, high));
+  }
+}
 
 // dst[0:n] = src[0:n] rounded to T (two vectors at a time: full-width stores).
 template <typename T>
 inline void store_row(T* dst, const float* src, int64_t n) {
   int64_t i = 0;
-  if constexpr (std::is_same_v<T, float>) {
-    for (; i + kLanes <= n; i += kLanes) Vec::loadu(src + i).store(dst + i);
-  }
-#ifdef SERVELAB_AVX512_BF16
-  else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    for (; i + 32 <= n; i += 32) _mm512_storeu_si512(dst + i, pack_bf16(src + i));
-  }
-#endif
-  else {
-    for (; i + 2 * kLanes <= n; i += 2 * kLanes)
-      at::vec::convert_from_float<T>(Vec::loadu(src + i), Vec::loadu(src + i + kLanes)).store(dst + i);
-  }
+  for (; i + 2 * kLanes <= n; i += 2 * kLanes) store_pair(dst + i, Vec::loadu(src + i), Vec::loadu(src + i + kLanes));
   for (; i < n; ++i) dst[i] = static_cast<T>(src[i]);
 }
 
@@ -111,18 +139,11 @@ template <typename T>
 inline void round_row(float* x, int64_t n) {
   if constexpr (!std::is_same_v<T, float>) {
     int64_t i = 0;
-#ifdef SERVELAB_AVX512_BF16
-    if constexpr (std::is_same_v<T, c10::BFloat16>) {
-      for (; i + 32 <= n; i += 32) unpack_bf16(pack_bf16(x + i), x + i);
-    } else
-#endif
-    {
-      for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
-        const auto [low, high] = at::vec::convert_to_float<T>(
-            at::vec::convert_from_float<T>(Vec::loadu(x + i), Vec::loadu(x + i + kLanes)));
-        low.store(x + i);
-        high.store(x + i + kLanes);
-      }
+    for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
+      Vec low = Vec::loadu(x + i), high = Vec::loadu(x + i + kLanes);
+      round_pair<T>(low, high);
+      low.store(x + i);
+      high.store(x + i + kLanes);
     }
     for (; i < n; ++i) x[i] = round_to<T>(x[i]);
   }
@@ -247,21 +268,21 @@ inline void for_each_key_run(const T* key_tiles, int64_t block_stride, int64_t t
 // the kLanes (or fewer, `lanes`) positions whose float32 keys are `keys` [D][kLanes].
 template <int NV>
 inline void score_lanes(const float* keys, int64_t head_dim, const float* query, int64_t lanes, float* scores) {
-  Vec even[NV], odd[NV];
+  VecRegister even[NV], odd[NV];
   for (int v = 0; v < NV; ++v) even[v] = odd[v] = Vec(0.f);
   int64_t d = 0;
   for (; d + 2 <= head_dim; d += 2) {
-    const Vec k0 = Vec::loadu(keys + d * kLanes);
-    const Vec k1 = Vec::loadu(keys + (d + 1) * kLanes);
+    const VecRegister k0 = Vec::loadu(keys + d * kLanes);
+    const VecRegister k1 = Vec::loadu(keys + (d + 1) * kLanes);
     for (int v = 0; v < NV; ++v) {
-      even[v] = at::vec::fmadd(Vec(query[v * head_dim + d]), k0, even[v]);
-      odd[v] = at::vec::fmadd(Vec(query[v * head_dim + d + 1]), k1, odd[v]);
+      even[v] = fmadd_register(query[v * head_dim + d], k0, even[v]);
+      odd[v] = fmadd_register(query[v * head_dim + d + 1], k1, odd[v]);
     }
   }
   for (; d < head_dim; ++d)
-    for (int v = 0; v < NV; ++v) even[v] = at::vec::fmadd(Vec(query[v * head_dim + d]), Vec::loadu(keys + d * kLanes), even[v]);
+    for (int v = 0; v < NV; ++v) even[v] = fmadd_register(query[v * head_dim + d], Vec::loadu(keys + d * kLanes), even[v]);
   for (int v = 0; v < NV; ++v) {
-    const Vec total = even[v] + odd[v];
+    const Vec total = Vec(even[v]) + Vec(odd[v]);
     if (lanes == kLanes) {
       total.store(scores + v * kSpan);
     } else {
@@ -412,19 +433,19 @@ void score_span(const T* key_tiles, int64_t block_stride, int64_t block_size, in
 template <typename T, int C, int NV>
 inline void accumulate_vectors(const T* cache, const int64_t* offsets, int64_t count, const float* weights,
                                float* acc) {
-  Vec a[NV][C];
+  VecRegister a[NV][C];
   for (int n = 0; n < NV; ++n)
     for (int c = 0; c < C; ++c) a[n][c] = Vec::loadu(acc + (n * C + c) * kLanes);
   for (int64_t t = 0; t < count; ++t) {
     if (t + kPrefetchAhead < count) prefetch(cache + offsets[t + kPrefetchAhead], C * kLanes * sizeof(T));
     const T* value = cache + offsets[t];
     for (int c = 0; c < C; ++c) {
-      const Vec v = load_vec(value + c * kLanes);
-      for (int n = 0; n < NV; ++n) a[n][c] = at::vec::fmadd(Vec(weights[n * kSpan + t]), v, a[n][c]);
+      const VecRegister v = load_vec(value + c * kLanes);
+      for (int n = 0; n < NV; ++n) a[n][c] = fmadd_register(weights[n * kSpan + t], v, a[n][c]);
     }
   }
   for (int n = 0; n < NV; ++n)
-    for (int c = 0; c < C; ++c) a[n][c].store(acc + (n * C + c) * kLanes);
+    for (int c = 0; c < C; ++c) Vec(a[n][c]).store(acc + (n * C + c) * kLanes);
 }
 
 // accumulate_vectors over `vectors` accumulators from the j-th on, NV at a time while at
@@ -476,11 +497,14 @@ AccumulateFn<T> accumulate_loop(int64_t chunks) {
 inline void softmax_span(AttentionScratch& s, int64_t vectors, int64_t count, int64_t head_dim) {
   for (int64_t j = 0; j < vectors; ++j) {
     float* sc = s.scores.data() + j * kSpan;
+    // The last vector's lanes past `count` read as masked.
+    const auto load_scores = [&](int64_t t) {
+      return t + kLanes <= count ? Vec::loadu(sc + t) : Vec::set(Vec(kMasked), Vec::loadu(sc + t, count - t), count - t);
+    };
     Vec max_lanes(kMasked);
-    int64_t t = 0;
-    for (; t + kLanes <= count; t += kLanes) max_lanes = at::vec::maximum(max_lanes, Vec::loadu(sc + t));
-    float span_max = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, max_lanes);
-    for (; t < count; ++t) span_max = std::max(span_max, sc[t]);
+    for (int64_t t = 0; t < count; t += kLanes) max_lanes = at::vec::maximum(max_lanes, load_scores(t));
+    const float span_max =
+        at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, max_lanes);
     if (span_max <= kMasked) {
       std::fill(sc, sc + count, 0.f);
       continue;
@@ -489,18 +513,13 @@ inline void softmax_span(AttentionScratch& s, int64_t vectors, int64_t count, in
     const float rescale = std::exp(s.row_max[j] - new_max);
     const Vec max_vec(new_max);
     Vec total(0.f);
-    for (t = 0; t + kLanes <= count; t += kLanes) {
-      const Vec raw = Vec::loadu(sc + t);
+    for (int64_t t = 0; t < count; t += kLanes) {
+      const Vec raw = load_scores(t);
       const Vec weight = Vec::blendv(Vec(0.f), (raw - max_vec).exp_u20(), raw > Vec(kMasked));
-      weight.store(sc + t);
+      weight.store(sc + t, static_cast<int>(std::min(kLanes, count - t)));
       total = total + weight;
     }
-    float sum = sum_lanes(total);
-    for (; t < count; ++t) {
-      sc[t] = sc[t] <= kMasked ? 0.f : std::exp(sc[t] - new_max);
-      sum += sc[t];
-    }
-    s.row_sum[j] = s.row_sum[j] * rescale + sum;
+    s.row_sum[j] = s.row_sum[j] * rescale + sum_lanes(total);
     s.row_max[j] = new_max;
     if (rescale != 1.f) {
       float* a = s.acc.data() + j * head_dim;
@@ -882,34 +901,40 @@ inline Vec silu_vec(const Vec& g) {
   }
 }
 
-// out [N, I] = round(round(silu(gate)) * up) for x [N, 2I] = [gate | up], in one pass over
-// registers per row.
+// dst[0:2 * kLanes] = round(round(silu(gate)) * up) for two vectors of gates and of ups.
+template <typename T>
+inline void silu_times_up(Vec gate_low, Vec gate_high, const Vec& up_low, const Vec& up_high, T* dst) {
+  gate_low = silu_vec<T>(gate_low);
+  gate_high = silu_vec<T>(gate_high);
+  round_pair<T>(gate_low, gate_high);
+  store_pair(dst, gate_low * up_low, gate_high * up_high);
+}
+
+// out [N, I] = round(round(silu(gate)) * up) for x [N, 2I] = [gate | up], two vectors at a
+// time in registers (a row's last, shorter stretch through zero-padded buffers).
 template <typename T>
 void silu_and_mul_kernel(at::Tensor& out, const at::Tensor& x) {
   const int64_t rows = x.size(0);
   const int64_t size = out.size(1);
   const T* in = x.data_ptr<T>();
   T* dst = out.data_ptr<T>();
-  constexpr int64_t kStep = std::is_same_v<T, float> ? kLanes : 2 * kLanes;
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    float gate[kStep], up[kStep];
     for (int64_t r = begin; r < end; ++r) {
       const T* gate_row = in + r * 2 * size;
       const T* up_row = gate_row + size;
       T* out_row = dst + r * size;
       int64_t i = 0;
-      for (; i + kStep <= size; i += kStep) {
-        for (int64_t h = 0; h < kStep; h += kLanes) {
-          silu_vec<T>(load_vec(gate_row + i + h)).store(gate + h);
-          load_vec(up_row + i + h).store(up + h);
-        }
-        round_row<T>(gate, kStep);
-        for (int64_t h = 0; h < kStep; h += kLanes) (Vec::loadu(gate + h) * Vec::loadu(up + h)).store(gate + h);
-        store_row(out_row + i, gate, kStep);
-      }
-      for (; i < size; ++i) {
-        const float g = to_float(gate_row[i]);
-        out_row[i] = static_cast<T>(round_to<T>(g / (1.f + std::exp(-g))) * to_float(up_row[i]));
+      for (; i + 2 * kLanes <= size; i += 2 * kLanes)
+        silu_times_up(load_vec(gate_row + i), load_vec(gate_row + i + kLanes), load_vec(up_row + i),
+                      load_vec(up_row + i + kLanes), out_row + i);
+      if (i < size) {
+        const int64_t n = size - i;
+        float gate[2 * kLanes] = {}, up[2 * kLanes] = {};
+        T result[2 * kLanes];
+        load_row(gate_row + i, gate, n);
+        load_row(up_row + i, up, n);
+        silu_times_up(Vec::loadu(gate), Vec::loadu(gate + kLanes), Vec::loadu(up), Vec::loadu(up + kLanes), result);
+        std::copy(result, result + n, out_row + i);
       }
     }
   });
