@@ -761,6 +761,8 @@ void write_kv_cache(at::Tensor kv_cache, const at::Tensor& k, const at::Tensor& 
 
 // Rows of `x` [N, size] normalised into `out`: out = w * round(x / rms(x)). With `residual`,
 // first residual = round(x + residual) in place and the norm is taken of the new residual.
+// Three passes per row, two vectors at a time: the (summed) row into float32, its sum of
+// squares, the scaled, rounded and weighted output.
 template <typename T>
 void rms_norm_kernel(at::Tensor& out, const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight,
                      double eps) {
@@ -770,22 +772,39 @@ void rms_norm_kernel(at::Tensor& out, const at::Tensor& x, const at::Tensor* res
   T* out_data = out.data_ptr<T>();
   T* res_data = residual ? residual->data_ptr<T>() : nullptr;
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> row(size), other(size), w(size);
+    std::vector<float> row(size), w(size);
     load_row(weight.data_ptr<T>(), w.data(), size);
     for (int64_t r = begin; r < end; ++r) {
-      load_row(x_data + r * size, row.data(), size);
+      const T* src = x_data + r * size;
       if (res_data) {
-        load_row(res_data + r * size, other.data(), size);
-        for (int64_t i = 0; i < size; ++i) row[i] += other[i];
-        round_row<T>(row.data(), size);
-        store_row(res_data + r * size, row.data(), size);
+        T* res = res_data + r * size;
+        int64_t i = 0;
+        for (; i + 2 * kLanes <= size; i += 2 * kLanes) {
+          Vec low = load_vec(src + i) + load_vec(res + i);
+          Vec high = load_vec(src + i + kLanes) + load_vec(res + i + kLanes);
+          round_pair<T>(low, high);
+          low.store(row.data() + i);
+          high.store(row.data() + i + kLanes);
+          store_pair(res + i, low, high);
+        }
+        for (; i < size; ++i) {
+          row[i] = round_to<T>(to_float(src[i]) + to_float(res[i]));
+          res[i] = static_cast<T>(row[i]);
+        }
+      } else {
+        load_row(src, row.data(), size);
       }
       const float squares = sum_of_squares(row.data(), size);
       const float inv_rms = 1.f / std::sqrt(squares / static_cast<float>(size) + static_cast<float>(eps));
-      for (int64_t i = 0; i < size; ++i) row[i] *= inv_rms;
-      round_row<T>(row.data(), size);
-      for (int64_t i = 0; i < size; ++i) row[i] *= w[i];
-      store_row(out_data + r * size, row.data(), size);
+      const Vec scale(inv_rms);
+      T* dst = out_data + r * size;
+      int64_t i = 0;
+      for (; i + 2 * kLanes <= size; i += 2 * kLanes) {
+        Vec low = Vec::loadu(row.data() + i) * scale, high = Vec::loadu(row.data() + i + kLanes) * scale;
+        round_pair<T>(low, high);
+        store_pair(dst + i, low * Vec::loadu(w.data() + i), high * Vec::loadu(w.data() + i + kLanes));
+      }
+      for (; i < size; ++i) dst[i] = static_cast<T>(round_to<T>(row[i] * inv_rms) * w[i]);
     }
   });
 }
@@ -823,6 +842,18 @@ void add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, d
 //   x_i = round(round(x_i c_i) + round(-x_{i+D/2} s_i)),
 //   x_{i+D/2} = round(round(x_{i+D/2} c_{i+D/2}) + round(x_i s_{i+D/2}))
 // with c, s the rows of the cos/sin tables [positions, D] at each token's position.
+// dst[0:2 * kLanes] = round(round(a * c) + round(b * s)) for two vectors of a and of b and
+// the float32 table rows c and s.
+template <typename T>
+inline void store_rotated(T* dst, const Vec& a_low, const Vec& a_high, const float* c, const Vec& b_low,
+                          const Vec& b_high, const float* s) {
+  Vec direct_low = a_low * Vec::loadu(c), direct_high = a_high * Vec::loadu(c + kLanes);
+  Vec turned_low = b_low * Vec::loadu(s), turned_high = b_high * Vec::loadu(s + kLanes);
+  round_pair<T>(direct_low, direct_high);
+  round_pair<T>(turned_low, turned_high);
+  store_pair(dst, direct_low + turned_low, direct_high + turned_high);
+}
+
 template <typename T>
 void rotary_one(at::Tensor& x, const int64_t* positions, const T* cos, const T* sin, int64_t table_stride) {
   const int64_t tokens = x.size(0);
@@ -833,22 +864,26 @@ void rotary_one(at::Tensor& x, const int64_t* positions, const T* cos, const T* 
   const int64_t head_stride = x.stride(1);
   T* data = x.data_ptr<T>();
   at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> c(dim), s(dim), v(dim), direct(dim), rotated(dim);
+    std::vector<float> c(dim), s(dim);
     for (int64_t t = begin; t < end; ++t) {
       load_row(cos + positions[t] * table_stride, c.data(), dim);
       load_row(sin + positions[t] * table_stride, s.data(), dim);
       for (int64_t h = 0; h < heads; ++h) {
         T* row = data + t * row_stride + h * head_stride;
-        load_row(row, v.data(), dim);
-        for (int64_t i = 0; i < dim; ++i) direct[i] = v[i] * c[i];
-        for (int64_t i = 0; i < half; ++i) {
-          rotated[i] = -v[i + half] * s[i];
-          rotated[i + half] = v[i] * s[i + half];
+        int64_t i = 0;
+        for (; i + 2 * kLanes <= half; i += 2 * kLanes) {
+          const Vec first_low = load_vec(row + i), first_high = load_vec(row + i + kLanes);
+          const Vec second_low = load_vec(row + half + i), second_high = load_vec(row + half + i + kLanes);
+          store_rotated(row + i, first_low, first_high, c.data() + i, second_low.neg(), second_high.neg(),
+                        s.data() + i);
+          store_rotated(row + half + i, second_low, second_high, c.data() + half + i, first_low, first_high,
+                        s.data() + half + i);
         }
-        round_row<T>(direct.data(), dim);
-        round_row<T>(rotated.data(), dim);
-        for (int64_t i = 0; i < dim; ++i) direct[i] += rotated[i];
-        store_row(row, direct.data(), dim);
+        for (; i < half; ++i) {
+          const float first = to_float(row[i]), second = to_float(row[i + half]);
+          row[i] = static_cast<T>(round_to<T>(first * c[i]) + round_to<T>(-second * s[i]));
+          row[i + half] = static_cast<T>(round_to<T>(second * c[i + half]) + round_to<T>(first * s[i + half]));
+        }
       }
     }
   });

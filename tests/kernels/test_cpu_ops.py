@@ -154,24 +154,27 @@ def test_rms_norm_and_fused_residual_add(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rotary_embedding_in_place(dtype):
-    """Rotating strided q/k views in place equals the rotate-half formula in the dtype."""
+@pytest.mark.parametrize("head_dim", [16, 64, 96])
+def test_rotary_embedding_in_place(dtype, head_dim):
+    """Rotating strided q/k views in place equals the rotate-half formula in the dtype (head
+    sizes whose halves are shorter than, a multiple of, and not a multiple of two vectors)."""
+    half = head_dim // 2
     positions = torch.tensor([0, 5, 3, 17, 2], dtype=torch.int64)
-    freqs = torch.arange(32)[:, None].float() * (1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16))
+    freqs = torch.arange(32)[:, None].float() * (1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
     table = torch.cat((freqs, freqs), -1)
     cos, sin = table.cos().to(dtype), table.sin().to(dtype)
-    qkv = torch.randn(5, (4 + 2 + 2) * 16).to(dtype)
-    q, k = qkv[:, :64].view(5, 4, 16), qkv[:, 64:96].view(5, 2, 16)
+    qkv = torch.randn(5, (4 + 2 + 2) * head_dim).to(dtype)
+    q, k = qkv[:, :4 * head_dim].view(5, 4, head_dim), qkv[:, 4 * head_dim:6 * head_dim].view(5, 2, head_dim)
 
     def rotate(x):
         c, s = cos[positions][:, None], sin[positions][:, None]
-        return x * c + torch.cat((-x[..., 8:], x[..., :8]), -1) * s
+        return x * c + torch.cat((-x[..., half:], x[..., :half]), -1) * s
 
-    expected_q, expected_k, untouched = rotate(q), rotate(k), qkv[:, 96:].clone()
+    expected_q, expected_k, untouched = rotate(q), rotate(k), qkv[:, 6 * head_dim:].clone()
     ops().rotary_embedding(q, k, positions, cos, sin)
     assert_nearly_equal(q, expected_q)
     assert_nearly_equal(k, expected_k)
-    assert torch.equal(qkv[:, 96:], untouched)
+    assert torch.equal(qkv[:, 6 * head_dim:], untouched)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
