@@ -5,6 +5,12 @@ layer and the LM head; the embedding lookup is not a matmul). The matmul rate is
 of several large GEMMs shaped like a decode batch (tokens x hidden @ hidden x out).
 
     python benchmarks/cpu_roofline.py --model 26m --dtype float32 --threads 2
+
+With ``--watch SECONDS`` it samples the matmul rate once a second instead, best of 3 calls
+per sample, to show how far the machine's compute rate drifts (on a shared VM it can move
+by 3x from one second to the next, which is why the comparisons alternate engines):
+
+    python benchmarks/cpu_roofline.py --dtype bfloat16 --threads 1 --watch 60
 """
 
 from __future__ import annotations
@@ -45,14 +51,29 @@ def matmul_flops(dtype: torch.dtype, tokens: int = 256, size: int = 1536, repeat
     return best
 
 
+def watch(dtype: torch.dtype, seconds: float) -> None:
+    """Print the matmul rate once a second for ``seconds``, then its range."""
+    started, rates = time.perf_counter(), []
+    while time.perf_counter() - started < seconds:
+        rates.append(matmul_flops(dtype, repeats=3))
+        print(f"{time.perf_counter() - started:6.1f} s  matmul {rates[-1] / 1e9:7.1f} GFLOP/s", flush=True)
+        time.sleep(1.0)
+    print(f"{len(rates)} samples: {min(rates) / 1e9:.1f}-{max(rates) / 1e9:.1f} GFLOP/s "
+          f"(max/min {max(rates) / min(rates):.2f}x)")
+
+
 def main() -> None:
     """Print the matmul rate, FLOPs per token and the roofline in tokens/s."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="26m", choices=sorted(MODELS))
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--watch", type=float, metavar="SECONDS", help="sample the matmul rate for this long")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.watch:
+        watch(DTYPES[args.dtype], args.watch)
+        return
     rate = matmul_flops(DTYPES[args.dtype])
     per_token = 2 * matmul_params(args.model)
     print(f"{args.model} {args.dtype} threads={args.threads}: matmul {rate / 1e9:.1f} GFLOP/s, "
