@@ -371,6 +371,10 @@ void configure_score_tiles(int64_t vectors) {
   config.colsb[0] = config.colsb[1] = config.colsb[2] = 64;
   config.rows[0] = config.rows[1] = static_cast<uint8_t>(vectors);
   config.rows[2] = kTilePairs;
+  // GCC does not always see ldtilecfg read the configuration and may drop the stores
+  // above (an all-zero configuration faults on the first tile instruction); the barrier
+  // keeps them.
+  asm volatile("" : : "r"(&config) : "memory");
   _tile_loadconfig(&config);
 }
 
