@@ -134,21 +134,6 @@ inline void store_row(T* dst, const float* src, int64_t n) {
   for (; i < n; ++i) dst[i] = static_cast<T>(src[i]);
 }
 
-// x[0:n] rounded through T in place, as storing an intermediate tensor in T does.
-template <typename T>
-inline void round_row(float* x, int64_t n) {
-  if constexpr (!std::is_same_v<T, float>) {
-    int64_t i = 0;
-    for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
-      Vec low = Vec::loadu(x + i), high = Vec::loadu(x + i + kLanes);
-      round_pair<T>(low, high);
-      low.store(x + i);
-      high.store(x + i + kLanes);
-    }
-    for (; i < n; ++i) x[i] = round_to<T>(x[i]);
-  }
-}
-
 inline float sum_lanes(const Vec& v) {
   return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
 }
@@ -842,10 +827,6 @@ void add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, d
 
 // ---- rotary embedding ----
 
-// Rotates x [T, heads, D] in place (rotate-half convention): for i < D/2,
-//   x_i = round(round(x_i c_i) + round(-x_{i+D/2} s_i)),
-//   x_{i+D/2} = round(round(x_{i+D/2} c_{i+D/2}) + round(x_i s_{i+D/2}))
-// with c, s the rows of the cos/sin tables [positions, D] at each token's position.
 // dst[0:2 * kLanes] = round(round(a * c) + round(b * s)) for two vectors of a and of b and
 // the float32 table rows c and s.
 template <typename T>
@@ -858,6 +839,10 @@ inline void store_rotated(T* dst, const Vec& a_low, const Vec& a_high, const flo
   store_pair(dst, direct_low + turned_low, direct_high + turned_high);
 }
 
+// Rotates x [T, heads, D] in place (rotate-half convention): for i < D/2,
+//   x_i = round(round(x_i c_i) + round(-x_{i+D/2} s_i)),
+//   x_{i+D/2} = round(round(x_{i+D/2} c_{i+D/2}) + round(x_i s_{i+D/2}))
+// with c, s the rows of the cos/sin tables [positions, D] at each token's position.
 template <typename T>
 void rotary_one(at::Tensor& x, const int64_t* positions, const T* cos, const T* sin, int64_t table_stride) {
   const int64_t tokens = x.size(0);
