@@ -73,6 +73,10 @@ class AttentionBackend(abc.ABC):
         self.config = config
         self.spec = spec
 
+    #: The axis of ``kv_cache_shape`` that indexes blocks: block copies (copy-on-write,
+    #: swapping) move the slices along it.
+    kv_cache_block_axis = 1
+
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Shape of one layer's cache tensor: K and V stacked on the first axis."""
         return (2, num_blocks, block_size, self.spec.num_kv_heads, self.spec.head_dim)

@@ -37,15 +37,17 @@ class ModelRunner:
         self.host_caches = [torch.zeros(host_shape, dtype=dtype, pin_memory=device.type == "cuda")
                             for _ in range(num_layers if host_blocks else 0)]
 
-    @staticmethod
-    def _copy(sources: list[torch.Tensor], destinations: list[torch.Tensor], pairs) -> None:
-        """Copy blocks ``pairs`` (source, destination) from each source to each destination layer."""
+    def _copy(self, sources: list[torch.Tensor], destinations: list[torch.Tensor], pairs) -> None:
+        """Copy blocks ``pairs`` (source, destination) from each source to each destination
+        layer, along the attention backend's ``kv_cache_block_axis``."""
         if not pairs:
             return
+        axis = self.attention.kv_cache_block_axis
         for source, destination in zip(sources, destinations):
             src = torch.tensor([s for s, _ in pairs], device=source.device)
             dst = torch.tensor([d for _, d in pairs], device=destination.device)
-            destination[:, dst] = source[:, src].to(destination.device, non_blocking=True)
+            blocks = source.index_select(axis, src).to(destination.device, non_blocking=True)
+            destination.index_copy_(axis, dst, blocks)
 
     def move_blocks(self, output: SchedulerOutput) -> None:
         """Swap out, copy-on-write, then swap in, before the step's forward pass."""

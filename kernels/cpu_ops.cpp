@@ -170,10 +170,13 @@ void dispatch_dtype(at::ScalarType type, const char* op, F&& f) {
 
 // ---- paged attention ----
 //
-// Cache layout (one tensor per layer): kv_cache[2, num_blocks, Hkv, block_size * D]. Each
-// (block, KV head) holds a tile: keys transposed, [D][block_size], so the scores of
-// consecutive positions are SIMD lanes and need no horizontal sums; values row-major,
-// [block_size][D], so a weighted row adds straight into the output accumulator. Where the
+// Cache layout (one tensor per layer): kv_cache[num_blocks, Hkv, 2, block_size * D]. Each
+// (block, KV head) holds a key tile and, right after it, a value tile: a block's keys and
+// values for all its heads are one contiguous stretch of memory (8 KB for 16 positions of
+// two heads of 64 bfloat16 dimensions), read whole by the work items of one request, which
+// run one after another on a thread. Keys are transposed, [D][block_size],
+// so the scores of consecutive positions are SIMD lanes and need no horizontal sums; values
+// row-major, [block_size][D], so a weighted row adds straight into the output accumulator. Where the
 // CPU has AVX512-BF16, bfloat16 keys are stored as dimension pairs, [D/2][block_size][2]:
 // one 32-bit lane holds a position's two dimensions, the operand of a bfloat16 pair dot
 // product (vdpbf16ps), which scores 16 positions over two dimensions in one instruction.
@@ -365,8 +368,8 @@ void configure_score_tiles(int64_t vectors) {
 
 // score_pair_span on the tile unit, for tiles configured by configure_score_tiles(vectors);
 // `query` [vectors][pairs] bfloat16 pairs, pairs a multiple of 16. Each run reads the 16
-// positions from its first slot on (the key tile, a neighbour's or the value tiles after
-// the keys supply the rest of a short run) and keeps its `lanes`.
+// positions from its first slot on (the block's value tile, right after its key tile,
+// supplies the rest of a short run) and keeps its `lanes`.
 void score_pair_span_amx(const c10::BFloat16* key_tiles, int64_t block_stride, int64_t block_size,
                          int64_t head_dim, const std::vector<Segment>& segments, const uint32_t* query,
                          int64_t vectors, float scale, float* scores) {
@@ -524,7 +527,7 @@ void paged_attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tens
                             int64_t window) {
   const int64_t num_heads = q.size(1);
   const int64_t head_dim = q.size(2);
-  const int64_t num_kv_heads = kv_cache.size(2);
+  const int64_t num_kv_heads = kv_cache.size(1);
   const int64_t block_size = kv_cache.size(3) / head_dim;
   const int64_t group = num_heads / num_kv_heads;
   const int64_t q_row_stride = q.stride(0);
@@ -532,8 +535,7 @@ void paged_attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tens
   const int64_t out_row_stride = out.stride(0);
   const int64_t out_head_stride = out.stride(1);
   const int64_t tile_size = block_size * head_dim;
-  const int64_t block_stride = num_kv_heads * tile_size;
-  const int64_t value_offset = kv_cache.size(1) * block_stride;
+  const int64_t block_stride = num_kv_heads * 2 * tile_size;
   const int64_t table_stride = block_table.stride(0);
   const AccumulateFn<T> accumulate = accumulate_loop<T>(head_dim / kLanes);
   // bfloat16 keys in pairs are scored by pair dot products of the unscaled bfloat16 query.
@@ -598,8 +600,8 @@ void paged_attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tens
       const int64_t last_pos = first_pos + rows - 1;
       const int64_t lowest = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
       const int32_t* blocks = table + item.request * table_stride;
-      const T* key_tiles = cache + item.kv_head * tile_size;
-      const T* value_tiles = cache + value_offset + item.kv_head * tile_size;
+      const T* key_tiles = cache + item.kv_head * 2 * tile_size;
+      const T* value_tiles = key_tiles + tile_size;
 
       for (int64_t span_begin = lowest; span_begin <= last_pos; span_begin += kSpan) {
         const int64_t count = std::min(kSpan, last_pos + 1 - span_begin);
@@ -665,9 +667,9 @@ void paged_attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tens
 }
 
 void check_cache(const at::Tensor& kv_cache, int64_t num_kv_heads, int64_t head_dim, const char* op) {
-  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
-                  kv_cache.size(2) == num_kv_heads && kv_cache.size(3) % head_dim == 0,
-              op, ": kv_cache must be a contiguous [2, blocks, Hkv, block_size * D] tensor");
+  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.size(1) == num_kv_heads && kv_cache.size(2) == 2 &&
+                  kv_cache.is_contiguous() && kv_cache.size(3) % head_dim == 0,
+              op, ": kv_cache must be a contiguous [blocks, Hkv, 2, block_size * D] tensor");
 }
 
 void check_attention_args(const at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
@@ -676,8 +678,8 @@ void check_attention_args(const at::Tensor& out, const at::Tensor& q, const at::
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_attention: q must be [T, H, D] with unit last stride");
   TORCH_CHECK(out.sizes() == q.sizes() && out.stride(2) == 1, "paged_attention: out must match q's shape");
   TORCH_CHECK(head_dim_supported(q.size(2)), "paged_attention: head_dim ", q.size(2), " is not supported here");
-  check_cache(kv_cache, kv_cache.size(2), q.size(2), "paged_attention");
-  TORCH_CHECK(q.size(1) % kv_cache.size(2) == 0, "paged_attention: query heads must be a multiple of KV heads");
+  check_cache(kv_cache, kv_cache.size(1), q.size(2), "paged_attention");
+  TORCH_CHECK(q.size(1) % kv_cache.size(1) == 0, "paged_attention: query heads must be a multiple of KV heads");
   TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() && out.scalar_type() == q.scalar_type(),
               "paged_attention: q, out and kv_cache must share a dtype");
   for (const at::Tensor* t : {&block_table, &query_start_loc, &seq_lens, &requests})
@@ -708,8 +710,7 @@ void write_kv_cache_kernel(at::Tensor& kv_cache, const at::Tensor& k, const at::
   const int64_t head_dim = k.size(2);
   const int64_t block_size = kv_cache.size(3) / head_dim;
   const int64_t tile_size = block_size * head_dim;
-  const int64_t block_stride = num_kv_heads * tile_size;
-  const int64_t value_offset = kv_cache.size(1) * block_stride;
+  const int64_t block_stride = num_kv_heads * 2 * tile_size;
   const int64_t* slot_data = slots.data_ptr<int64_t>();
   const T* k_data = k.data_ptr<T>();
   const T* v_data = v.data_ptr<T>();
@@ -723,8 +724,8 @@ void write_kv_cache_kernel(at::Tensor& kv_cache, const at::Tensor& k, const at::
       for (int64_t h = 0; h < num_kv_heads; ++h) {
         const T* key = k_data + t * k.stride(0) + h * k.stride(1);
         const T* value = v_data + t * v.stride(0) + h * v.stride(1);
-        T* key_tile = cache + block * block_stride + h * tile_size;
-        T* value_row = cache + value_offset + block * block_stride + h * tile_size + offset * head_dim;
+        T* key_tile = cache + block * block_stride + h * 2 * tile_size;
+        T* value_row = key_tile + tile_size + offset * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) key_tile[key_offset<T>(d, offset, block_size)] = key[d];
         std::copy(value, value + head_dim, value_row);
       }

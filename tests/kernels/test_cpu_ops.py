@@ -31,15 +31,16 @@ def ops():
 
 def tiled(kv_cache: torch.Tensor) -> torch.Tensor:
     """The standard [2, blocks, block_size, Hkv, D] cache in attention=cpu's layout
-    [2, blocks, Hkv, block_size * D]: keys transposed per (block, head) ([D][block_size], or
-    [D/2][block_size][2] for bfloat16 where the build scores dimension pairs), values row-major."""
+    [blocks, Hkv, 2, block_size * D]: per (block, head) the keys transposed ([D][block_size],
+    or [D/2][block_size][2] for bfloat16 where the build scores dimension pairs), then the
+    values row-major."""
     blocks, block_size, heads, head_dim = kv_cache.shape[1:]
     if kv_cache.dtype == torch.bfloat16 and ops().bf16_key_pairs():
         keys = kv_cache[0].reshape(blocks, block_size, heads, head_dim // 2, 2).permute(0, 2, 3, 1, 4)
     else:
         keys = kv_cache[0].permute(0, 2, 3, 1)
     values = kv_cache[1].permute(0, 2, 1, 3)
-    return torch.stack([keys.reshape(blocks, heads, -1), values.reshape(blocks, heads, -1)]).contiguous()
+    return torch.stack([keys.reshape(blocks, heads, -1), values.reshape(blocks, heads, -1)], dim=2).contiguous()
 
 
 def run_kernel(batch: dict, requests: list[int], window: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -117,9 +118,16 @@ def test_write_kv_cache_places_rows_in_the_tiled_layout(dtype):
     standard = torch.zeros(2, blocks, block_size, heads, head_dim, dtype=dtype)
     keep = slots >= 0
     write_kv(standard, k[keep], v[keep], slots[keep])
-    cache = torch.zeros(2, blocks, heads, block_size * head_dim, dtype=dtype)
+    cache = torch.zeros(blocks, heads, 2, block_size * head_dim, dtype=dtype)
     ops().write_kv_cache(cache, k, v, slots)
     assert torch.equal(cache, tiled(standard))
+
+
+def test_write_kv_cache_names_the_layout_it_expects():
+    """A cache in another layout (here K/V on the first axis) is refused, naming the shape."""
+    k = v = torch.randn(3, 4, 16)
+    with pytest.raises(RuntimeError, match=r"\[blocks, Hkv, 2, block_size \* D\]"):
+        ops().write_kv_cache(torch.zeros(2, 5, 4, 4 * 16), k, v, torch.arange(3))
 
 
 def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
