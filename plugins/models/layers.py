@@ -76,7 +76,8 @@ class Linear(nn.Linear):
         num_rows = rows.shape[0]
         padded = padded_rows(num_rows)
         if padded != num_rows:
-            rows = _padding_buffer(padded, rows)
+            extended = _rows_in_place(padded, rows)
+            rows = extended if extended is not None else _padding_buffer(padded, rows)
         out = torch.ops.mkldnn._linear_pointwise(rows, packed, self.bias, "none", [], "")
         return out[:num_rows].view(*x.shape[:-1], out.shape[-1])
 
@@ -87,6 +88,26 @@ class Linear(nn.Linear):
             self._packed = (key, _pack(weight))
         packed = self._packed[1]
         return packed if packed is not None and x.dtype == weight.dtype else None
+
+
+def linear_input(rows: int, columns: int, like: torch.Tensor) -> torch.Tensor:
+    """An uninitialized [rows, columns] tensor for an op's output that a ``Linear`` reads
+    next: its memory has room for the padded row count, so the matmul needs no copy."""
+    return like.new_empty(padded_rows(rows), columns)[:rows]
+
+
+def _rows_in_place(num_rows: int, rows: torch.Tensor) -> torch.Tensor | None:
+    """``rows`` extended to ``num_rows`` rows over its own memory when that memory goes on
+    far enough (a packed matmul's output sliced to its real rows, or ``linear_input``),
+    else None. The extra rows hold whatever is there: the matmul only reads them, and its
+    caller drops their products."""
+    columns = rows.shape[1]
+    if not rows.is_contiguous():
+        return None
+    end = (rows.storage_offset() + num_rows * columns) * rows.element_size()
+    if rows.untyped_storage().nbytes() < end:
+        return None
+    return rows.as_strided((num_rows, columns), (columns, 1))
 
 
 _padding = threading.local()

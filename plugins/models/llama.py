@@ -16,7 +16,7 @@ from torch import nn
 from servelab.core.component import ComponentSpec
 from servelab.core.errors import ConfigError
 from servelab.core.model import CausalLM, ModelShape
-from servelab.plugins.models.layers import Linear, RMSNorm, RotaryEmbedding, use_native, warm_up_linears
+from servelab.plugins.models.layers import Linear, RMSNorm, RotaryEmbedding, linear_input, use_native, warm_up_linears
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -99,7 +99,7 @@ class GatedMLP(nn.Module):
         """x: [T, hidden] -> [T, hidden]."""
         gate_up = self.gate_up_proj(x)
         if self.fused_silu and use_native(gate_up):
-            hidden = gate_up.new_empty(gate_up.shape[0], self.intermediate)
+            hidden = linear_input(gate_up.shape[0], self.intermediate, gate_up)
             torch.ops.servelab_cpu.silu_and_mul(hidden, gate_up)
             return self.down_proj(hidden)
         gate, up = gate_up.chunk(2, dim=-1)

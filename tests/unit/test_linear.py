@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from servelab.kernels.cpu_ops import native_cpu_enabled
-from servelab.plugins.models.layers import Linear, padded_rows, warm_up_linears
+from servelab.plugins.models.layers import Linear, linear_input, padded_rows, warm_up_linears
 
 packing = pytest.mark.skipif(not (native_cpu_enabled() and torch.backends.mkldnn.is_available()),
                              reason="the prepacked oneDNN path is off here")
@@ -75,6 +75,34 @@ def test_padded_rows_are_independent_of_what_the_reused_buffer_held():
     assert torch.isfinite(after_nan).all()
     assert torch.equal(after_nan, clean) and torch.equal(outside, clean)
     torch.testing.assert_close(clean.float(), F.linear(small.float(), layer.weight.float()), atol=5e-2, rtol=5e-2)
+
+
+@packing
+def test_rows_with_room_in_their_memory_are_multiplied_without_a_copy(monkeypatch):
+    """An input whose memory already holds the padded row count (``linear_input``, or a
+    matmul's output sliced to its real rows) is multiplied in place: NaN in the rows past
+    it changes nothing, and the padding buffer is not touched. Other inputs still pad."""
+    from servelab.plugins.models import layers
+
+    torch.manual_seed(0)
+    layer, first = Linear(64, 48, bias=False).to(torch.bfloat16), Linear(64, 64, bias=False).to(torch.bfloat16)
+    small = torch.randn(130, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        expected = layer(small)
+        chained = layer(first(small).clone())
+        hidden = first(small)  # a matmul's output sliced to its 130 rows
+        x = linear_input(130, 64, small)
+        x.copy_(small)
+        x.as_strided((padded_rows(130), 64), (64, 1))[130:] = float("nan")
+
+        def no_copy(*args):
+            raise AssertionError("copied into the padding buffer")
+
+        monkeypatch.setattr(layers, "_padding_buffer", no_copy)
+        assert torch.equal(layer(x), expected)
+        assert torch.equal(layer(hidden), chained)
+        monkeypatch.undo()
+        assert torch.equal(layer(small.t().contiguous().t()), expected)  # not contiguous: copied
 
 
 @packing
