@@ -92,6 +92,7 @@ def test_rows_with_room_in_their_memory_are_multiplied_without_a_copy(monkeypatc
         chained = layer(first(small).clone())
         hidden = first(small)  # a matmul's output sliced to its 130 rows
         x = linear_input(130, 64, small)
+        assert not x.as_strided((padded_rows(130), 64), (64, 1))[130:].any()  # zeros, not leftovers
         x.copy_(small)
         x.as_strided((padded_rows(130), 64), (64, 1))[130:] = float("nan")
 
@@ -101,8 +102,11 @@ def test_rows_with_room_in_their_memory_are_multiplied_without_a_copy(monkeypatc
         monkeypatch.setattr(layers, "_padding_buffer", no_copy)
         assert torch.equal(layer(x), expected)
         assert torch.equal(layer(hidden), chained)
+        for other in (small.t().contiguous().t(), torch.cat([small, small])[:130]):  # strided; other memory
+            with pytest.raises(AssertionError, match="copied"):
+                layer(other)
         monkeypatch.undo()
-        assert torch.equal(layer(small.t().contiguous().t()), expected)  # not contiguous: copied
+        assert torch.equal(layer(torch.cat([small, small])[:130]), expected)
 
 
 @packing
