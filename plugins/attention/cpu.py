@@ -41,6 +41,8 @@ class CpuAttention(AttentionBackend):
     threads.
     """
 
+    kv_cache_block_axis = 0  # the tiled layout puts blocks first (kv_cache_shape)
+
     @classmethod
     def unsupported_reasons(cls, config, spec: AttentionSpec) -> list[str]:
         """Needs CPU tensors and the native ops built for this machine."""
@@ -59,15 +61,13 @@ class CpuAttention(AttentionBackend):
         super().__init__(config, spec)
         self._ops = native_cpu_ops()
 
-    kv_cache_block_axis = 0
-
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """``[num_blocks, Hkv, 2, block_size * D]``: per (block, KV head) a tile of keys
         transposed ([D][block_size], so scores of consecutive positions are SIMD lanes)
         followed by a tile of values row-major ([block_size][D]). A block's keys and values
         for all its heads are one contiguous stretch of memory, which the work items of a
-        request read one after another (6-9% faster decode attention than keys and values
-        in separate halves of the tensor)."""
+        request read one after another: decode attention over scattered blocks is 6-9%
+        faster than with keys and values in separate halves of the tensor."""
         return (num_blocks, self.spec.num_kv_heads, 2, block_size * self.spec.head_dim)
 
     def build_metadata(self, layout: BatchLayout) -> CpuMetadata:
