@@ -95,7 +95,8 @@ def linear_input(rows: int, columns: int, like: torch.Tensor) -> torch.Tensor:
     next: it is the head of a tensor with the padded row count, whose extra rows are
     zeros, so the matmul needs no copy."""
     padded = like.new_empty(padded_rows(rows), columns)
-    padded[rows:].zero_()
+    if padded.shape[0] > rows:  # most decode steps fill their bucket exactly
+        padded[rows:].zero_()
     return padded[:rows]
 
 
