@@ -61,7 +61,8 @@ class Linear(nn.Linear):
     for oneDNN (``torch.ops.mkldnn``). ``F.linear`` reorders the weight on every call, which
     dominates at decode batch sizes: the packed path is 1.5-2x faster at 16-48 rows. The copy
     is rebuilt when the weight changes (its version counter) and costs one more weight's
-    memory; ``SERVELAB_NATIVE_CPU=0`` turns it off with the other native CPU paths."""
+    memory (two for bfloat16 weights packed in float32, see ``_pack``);
+    ``SERVELAB_NATIVE_CPU=0`` turns it off with the other native CPU paths."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -75,11 +76,15 @@ class Linear(nn.Linear):
         rows = x.reshape(-1, x.shape[-1])
         num_rows = rows.shape[0]
         padded = padded_rows(num_rows)
-        if padded != num_rows:
+        bias = self.bias
+        if packed.dtype != rows.dtype:  # bfloat16 where oneDNN has no bfloat16 matmul: see _pack
+            rows = _padding_buffer(padded, rows, packed.dtype)
+            bias = None if bias is None else bias.to(packed.dtype)
+        elif padded != num_rows:
             extended = _rows_in_place(padded, rows)
-            rows = extended if extended is not None else _padding_buffer(padded, rows)
-        out = torch.ops.mkldnn._linear_pointwise(rows, packed, self.bias, "none", [], "")
-        return out[:num_rows].view(*x.shape[:-1], out.shape[-1])
+            rows = extended if extended is not None else _padding_buffer(padded, rows, rows.dtype)
+        out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")[:num_rows]
+        return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
 
     def _packed_weight(self, x: torch.Tensor) -> torch.Tensor | None:
         weight = self.weight
@@ -117,29 +122,41 @@ def _rows_in_place(num_rows: int, rows: torch.Tensor) -> torch.Tensor | None:
 _padding = threading.local()
 
 
-def _padding_buffer(num_rows: int, rows: torch.Tensor) -> torch.Tensor:
-    """``rows`` copied into the first rows of a reused [num_rows, K] buffer of this thread.
+def _padding_buffer(num_rows: int, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``rows`` copied (converted to ``dtype``) into the first rows of a reused [num_rows, K]
+    buffer of this thread.
 
     The rows past them hold whatever an earlier call left: every output row of a matmul
     depends on its own input row alone, and the caller drops those rows, so they need no
     zeros. Reusing the buffer saves allocating, page-faulting and zero-filling a fresh
     tensor (megabytes in a prefill step) for each linear layer."""
-    key = (rows.shape[1], rows.dtype)
+    key = (rows.shape[1], dtype)
     buffers = _padding.__dict__.setdefault("buffers", {})
     buffer = buffers.get(key)
     if buffer is None or buffer.shape[0] < num_rows:
         with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode
-            buffer = buffers[key] = rows.new_zeros(num_rows, rows.shape[1])
+            buffer = buffers[key] = rows.new_zeros(num_rows, rows.shape[1], dtype=dtype)
     buffer[:rows.shape[0]].copy_(rows)
     return buffer[:num_rows]
 
 
+def bfloat16_matmul_supported() -> bool:
+    """True when oneDNN multiplies bfloat16 natively on this CPU (AVX-512 BF16 or AMX)."""
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def _pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """The oneDNN-packed copy of a CPU weight, or None where that path is unavailable."""
+    """The oneDNN-packed copy of a CPU weight, or None where that path is unavailable.
+
+    A bfloat16 weight on a CPU without bfloat16 matmul instructions (AVX2, AVX-512 without
+    BF16) is packed in float32: there torch's bfloat16 matmul is emulated and runs 4-7x
+    slower than float32. ``Linear`` then converts its input to float32 and rounds the
+    output back to bfloat16, which gives what a bfloat16 kernel gives (products of bfloat16
+    values are exact in float32, sums accumulate in float32) at twice the weight memory."""
     if weight.dtype not in PACKED_DTYPES or not torch.backends.mkldnn.is_available() or not native_cpu_enabled():
         return None
-    if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return None
+    if weight.dtype == torch.bfloat16 and not bfloat16_matmul_supported():
+        weight = weight.float()
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
     except (RuntimeError, AttributeError):  # a torch build without the op

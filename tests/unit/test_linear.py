@@ -85,8 +85,8 @@ def test_rows_with_room_in_their_memory_are_multiplied_without_a_copy(monkeypatc
     from servelab.plugins.models import layers
 
     torch.manual_seed(0)
-    layer, first = Linear(64, 48, bias=False).to(torch.bfloat16), Linear(64, 64, bias=False).to(torch.bfloat16)
-    small = torch.randn(130, 64, dtype=torch.bfloat16)
+    layer, first = Linear(64, 48, bias=False), Linear(64, 64, bias=False)
+    small = torch.randn(130, 64)
     with torch.inference_mode():
         expected = layer(small)
         chained = layer(first(small).clone())
@@ -107,6 +107,31 @@ def test_rows_with_room_in_their_memory_are_multiplied_without_a_copy(monkeypatc
                 layer(other)
         monkeypatch.undo()
         assert torch.equal(layer(torch.cat([small, small])[:130]), expected)
+
+
+@packing
+@pytest.mark.parametrize("native", [True, False])
+def test_bfloat16_without_native_matmuls_multiplies_in_float32(monkeypatch, native):
+    """Where oneDNN has no bfloat16 matmul the weight is packed in float32 and the layer
+    still takes and returns bfloat16: the float32 product of the same bfloat16 values,
+    rounded once (up to summation order), with the bias and leading dims kept."""
+    from servelab.plugins.models import layers
+
+    if native and not layers.bfloat16_matmul_supported():
+        pytest.skip("this CPU has no bfloat16 matmul instructions")
+    monkeypatch.setattr(layers, "bfloat16_matmul_supported", lambda: native)
+    torch.manual_seed(0)
+    layer = Linear(64, 48, bias=True).to(torch.bfloat16)
+    x = torch.randn(2, 65, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        out = layer(x)
+    assert layer._packed[1].dtype == (torch.bfloat16 if native else torch.float32)
+    assert out.dtype == torch.bfloat16 and out.shape == (2, 65, 48)
+    expected = F.linear(x.float(), layer.weight.float(), layer.bias.float())
+    one_ulp = expected.abs() * 2 ** -7 + 1e-6
+    assert ((out.float() - expected).abs() <= one_ulp).all()
+    if not native:
+        assert (out == expected.bfloat16()).float().mean() > 0.99
 
 
 @packing
