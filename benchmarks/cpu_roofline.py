@@ -2,7 +2,9 @@
 
 FLOPs per generated token = 2 x (parameters that take part in a matmul: every linear
 layer and the LM head; the embedding lookup is not a matmul). The matmul rate is the best
-of several large GEMMs shaped like a decode batch (tokens x hidden @ hidden x out).
+of several large GEMMs shaped like a decode batch (tokens x hidden @ hidden x out), in
+the dtype servelab's linear layers compute in: bfloat16 on a CPU without bfloat16 matmul
+instructions is measured in float32, as servelab multiplies it there.
 
     python benchmarks/cpu_roofline.py --model 26m --dtype float32 --threads 2
 
@@ -39,6 +41,13 @@ def matmul_params(name: str) -> int:
     return layers * per_layer + hidden * VOCAB
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype servelab's linear layers multiply ``dtype`` weights in on this CPU."""
+    from servelab.plugins.models.layers import bfloat16_matmul_supported
+
+    return torch.float32 if dtype == torch.bfloat16 and not bfloat16_matmul_supported() else dtype
+
+
 def matmul_flops(dtype: torch.dtype, tokens: int = 256, size: int = 1536, repeats: int = 20) -> float:
     """Best FLOP/s of [tokens, size] @ [size, size] in ``dtype``."""
     a = torch.randn(tokens, size).to(dtype)
@@ -71,12 +80,14 @@ def main() -> None:
     parser.add_argument("--watch", type=float, metavar="SECONDS", help="sample the matmul rate for this long")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    dtype = compute_dtype(DTYPES[args.dtype])
     if args.watch:
-        watch(DTYPES[args.dtype], args.watch)
+        watch(dtype, args.watch)
         return
-    rate = matmul_flops(DTYPES[args.dtype])
+    rate = matmul_flops(dtype)
     per_token = 2 * matmul_params(args.model)
-    print(f"{args.model} {args.dtype} threads={args.threads}: matmul {rate / 1e9:.1f} GFLOP/s, "
+    computed_in = "" if dtype == DTYPES[args.dtype] else f" (computed in {str(dtype).removeprefix('torch.')})"
+    print(f"{args.model} {args.dtype}{computed_in} threads={args.threads}: matmul {rate / 1e9:.1f} GFLOP/s, "
           f"{per_token / 1e6:.1f} MFLOP/token, roofline {rate / per_token:.0f} tok/s")
 
 
