@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import importlib.resources
+from copy import deepcopy
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 
 @dataclass
@@ -88,9 +89,29 @@ def checkpoint_path(name: str) -> str:
     return str(importlib.resources.files("servelab.checkpoints").joinpath(name))
 
 
-def store_schemas() -> None:
-    """Register the schemas and the ``servelab_checkpoint`` resolver (idempotent)."""
+def register_resolvers() -> None:
+    """Register servelab's interpolations (``servelab_checkpoint``); idempotent. Runs when
+    this module is imported, so any process that unpickles a servelab config (its schema
+    classes live here) can resolve it."""
     if not OmegaConf.has_resolver("servelab_checkpoint"):
         OmegaConf.register_new_resolver("servelab_checkpoint", checkpoint_path)
+
+
+def resolved(cfg: DictConfig) -> DictConfig:
+    """A copy of ``cfg`` with every interpolation resolved, structured types kept: what
+    crosses into another process (the server's engine, a worker, a launcher's job), so
+    the receiver needs no resolver and reads the values the sender saw (environment
+    variables included)."""
+    copy = deepcopy(cfg)
+    OmegaConf.resolve(copy)
+    return copy
+
+
+def store_schemas() -> None:
+    """Register the schemas and servelab's resolvers (idempotent)."""
+    register_resolvers()
     store = ConfigStore.instance()
     store.store(name="servelab_schema", node=ServelabConfig)
+
+
+register_resolvers()

@@ -53,10 +53,12 @@ class EngineProcess:
                             f"got {warmup_tokens}")
         if problems:
             raise ConfigError(problems)
+        from servelab.core.config import resolved
+
         context = multiprocessing.get_context("spawn")
         server_end, engine_end = context.Pipe()
         process = context.Process(target=_engine_main, name="servelab-engine", daemon=True,
-                                  args=(cfg, engine_end, threads or default_engine_threads(), warmup_tokens))
+                                  args=(resolved(cfg), engine_end, threads or default_engine_threads(), warmup_tokens))
         process.start()
         engine_end.close()
         try:

@@ -25,18 +25,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class ServerProcess:
-    """``python -m servelab.server`` in a subprocess, logging to a file."""
+def console_script(name: str) -> str:
+    """The installed console script ``name`` of this environment (``servelab-serve``)."""
+    return str(Path(sys.executable).with_name(name))
 
-    def __init__(self, log_path: Path, *overrides: str):
+
+class ServerProcess:
+    """``python -m servelab.server`` in a subprocess, logging to a file. ``engine``: the
+    engine overrides (default: the small ``model=toy`` engine the server tests share);
+    ``command``: what to run instead of ``python -m servelab.server``."""
+
+    def __init__(self, log_path: Path, *overrides: str, engine: tuple[str, ...] = tuple(ENGINE_OVERRIDES),
+                 command: tuple[str, ...] = (sys.executable, "-m", "servelab.server")):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        args = [*ENGINE_OVERRIDES, f"server.port={self.port}", "server.access_log=false", *overrides]
+        args = [*engine, f"server.port={self.port}", "server.access_log=false", *overrides]
         self._log = open(log_path, "w")
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        self.process = subprocess.Popen([sys.executable, "-m", "servelab.server", *args], stdout=self._log,
-                                        stderr=subprocess.STDOUT, env=env)
+        self.process = subprocess.Popen([*command, *args], stdout=self._log, stderr=subprocess.STDOUT, env=env)
         self._wait_ready()
 
     def _wait_ready(self) -> None:
