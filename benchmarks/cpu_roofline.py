@@ -43,7 +43,7 @@ def matmul_params(name: str) -> int:
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype servelab's linear layers multiply ``dtype`` weights in on this CPU."""
-    from servelab.plugins.models.layers import bfloat16_matmul_supported
+    from servelab.kernels.onednn_linear import bfloat16_matmul_supported
 
     return torch.float32 if dtype == torch.bfloat16 and not bfloat16_matmul_supported() else dtype
 

@@ -1,1 +1,2 @@
-"""Checkpoints shipped with servelab: the trained `tiny` target and `tiny-draft` models."""
+"""Models shipped with servelab: the trained `tiny` target and `tiny-draft` checkpoints
+(folders), and `toy`, the random Llama and byte-level tokenizer built in memory."""

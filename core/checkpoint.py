@@ -78,12 +78,12 @@ def iter_folder_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
 def load_checkpoint(model_config: Any) -> Checkpoint:
     """Read config and tokenizer of ``model_config`` (a ``ModelConfig``); weights stay lazy."""
     if model_config.random_init is not None:
-        from servelab.core import toy_model
+        from servelab.checkpoints import toy
 
-        tokenizer = toy_model.byte_level_tokenizer()
-        hf_config = toy_model.random_llama_config(model_config.random_init, len(tokenizer), tokenizer.eos_token_id)
+        tokenizer = toy.byte_level_tokenizer()
+        hf_config = toy.random_llama_config(model_config.random_init, len(tokenizer), tokenizer.eos_token_id)
         return Checkpoint(hf_config, tokenizer, "LlamaForCausalLM",
-                          lambda: toy_model.random_llama_weights(hf_config, model_config.seed), "toy")
+                          lambda: toy.random_llama_weights(hf_config, model_config.seed), "toy")
     folder = model_config.path
     if not folder:
         raise ConfigError(["model.path is not set: give a Hugging Face folder or pick a preset (model=tiny)"])

@@ -8,8 +8,8 @@ import torch
 
 from servelab.core.batch_builder import build_step_inputs
 from servelab.core.decoding import DecodeBatch, DecodeResult, DecodingStrategy
-from servelab.core.heap_retention import retain_freed_heap_memory
-from servelab.core.huge_pages import huge_page_zeros
+from servelab.kernels.heap_retention import retain_freed_heap_memory
+from servelab.kernels.huge_pages import huge_page_zeros
 from servelab.core.scheduler import SchedulerOutput
 
 

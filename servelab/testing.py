@@ -53,7 +53,7 @@ def tiny_checkpoint(folder: str | os.PathLike, family: str = "llama", seed: int 
     import torch
     from transformers import AutoModelForCausalLM
 
-    from servelab.core.toy_model import byte_level_tokenizer
+    from servelab.checkpoints.toy import byte_level_tokenizer
 
     folder = str(folder)
     tokenizer = byte_level_tokenizer()

@@ -9,7 +9,7 @@ import torch
 from servelab.core.batch_builder import build_step_inputs
 from servelab.core.checkpoint import load_checkpoint
 from servelab.core.errors import ConfigError
-from servelab.core.huge_pages import huge_page_zeros
+from servelab.kernels.huge_pages import huge_page_zeros
 from servelab.core.request import Request
 from servelab.core.scheduler import ScheduledRequest
 from servelab.plugins.cache.paged import PagedCacheConfig, PagedKVCacheManager

@@ -1,166 +1,23 @@
-"""Building blocks shared by the decoder models: linear layers, RMSNorm and rotary embeddings."""
+"""Building blocks shared by the decoder models: RMSNorm and rotary embeddings (the linear
+layer is ``servelab.kernels.onednn_linear.Linear``)."""
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from servelab.core.errors import ConfigError
-from servelab.kernels.cpu_ops import native_cpu_available, native_cpu_enabled
+from servelab.kernels.cpu_ops import native_cpu_available
 
 
 def use_native(x: torch.Tensor) -> bool:
     """True when ``x`` is on the CPU and servelab's native CPU ops are built."""
     return x.device.type == "cpu" and native_cpu_available()
 
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-
-
-PACKED_DTYPES = (torch.float32, torch.bfloat16)
-
-
-def padded_rows(rows: int) -> int:
-    """``rows`` rounded up to one of a few bucket sizes: exact up to 16, then multiples of
-    16, then of an eighth of the power of two below (at most 12.5% more rows).
-
-    oneDNN compiles a kernel for every new row count it multiplies; a server's steps have
-    a new count almost every step (4-10 ms of compilation per linear layer each time), so
-    the packed path pads its input to these buckets and keeps a few hundred kernels."""
-    if rows <= 16:
-        return rows
-    granule = max(16, 1 << (rows.bit_length() - 4))
-    return -(-rows // granule) * granule
-
-
-def warm_up_linears(module: nn.Module, max_rows: int) -> int:
-    """Pack every CPU ``Linear`` of ``module`` and multiply once through each distinct
-    packed shape at every row bucket up to ``max_rows`` (zeros in, nothing kept), so
-    neither the packing nor oneDNN's kernel compilation happens during the first requests;
-    returns the kernels warmed."""
-    buckets = sorted({padded_rows(rows) for rows in range(1, max_rows + 1)})
-    shapes = set()
-    with torch.inference_mode():
-        for layer in module.modules():
-            if not isinstance(layer, Linear) or layer.weight.device.type != "cpu":
-                continue
-            shape = (layer.in_features, layer.out_features, layer.weight.dtype, layer.bias is not None)
-            if layer._packed_weight(layer.weight) is None or shape in shapes:
-                continue
-            shapes.add(shape)
-            for rows in buckets:
-                layer(layer.weight.new_zeros(rows, layer.in_features))
-    return len(shapes) * len(buckets)
-
-
-class Linear(nn.Linear):
-    """``nn.Linear`` that, on the CPU, multiplies with a copy of its weight prepacked once
-    for oneDNN (``torch.ops.mkldnn``). ``F.linear`` reorders the weight on every call, which
-    dominates at decode batch sizes: the packed path is 1.5-2x faster at 16-48 rows. The copy
-    is rebuilt when the weight changes (its version counter) and costs one more weight's
-    memory (two for bfloat16 weights packed in float32, see ``_pack``);
-    ``SERVELAB_NATIVE_CPU=0`` turns it off with the other native CPU paths."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._packed: tuple[tuple, torch.Tensor | None] | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [..., in_features] -> [..., out_features]."""
-        packed = self._packed_weight(x) if x.device.type == "cpu" else None
-        if packed is None:
-            return F.linear(x, self.weight, self.bias)
-        rows = x.reshape(-1, x.shape[-1])
-        num_rows = rows.shape[0]
-        padded = padded_rows(num_rows)
-        bias = self.bias
-        if packed.dtype != rows.dtype:  # bfloat16 where oneDNN has no bfloat16 matmul: see _pack
-            rows = _padding_buffer(padded, rows, packed.dtype)
-            bias = None if bias is None else bias.to(packed.dtype)
-        elif padded != num_rows:
-            extended = _rows_in_place(padded, rows)
-            rows = extended if extended is not None else _padding_buffer(padded, rows, rows.dtype)
-        out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")[:num_rows]
-        return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
-
-    def _packed_weight(self, x: torch.Tensor) -> torch.Tensor | None:
-        weight = self.weight
-        key = (weight._version, weight.data_ptr(), weight.dtype)
-        if self._packed is None or self._packed[0] != key:
-            self._packed = (key, _pack(weight))
-        packed = self._packed[1]
-        return packed if packed is not None and x.dtype == weight.dtype else None
-
-
-def linear_input(rows: int, columns: int, like: torch.Tensor) -> torch.Tensor:
-    """An uninitialized [rows, columns] tensor for an op's output that a ``Linear`` reads
-    next: it is the head of a tensor with the padded row count, whose extra rows are
-    zeros, so the matmul needs no copy."""
-    padded = like.new_empty(padded_rows(rows), columns)
-    if padded.shape[0] > rows:  # most decode steps fill their bucket exactly
-        padded[rows:].zero_()
-    return padded[:rows]
-
-
-def _rows_in_place(num_rows: int, rows: torch.Tensor) -> torch.Tensor | None:
-    """``rows`` extended to ``num_rows`` rows over its own memory when it is the head of a
-    tensor allocated with exactly that many rows (a packed matmul's output sliced to its
-    real rows, or ``linear_input``), else None. The extra rows hold zeros or the products
-    of earlier padding rows, never uninitialized memory (whose denormal bit patterns make
-    float32 multiplies 30x slower); the caller drops their products."""
-    columns = rows.shape[1]
-    if not rows.is_contiguous() or rows.storage_offset() != 0:
-        return None
-    if rows.untyped_storage().nbytes() != num_rows * columns * rows.element_size():
-        return None
-    return rows.as_strided((num_rows, columns), (columns, 1))
-
-
-_padding = threading.local()
-
-
-def _padding_buffer(num_rows: int, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``rows`` copied (converted to ``dtype``) into the first rows of a reused [num_rows, K]
-    buffer of this thread.
-
-    The rows past them hold whatever an earlier call left: every output row of a matmul
-    depends on its own input row alone, and the caller drops those rows, so they need no
-    zeros. Reusing the buffer saves allocating, page-faulting and zero-filling a fresh
-    tensor (megabytes in a prefill step) for each linear layer."""
-    key = (rows.shape[1], dtype)
-    buffers = _padding.__dict__.setdefault("buffers", {})
-    buffer = buffers.get(key)
-    if buffer is None or buffer.shape[0] < num_rows:
-        with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode
-            buffer = buffers[key] = rows.new_zeros(num_rows, rows.shape[1], dtype=dtype)
-    buffer[:rows.shape[0]].copy_(rows)
-    return buffer[:num_rows]
-
-
-def bfloat16_matmul_supported() -> bool:
-    """True when oneDNN multiplies bfloat16 natively on this CPU (AVX-512 BF16 or AMX)."""
-    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
-
-
-def _pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """The oneDNN-packed copy of a CPU weight, or None where that path is unavailable.
-
-    A bfloat16 weight on a CPU without bfloat16 matmul instructions (AVX2, AVX-512 without
-    BF16) is packed in float32: there torch's bfloat16 matmul is emulated and runs 4-7x
-    slower than float32. ``Linear`` then converts its input to float32 and rounds the
-    output back to bfloat16, which gives what a bfloat16 kernel gives (products of bfloat16
-    values are exact in float32, sums accumulate in float32) at twice the weight memory."""
-    if weight.dtype not in PACKED_DTYPES or not torch.backends.mkldnn.is_available() or not native_cpu_enabled():
-        return None
-    if weight.dtype == torch.bfloat16 and not bfloat16_matmul_supported():
-        weight = weight.float()
-    try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
-    except (RuntimeError, AttributeError):  # a torch build without the op
-        return None
 
 
 class RMSNorm(nn.Module):

@@ -16,7 +16,8 @@ from torch import nn
 from servelab.core.component import ComponentSpec
 from servelab.core.errors import ConfigError
 from servelab.core.model import CausalLM, ModelShape
-from servelab.plugins.models.layers import Linear, RMSNorm, RotaryEmbedding, linear_input, use_native, warm_up_linears
+from servelab.kernels.onednn_linear import Linear, linear_input, warm_up_linears
+from servelab.plugins.models.layers import RMSNorm, RotaryEmbedding, use_native
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),

@@ -13,7 +13,7 @@ from servelab.bench.config import WorkloadConfig
 from servelab.bench.lengths import clamp_lengths, lognormal_length
 from servelab.bench.workload import TokenSpace, build_workload, warmup_workload
 from servelab.core.errors import ConfigError
-from servelab.core.toy_model import byte_level_tokenizer
+from servelab.checkpoints.toy import byte_level_tokenizer
 
 SPACE = TokenSpace(257, 512, byte_level_tokenizer())
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from servelab.core.toy_model import byte_level_tokenizer
+from servelab.checkpoints.toy import byte_level_tokenizer
 from servelab.server.chat_template import fallback_chat_prompt
 from servelab.server.protocol import ChatMessage
 from server_process import MODEL

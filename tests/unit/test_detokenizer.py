@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from servelab import LLM, SamplingParams
 from servelab.core.detokenizer import IncrementalDetokenizer
-from servelab.core.toy_model import byte_level_tokenizer
+from servelab.checkpoints.toy import byte_level_tokenizer
 
 
 def test_incremental_text_plus_flush_equals_full_decode():

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from servelab.core.libc import linux_libc
+from servelab.kernels.libc import linux_libc
 
 HUGE_PAGE_BYTES = 2 << 20
 MADV_HUGEPAGE = 14

@@ -15,7 +15,7 @@ from __future__ import annotations
 import ctypes
 import functools
 
-from servelab.core.libc import linux_libc
+from servelab.kernels.libc import linux_libc
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
