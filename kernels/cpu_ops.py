@@ -1,10 +1,12 @@
-"""Builds and loads the native CPU ops of ``cpu_ops.cpp`` (``torch.ops.servelab_cpu``).
+"""Builds and loads the native CPU ops of ``csrc/`` (``torch.ops.servelab_cpu``).
 
-The C++ file is compiled on first use with the host's compiler for the host's CPU
-(``-O3 -march=native``, with torch's ``CPU_CAPABILITY`` so ``at::vec`` uses AVX-512 or
-AVX2 where torch does) and cached by torch in ``TORCH_EXTENSIONS_DIR`` (by default
-``~/.cache/torch_extensions``), so only the first process on a machine pays the ~30 s build.
-``SERVELAB_NATIVE_CPU=0`` turns the ops off (the torch implementations run instead).
+The C++ sources (one file per op or group of ops, shared helpers in headers, one
+registration: ``csrc/ops.h`` lists them) are compiled on first use into one library with the
+host's compiler for the host's CPU (``-O3 -march=native``, with torch's ``CPU_CAPABILITY``
+so ``at::vec`` uses AVX-512 or AVX2 where torch does) and cached by torch in
+``TORCH_EXTENSIONS_DIR`` (by default ``~/.cache/torch_extensions``), so only the first
+process on a machine pays the build (about a minute of compiler time, the sources in
+parallel). ``SERVELAB_NATIVE_CPU=0`` turns the ops off (the torch implementations run instead).
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_ops.cpp")
+SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+SOURCES = [os.path.join(SOURCE_DIR, name) for name in (
+    "register_ops.cpp", "paged_attention.cpp", "write_kv_cache.cpp", "prefill_attention.cpp",
+    "rms_norm.cpp", "rotary_embedding.cpp", "silu_and_mul.cpp", "argmax_rows.cpp")]
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
 DISABLE_VARIABLE = "SERVELAB_NATIVE_CPU"
 
@@ -49,12 +54,12 @@ def native_cpu_unavailable_reason() -> str | None:
     try:
         from torch.utils.cpp_extension import load
 
-        load(name="servelab_cpu_ops", sources=[SOURCE], extra_cflags=FLAGS + capability_flags(),
+        load(name="servelab_cpu_ops", sources=SOURCES, extra_cflags=FLAGS + capability_flags(),
              extra_ldflags=["-fopenmp"],
              is_python_module=False, verbose=False)
     except Exception as error:  # a failed build leaves servelab working on the torch ops
         logger.warning("native CPU ops unavailable, using torch ops: %s", error)
-        return f"building {os.path.basename(SOURCE)} failed: {error}"
+        return f"building the native CPU ops (kernels/csrc) failed: {error}"
     return None
 
 

@@ -1,4 +1,4 @@
-"""The native CPU ops (kernels/cpu_ops.cpp) against their torch references."""
+"""The native CPU ops (kernels/csrc/) against their torch references."""
 
 from __future__ import annotations
 

@@ -1,0 +1,36 @@
+// The native CPU ops of servelab, as registered in torch.ops.servelab_cpu (register_ops.cpp;
+// schemas and descriptions in docs/cpu_kernels.md). One source file per op or group:
+//
+//   paged_attention.cpp   paged_attention, supports_head_dim, bf16_key_pairs
+//                         (+ paged_attention_scores.h, paged_attention_values.h)
+//   write_kv_cache.cpp    write_kv_cache (the cache layout both share: paged_cache.h)
+//   prefill_attention.cpp causal_prefill_attention (+ prefill_attention_amx.h)
+//   rms_norm.cpp          rms_norm, add_rms_norm
+//   rotary_embedding.cpp  rotary_embedding
+//   silu_and_mul.cpp      silu_and_mul
+//   argmax_rows.cpp       argmax_rows
+//
+// Shared helpers: vec.h (SIMD, dtype conversions and dispatch), amx.h (the tile unit).
+// kernels/cpu_ops.py compiles all of them into one extension.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+namespace servelab_cpu {
+
+void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                     const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& requests,
+                     double scale, int64_t window);
+bool supports_head_dim(int64_t head_dim);
+bool bf16_key_pairs();
+void write_kv_cache(at::Tensor kv_cache, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots);
+void causal_prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              at::IntArrayRef starts, at::IntArrayRef lengths, double scale);
+void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps);
+void add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps);
+void rotary_embedding(at::Tensor q, at::Tensor k, const at::Tensor& positions, const at::Tensor& cos,
+                      const at::Tensor& sin);
+void silu_and_mul(at::Tensor out, const at::Tensor& x);
+void argmax_rows(at::Tensor out, const at::Tensor& logits);
+
+}  // namespace servelab_cpu

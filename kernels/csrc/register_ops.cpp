@@ -1,0 +1,42 @@
+// Native CPU kernels for servelab: paged attention over the block table, fresh-prefill
+// attention, and the fused element-wise ops of a Llama layer (residual add + RMSNorm,
+// rotary embedding, SiLU x up, greedy argmax), registered as torch.ops.servelab_cpu.*.
+//
+// Built on first use by kernels/cpu_ops.py (torch.utils.cpp_extension, -O3 -march=native,
+// CPU_CAPABILITY set to torch's so at::vec::Vectorized uses the widest SIMD of the host)
+// from every source of this folder as one library; this file is its one registration.
+
+#include <torch/library.h>
+
+#include "ops.h"
+
+TORCH_LIBRARY(servelab_cpu, m) {
+  m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_table, Tensor query_start_loc, "
+        "Tensor seq_lens, Tensor requests, float scale, int window) -> ()");
+  m.def("supports_head_dim(int head_dim) -> bool");
+  m.def("bf16_key_pairs() -> bool");
+  m.def("write_kv_cache(Tensor(a!) kv_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()");
+  m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.def("argmax_rows(Tensor(a!) out, Tensor logits) -> ()");
+  m.def("causal_prefill_attention(Tensor(a!) out, Tensor q, Tensor k, Tensor v, int[] starts, int[] lengths, "
+        "float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(servelab_cpu, CatchAll, m) {
+  m.impl("supports_head_dim", &servelab_cpu::supports_head_dim);
+  m.impl("bf16_key_pairs", &servelab_cpu::bf16_key_pairs);
+}
+
+TORCH_LIBRARY_IMPL(servelab_cpu, CPU, m) {
+  m.impl("paged_attention", &servelab_cpu::paged_attention);
+  m.impl("write_kv_cache", &servelab_cpu::write_kv_cache);
+  m.impl("rms_norm", &servelab_cpu::rms_norm);
+  m.impl("add_rms_norm", &servelab_cpu::add_rms_norm);
+  m.impl("rotary_embedding", &servelab_cpu::rotary_embedding);
+  m.impl("silu_and_mul", &servelab_cpu::silu_and_mul);
+  m.impl("argmax_rows", &servelab_cpu::argmax_rows);
+  m.impl("causal_prefill_attention", &servelab_cpu::causal_prefill_attention);
+}
