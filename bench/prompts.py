@@ -1,8 +1,11 @@
-"""Where prompt tokens come from: random token ids or windows of a text corpus."""
+"""Where prompt tokens come from: random token ids, windows of a text corpus, or the
+openings of held-out standard-library files (``benchmarks/bench_speculative.py``)."""
 
 from __future__ import annotations
 
+import os
 import random
+import sysconfig
 from typing import Any
 
 from servelab.core.errors import ConfigError
@@ -54,3 +57,23 @@ class PromptSource:
         start = self.rng.randrange(len(self.corpus))
         repeats = -(-(start + length) // len(self.corpus))
         return (self.corpus * repeats)[start:start + length]
+
+
+def stdlib_file_openings(count: int, tokenizer: Any, prompt_tokens: int, every: int = 20) -> list[list[int]]:
+    """Up to ``count`` prompts: the first ``prompt_tokens`` token ids of every ``every``-th
+    Python file of the standard library (sorted paths, without site-packages, tests and
+    idlelib), skipping shorter files. With ``every=20`` these are files of the validation
+    split the tiny checkpoints were trained without (``docs/results/speculative.md``), so
+    a draft model sees text like its training data but not its training data."""
+    root = sysconfig.get_paths()["stdlib"]
+    files = sorted(os.path.join(d, f) for d, _, names in os.walk(root) for f in names
+                   if f.endswith(".py") and "site-packages" not in d and "/test" not in d and "idlelib" not in d)
+    prompts = []
+    for path in files[::every]:
+        with open(path, encoding="utf-8", errors="ignore") as f:
+            ids = tokenizer.encode(f.read(), add_special_tokens=False, verbose=False)  # no "too long" warning
+        if len(ids) >= prompt_tokens:
+            prompts.append(ids[:prompt_tokens])
+        if len(prompts) == count:
+            break
+    return prompts

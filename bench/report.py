@@ -1,4 +1,5 @@
-"""Tables of benchmark metrics: the summary printed after a run and the sweep's markdown."""
+"""Tables of benchmark metrics: the summary printed after a run, the sweep's markdown, and
+the markdown rows every script in ``benchmarks/`` prints."""
 
 from __future__ import annotations
 
@@ -6,13 +7,16 @@ import math
 from typing import Any, Callable, Sequence
 
 
+def metric_value(metrics: dict[str, Any], *path: str) -> Any:
+    """``metrics[path[0]][path[1]]...``; None where a key is missing."""
+    value: Any = metrics
+    for key in path:
+        value = value.get(key) if isinstance(value, dict) else None
+    return value
+
+
 def _get(*path: str) -> Callable[[dict[str, Any]], Any]:
-    def read(metrics: dict[str, Any]) -> Any:
-        value: Any = metrics
-        for key in path:
-            value = value.get(key) if isinstance(value, dict) else None
-        return value
-    return read
+    return lambda metrics: metric_value(metrics, *path)
 
 
 def _percent(*path: str) -> Callable[[dict[str, Any]], Any]:
@@ -72,12 +76,29 @@ def summary_table(metrics: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def markdown_row(cells: Sequence[Any]) -> str:
+    """One markdown table row of ``cells`` (strings as they are, other values through
+    ``format_value``)."""
+    return "| " + " | ".join(c if isinstance(c, str) else format_value(c) for c in cells) + " |"
+
+
+def markdown_header(header: Sequence[str], align: str | None = None) -> str:
+    """A markdown table's header and separator lines. ``align`` has one letter per column,
+    ``l`` (``---``) or ``r`` (``---:``, numbers); None leaves every column unaligned."""
+    marks = ["---:" if a == "r" else "---" for a in (align or "l" * len(header))]
+    if len(marks) != len(header):
+        raise ValueError(f"align has {len(marks)} letters for {len(header)} columns")
+    return markdown_row(list(header)) + "\n|" + "|".join(marks) + "|"
+
+
+def render_markdown(header: Sequence[str], rows: Sequence[Sequence[Any]], align: str | None = None) -> str:
+    """A whole markdown table: ``markdown_header`` and one ``markdown_row`` per row."""
+    return "\n".join([markdown_header(header, align), *(markdown_row(row) for row in rows)]) + "\n"
+
+
 def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
     """One markdown row per job (``job.label`` first), with the columns any job has."""
     columns = _present(rows)
     header = ["job"] + [name for name, _ in columns]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for row in rows:
-        cells = [str(row.get("job", {}).get("label", ""))] + [format_value(read(row)) for _, read in columns]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return render_markdown(header, [[str(metric_value(row, "job", "label") or "")] +
+                                    [format_value(read(row)) for _, read in columns] for row in rows])

@@ -42,6 +42,22 @@ def model_token_space(model_cfg: Any) -> TokenSpace:
     return TokenSpace(hf.vocab_size, model_cfg.max_model_len or hf.max_position_embeddings, checkpoint.tokenizer)
 
 
+def workload_preset(name: str, **fields: Any) -> Any:
+    """The ``workload=<name>`` preset (``conf/workload/<name>.yaml`` over ``WorkloadConfig``'s
+    defaults) with ``fields`` set on top: what ``servelab-bench workload=<name>`` composes,
+    for scripts that build the same requests without Hydra."""
+    from importlib.resources import files
+
+    from omegaconf import OmegaConf
+
+    from servelab.bench.config import WorkloadConfig
+
+    preset = files("servelab.conf").joinpath("workload", f"{name}.yaml")
+    if not preset.is_file():
+        raise ConfigError([f"workload={name}: no conf/workload/{name}.yaml"])
+    return OmegaConf.merge(OmegaConf.structured(WorkloadConfig), OmegaConf.create(preset.read_text()), fields)
+
+
 def build_workload(cfg: Any, space: TokenSpace, rate: float | None = None, prefix: str = "") -> list[BenchRequest]:
     """The requests of ``cfg`` (a ``WorkloadConfig``), sorted by arrival; ``rate``
     overrides ``cfg.rate`` (capacity search). Independent random streams for arrivals,

@@ -15,6 +15,11 @@ from servelab.bench.workload import BenchRequest, model_token_space
 from servelab.core.errors import ConfigError
 
 
+VLLM_CPU_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "4"}
+"""Environment variables for a vLLM process on the CPU backend (``benchmarks/compare_vllm*.py``):
+the CPU target and 4 GiB of KV cache."""
+
+
 def import_vllm() -> Any:
     """The ``vllm`` module, or a ``ConfigError`` saying it is not installed."""
     try:

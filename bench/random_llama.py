@@ -1,0 +1,62 @@
+"""The random-weight Llama checkpoints of the vLLM comparison (``benchmarks/compare_vllm*.py``,
+``cpu_roofline.py``, ``profile_engine.py``): their shapes, their matmul work per token, and
+a folder both engines load.
+
+Seed-0 random weights, vocabulary 2048, 512 positions, saved by transformers in float32,
+with a word-level tokenizer whose every id decodes (``<i>``), so both engines detokenize
+whatever they generate:
+
+- ``26m``: hidden 512, 8 layers, 8 heads, 2 KV heads, intermediate 1536, untied embeddings;
+- ``3m``: hidden 256, 4 layers, 8 heads, 4 KV heads, intermediate 688, tied embeddings.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+MODELS: dict[str, dict[str, Any]] = {
+    "26m": {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 2,
+            "intermediate_size": 1536, "tie_word_embeddings": False},
+    "3m": {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
+           "intermediate_size": 688, "tie_word_embeddings": True},
+}
+VOCAB = 2048
+MAX_POSITIONS = 512
+
+
+def word_tokenizer(vocab_size: int) -> Any:
+    """A tokenizer whose every id decodes (``<i>`` words); ``<0>`` is BOS and unknown, ``<1>`` EOS."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"<{i}>": i for i in range(vocab_size)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<0>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.decoder = decoders.WordPiece(prefix="##")
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<0>", bos_token="<0>", eos_token="<1>")
+
+
+def make_checkpoint(folder: str, name: str) -> str:
+    """Write the named model (seed 0) and its tokenizer into ``folder`` unless it holds one."""
+    if os.path.exists(os.path.join(folder, "config.json")):
+        return folder
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, max_position_embeddings=MAX_POSITIONS, bos_token_id=0, eos_token_id=1,
+                         **MODELS[name])
+    LlamaForCausalLM(config).save_pretrained(folder)
+    word_tokenizer(VOCAB).save_pretrained(folder)
+    return folder
+
+
+def matmul_parameters(name: str) -> int:
+    """Parameters that take part in a matmul per token: every linear layer and the LM head
+    (the embedding lookup is not a matmul); a token costs twice that in FLOPs."""
+    m = MODELS[name]
+    hidden, inter, layers = m["hidden_size"], m["intermediate_size"], m["num_hidden_layers"]
+    kv = m["num_key_value_heads"] * (hidden // m["num_attention_heads"])
+    per_layer = hidden * (hidden + 2 * kv) + hidden * hidden + 3 * hidden * inter
+    return layers * per_layer + hidden * VOCAB
