@@ -5,7 +5,8 @@ decoding=sampling (both greedy, same prompts, same engine settings), the share o
 accepted, the per-token acceptance rate alpha = accepted / (accepted + rejections) (each
 verification examines drafts until its first rejection), the measured tokens per
 verification step, and the i.i.d. prediction (1 - alpha^(k+1)) / (1 - alpha). Prompts
-are the openings of held-out standard-library files (the models' validation split).
+are the openings of held-out standard-library files (``servelab.bench.prompts``); each
+run is ``servelab.bench.offline_run``'s warm-up and one timed ``generate``.
 
     python benchmarks/bench_speculative.py --max-tokens 64 --out docs/results/speculative.md
 """
@@ -13,35 +14,54 @@ are the openings of held-out standard-library files (the models' validation spli
 from __future__ import annotations
 
 import argparse
-import os
-import sysconfig
-import time
+import contextlib
 
-from servelab import LLM, SamplingParams
+from servelab import LLM
+from servelab.bench.offline_run import servelab_generate, servelab_token_ids, time_generate
+from servelab.bench.prompts import stdlib_file_openings
+from servelab.bench.report import markdown_header, markdown_row
 
-
-def heldout_prompts(count: int, tokenizer, prompt_tokens: int) -> list[list[int]]:
-    """Token ids of the first ``prompt_tokens`` tokens of validation files (index % 20 == 0)."""
-    root = sysconfig.get_paths()["stdlib"]
-    files = sorted(os.path.join(d, f) for d, _, names in os.walk(root) for f in names
-                   if f.endswith(".py") and "site-packages" not in d and "/test" not in d and "idlelib" not in d)
-    prompts = []
-    for path in files[::20]:
-        with open(path, encoding="utf-8", errors="ignore") as f:
-            ids = tokenizer.encode(f.read(), add_special_tokens=False)
-        if len(ids) >= prompt_tokens:
-            prompts.append(ids[:prompt_tokens])
-        if len(prompts) == count:
-            break
-    return prompts
+HEADER = ["batch", "k", "sampling tok/s", "speculative tok/s", "speed-up", "drafts accepted", "alpha",
+          "tokens/step", "predicted"]
 
 
-def run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
-    """Seconds and output tokens for one greedy generate call."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    started = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    return time.perf_counter() - started, sum(len(o.outputs[0].token_ids) for o in outputs)
+class DraftCounter:
+    """Counts, over the decoding strategy's ``accept`` calls while ``counting()`` is open,
+    drafts proposed and accepted, verifications (a request verified with at least one
+    draft) and rejections (a verification that kept fewer drafts than it had)."""
+
+    def __init__(self, strategy) -> None:
+        self.proposed = self.accepted = self.verifications = self.rejections = 0
+        self._on = False
+        accept = strategy.accept
+
+        def counted(logits, batch, proposal):
+            result = accept(logits, batch, proposal)
+            if self._on and result.num_accepted_drafts is not None:
+                for drafted, kept in zip(batch.num_draft_tokens, result.num_accepted_drafts):
+                    self.proposed += drafted
+                    self.accepted += kept
+                    self.verifications += drafted > 0
+                    self.rejections += kept < drafted
+            return result
+
+        strategy.accept = counted
+
+    @contextlib.contextmanager
+    def counting(self):
+        """Count the calls made inside this context (the timed run)."""
+        self._on = True
+        try:
+            yield
+        finally:
+            self._on = False
+
+
+def tokens_per_second(llm: LLM, prompts: list[list[int]], max_tokens: int, timed=contextlib.nullcontext) -> float:
+    """Output tokens/s of one timed greedy ``generate`` over ``prompts`` (after a warm-up)."""
+    run = time_generate(servelab_generate(llm), servelab_token_ids,
+                        {"prompts": prompts, "max_tokens": [max_tokens] * len(prompts)}, "servelab", timed)
+    return run["output_tokens"] / run["seconds"]
 
 
 def main() -> None:
@@ -55,35 +75,28 @@ def main() -> None:
     args = parser.parse_args()
     common = ["attention=sdpa", "model.dtype=float32"]
     baseline = LLM("tiny", decoding="sampling", overrides=common)
-    prompts_all = heldout_prompts(max(args.batch_sizes), baseline.get_tokenizer(), args.prompt_tokens)
-    lines = ["| batch | k | sampling tok/s | speculative tok/s | speed-up | drafts accepted | alpha | tokens/step |"
-             " predicted |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    prompts_all = stdlib_file_openings(max(args.batch_sizes), baseline.get_tokenizer(), args.prompt_tokens)
+    lines = [markdown_header(HEADER, align="r" * len(HEADER))]
+    print(lines[0], flush=True)
     for batch in args.batch_sizes:
         prompts = prompts_all[:batch]
-        run(baseline, prompts[:1], 4)
-        base_time, base_tokens = run(baseline, prompts, args.max_tokens)
+        base_tps = tokens_per_second(baseline, prompts, args.max_tokens)
         for k in args.ks:
             spec = LLM("tiny", decoding="speculative", overrides=[*common, f"decoding.num_speculative_tokens={k}"])
-            run(spec, prompts[:1], 4)
-            runner = spec.engine.runner
-            before = (runner.spec_proposed, runner.spec_accepted, runner.spec_verifications, runner.spec_rejections)
-            spec_time, spec_tokens = run(spec, prompts, args.max_tokens)
-            proposed = runner.spec_proposed - before[0]
-            accepted = runner.spec_accepted - before[1]
-            verifications = runner.spec_verifications - before[2]
-            rejections = runner.spec_rejections - before[3]
-            share = accepted / proposed if proposed else 0.0
-            alpha = accepted / (accepted + rejections) if accepted + rejections else 0.0
-            per_step = (accepted + verifications) / verifications if verifications else 1.0
+            drafts = DraftCounter(spec.engine.runner.strategy)
+            spec_tps = tokens_per_second(spec, prompts, args.max_tokens, drafts.counting)
+            share = drafts.accepted / drafts.proposed if drafts.proposed else 0.0
+            judged = drafts.accepted + drafts.rejections
+            alpha = drafts.accepted / judged if judged else 0.0
+            per_step = (drafts.accepted + drafts.verifications) / drafts.verifications if drafts.verifications else 1.0
             predicted = (1 - alpha ** (k + 1)) / (1 - alpha) if alpha < 1 else k + 1
-            lines.append(f"| {batch} | {k} | {base_tokens / base_time:.1f} | {spec_tokens / spec_time:.1f} | "
-                         f"{base_time / spec_time:.2f}x | {share:.3f} | {alpha:.3f} | {per_step:.2f} | {predicted:.2f} |")
+            lines.append(markdown_row([str(batch), str(k), f"{base_tps:.1f}", f"{spec_tps:.1f}",
+                                       f"{spec_tps / base_tps:.2f}x", f"{share:.3f}", f"{alpha:.3f}",
+                                       f"{per_step:.2f}", f"{predicted:.2f}"]))
             print(lines[-1], flush=True)
-    table = "\n".join(lines)
-    print(table)
     if args.out:
         with open(args.out, "w") as f:
-            f.write(table + "\n")
+            f.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,16 +1,21 @@
 """servelab against vLLM on the same CPU, models and offline workload, as ratios.
 
-Models (random weights, seed 0, Llama architecture, vocabulary 2048, float32 files):
-  26m: hidden 512, 8 layers, 8 heads, 2 KV heads, intermediate 1536, untied embeddings
-  3m:  hidden 256, 4 layers, 8 heads, 4 KV heads, intermediate 688, tied embeddings
-Workload: 256 requests, prompt lengths uniform in [16, 256] (random token ids, seed 0),
-128 output tokens each with ignore_eos, greedy, all submitted at once.
+Models: ``servelab.bench.random_llama`` (random-weight Llama 26m and 3m, vocabulary 2048).
+Workload: ``servelab-bench``'s ``offline`` preset (256 requests, prompt lengths uniform in
+[16, 256], random token ids, seed 0, 128 output tokens each with ignore_eos, greedy, all
+submitted at once), written to a workload file both engines read.
 
-Each engine runs in its own fresh process, one after the other; vLLM runs with the
-Python of its own environment (``--vllm-python``), servelab with this one.
+Each engine runs in its own fresh process, one after the other, through the same
+procedure (``servelab.bench.offline_run``: warm-up, one timed ``generate``); vLLM runs with
+the Python of its own environment (``--vllm-python``, ``benchmarks/vllm_offline.py``),
+servelab with this one.
 
     python benchmarks/compare_vllm.py --vllm-python /path/to/vllm-venv/bin/python \\
-        --models 26m 3m --dtypes float32 bfloat16 --repeats 3 --out docs/results/compare_vllm.json
+        --models 26m 3m --dtypes float32 bfloat16 --repeats 3 \\
+        --out docs/results/compare_vllm.json --label "AO: what changed, 3 repeats"
+
+``--out`` appends one entry per (model, dtype) to that list of runs: the label, every
+run's tokens/s per engine, and whether the first greedy outputs agree.
 
 This machine's speed drifts by tens of percent from minute to minute, so ``--repeats``
 alternates the engines and the table reports medians (and every run).
@@ -21,85 +26,48 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
-MODELS = {
-    "26m": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
-                intermediate_size=1536, tie_word_embeddings=False),
-    "3m": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-               intermediate_size=688, tie_word_embeddings=True),
-}
-VOCAB = 2048
+from servelab.bench.baselines.vllm_engine import VLLM_CPU_ENV
+from servelab.bench.offline_run import run_servelab, write_comparison_workload
+from servelab.bench.random_llama import MODELS, make_checkpoint
+from servelab.bench.report import markdown_header, markdown_row
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def word_tokenizer(vocab_size: int):
-    """A tokenizer whose every id decodes (``<i>`` words), so both engines detokenize."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"<{i}>": i for i in range(vocab_size)}
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<0>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    backend.decoder = decoders.WordPiece(prefix="##")
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<0>", bos_token="<0>", eos_token="<1>")
-
-
-def make_checkpoint(folder: str, name: str) -> str:
-    """Write the named random model (seed 0) and its tokenizer once."""
-    if os.path.exists(os.path.join(folder, "config.json")):
-        return folder
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, max_position_embeddings=512, bos_token_id=0, eos_token_id=1,
-                         **MODELS[name])
-    LlamaForCausalLM(config).save_pretrained(folder)
-    word_tokenizer(VOCAB).save_pretrained(folder)
-    return folder
-
-
-def make_workload(path: str, num_requests: int, output_tokens: int, seed: int = 0) -> str:
-    """The prompts and limits, as JSON both engines read."""
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(2, VOCAB) for _ in range(rng.randint(16, 256))] for _ in range(num_requests)]
-    with open(path, "w") as f:
-        json.dump({"prompts": prompts, "output_tokens": output_tokens, "max_model_len": 512,
-                   "max_num_seqs": num_requests}, f)
-    return path
-
-
-def run_servelab(folder: str, workload_path: str, dtype: str, overrides: list[str]) -> dict:
-    """servelab's offline generate over the workload (called in a fresh process)."""
-    from servelab import LLM, SamplingParams
-
-    with open(workload_path) as f:
-        workload = json.load(f)
-    llm = LLM(folder, overrides=[f"model.dtype={dtype}", f"model.max_model_len={workload['max_model_len']}",
-                                 f"scheduler.max_num_seqs={workload['max_num_seqs']}", *overrides])
-    params = SamplingParams(temperature=0.0, max_tokens=workload["output_tokens"], ignore_eos=True)
-    llm.warm_up()
-    llm.generate(workload["prompts"][:4], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
-    started = time.perf_counter()
-    outputs = llm.generate(workload["prompts"], params, use_tqdm=False)
-    seconds = time.perf_counter() - started
-    return {"engine": "servelab", "seconds": seconds, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
-            "first_outputs": [o.outputs[0].token_ids for o in outputs[:8]]}
 
 
 def in_fresh_process(command: list[str], env: dict | None = None) -> dict:
     """Run a command that prints a JSON line starting with {"engine"; return it."""
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=3600)
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=3600, check=False)
     if result.returncode != 0:
         raise RuntimeError(f"{command[:3]} failed:\n{result.stderr[-3000:]}")
-    line = next(l for l in reversed(result.stdout.splitlines()) if l.startswith('{"engine"'))
+    line = next(line for line in reversed(result.stdout.splitlines()) if line.startswith('{"engine"'))
     return json.loads(line)
+
+
+def tokens_per_second(runs: list[dict]) -> list[float]:
+    """Output tokens per second of each run."""
+    return [run["output_tokens"] / run["seconds"] for run in runs]
+
+
+def append_results(path: str, label: str, rows: list[dict]) -> None:
+    """Append ``rows`` to the results list at ``path`` (created if missing) as entries of
+    ``run`` (the label), ``model``, ``dtype``, ``servelab_tok_s``, ``vllm_tok_s`` and
+    ``first_outputs_equal``."""
+    results = []
+    if os.path.exists(path):
+        with open(path) as f:
+            results = json.load(f)
+    for row in rows:
+        results.append({"run": label, "model": row["model"], "dtype": row["dtype"],
+                        "servelab_tok_s": [round(x, 1) for x in tokens_per_second(row["servelab"])],
+                        "vllm_tok_s": [round(x, 1) for x in tokens_per_second(row["vllm"])],
+                        "first_outputs_equal": row["first_outputs_equal"]})
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1)
 
 
 def main() -> None:
@@ -114,17 +82,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs per engine, alternating servelab and vLLM; the table shows medians")
     parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "servelab-compare"))
-    parser.add_argument("--out", help="write the rows as JSON here")
+    parser.add_argument("--out", help="append the rows to this JSON list of runs (docs/results/compare_vllm.json)")
+    parser.add_argument("--label", default="unlabelled", help="the rows' run label in --out")
     parser.add_argument("--servelab-worker", nargs=3, metavar=("FOLDER", "WORKLOAD", "DTYPE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.servelab_worker:
         print(json.dumps(run_servelab(*args.servelab_worker, args.overrides)))
         return
     os.makedirs(args.workdir, exist_ok=True)
-    workload = make_workload(os.path.join(args.workdir, "workload.json"), args.requests, args.output_tokens)
+    workload = write_comparison_workload(os.path.join(args.workdir, "workload.json"), args.requests,
+                                         args.output_tokens)
     rows = []
-    print("| model | dtype | servelab tok/s | vLLM tok/s | ratio | servelab runs | vLLM runs | first outputs equal |")
-    print("|---|---|---:|---:|---:|---|---|---|")
+    print(markdown_header(["model", "dtype", "servelab tok/s", "vLLM tok/s", "ratio", "servelab runs", "vLLM runs",
+                           "first outputs equal"], align="llrrrlll"))
     for name in args.models:
         folder = make_checkpoint(os.path.join(args.workdir, name), name)
         for dtype in args.dtypes:
@@ -133,20 +103,17 @@ def main() -> None:
                 ours.append(in_fresh_process([sys.executable, __file__, "--servelab-worker", folder, workload, dtype,
                                               "--overrides", *args.overrides]))
                 if args.vllm_python:
-                    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="4")
                     theirs.append(in_fresh_process([args.vllm_python, os.path.join(HERE, "vllm_offline.py"), folder,
-                                                    workload, dtype], env))
-            rows.append({"model": name, "dtype": dtype, "servelab": ours, "vllm": theirs})
-            ours_tps = [run["output_tokens"] / run["seconds"] for run in ours]
-            theirs_tps = [run["output_tokens"] / run["seconds"] for run in theirs] or [float("nan")]
+                                                    workload, dtype], dict(os.environ, **VLLM_CPU_ENV)))
             same = bool(theirs) and theirs[0]["first_outputs"] == ours[0]["first_outputs"]
+            rows.append({"model": name, "dtype": dtype, "servelab": ours, "vllm": theirs, "first_outputs_equal": same})
+            ours_tps, theirs_tps = tokens_per_second(ours), tokens_per_second(theirs) or [float("nan")]
             ours_median, theirs_median = statistics.median(ours_tps), statistics.median(theirs_tps)
-            print(f"| {name} | {dtype} | {ours_median:.1f} | {theirs_median:.1f} | {ours_median / theirs_median:.2f}x | "
-                  f"{' '.join(f'{x:.0f}' for x in ours_tps)} | {' '.join(f'{x:.0f}' for x in theirs_tps)} | {same} |",
-                  flush=True)
+            print(markdown_row([name, dtype, f"{ours_median:.1f}", f"{theirs_median:.1f}",
+                                f"{ours_median / theirs_median:.2f}x", " ".join(f"{x:.0f}" for x in ours_tps),
+                                " ".join(f"{x:.0f}" for x in theirs_tps), str(same)]), flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+        append_results(args.out, args.label, rows)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """servelab-serve against vllm serve under the same Poisson load, through their OpenAI endpoints.
 
-The workload of compare_vllm.py (256 requests, prompts of 16-256 random tokens, 128 output
-tokens each with ignore_eos, greedy) arrives as a Poisson process at ``--rate`` requests/s;
-``servelab-bench target=http`` sends it to each server in turn and reports median TTFT,
-P99 TPOT and throughput. Pick the rate near vLLM's saturation point: its offline output
+The workload of compare_vllm.py (``servelab-bench``'s ``offline`` preset: 256 requests,
+prompts of 16-256 random tokens, 128 output tokens each with ignore_eos, greedy) arrives as a
+Poisson process at ``--rate`` requests/s; ``servelab-bench target=http`` sends it to each
+server in turn and reports median TTFT, P99 TPOT and throughput. The model is one of
+``servelab.bench.random_llama``'s. Pick the rate near vLLM's saturation point: its offline output
 throughput (compare_vllm.py) divided by the 128 output tokens of a request.
 
     python benchmarks/compare_vllm_online.py --vllm-python /path/to/vllm-venv/bin/python \\
@@ -24,15 +25,13 @@ import os
 import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
-from compare_vllm import MODELS, make_checkpoint  # noqa: E402
+from servelab.bench.baselines.vllm_engine import VLLM_CPU_ENV
+from servelab.bench.random_llama import MAX_POSITIONS, MODELS, make_checkpoint
+from servelab.bench.report import metric_value, render_markdown
 
 VLLM_SERVE = (
     "import importlib.metadata as m, sys\n"
@@ -68,39 +67,34 @@ def stop(process: subprocess.Popen) -> None:
         process.wait()
 
 
-def bench(url: str, folder: str, rate: float, out_dir: str) -> dict:
+def bench(url: str, folder: str, rate: float, requests: int, out_dir: str) -> dict:
     """servelab-bench target=http against ``url``; returns its metrics.json."""
     command = ["servelab-bench", "target=http", f"target.url={url}", "model=local", f"model.path={folder}",
-               "model.max_model_len=512", "workload=offline", "workload.arrival=poisson", f"workload.rate={rate}",
-               "target.max_connections=512", f"hydra.run.dir={out_dir}"]
-    subprocess.run(command, check=True, capture_output=True, text=True)
+               f"model.max_model_len={MAX_POSITIONS}", "workload=offline", f"workload.num_requests={requests}",
+               "workload.arrival=poisson", f"workload.rate={rate}", "target.max_connections=512", "use_tqdm=false",
+               f"hydra.run.dir={out_dir}"]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"servelab-bench failed against {url}:\n{result.stderr[-3000:]}")
     with open(os.path.join(out_dir, "metrics.json")) as f:
         return json.load(f)
 
 
-def serve_and_bench(name: str, command: list[str], env: dict, url: str, folder: str, rate: float,
+def serve_and_bench(name: str, command: list[str], env: dict, url: str, folder: str, rate: float, requests: int,
                     workdir: str) -> dict:
     """Start one server, measure it, stop it."""
-    log = open(os.path.join(workdir, f"{name}-server.log"), "w")
-    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_until_serving(url, process)
-        return bench(url, folder, rate, os.path.join(workdir, f"{name}-bench"))
-    finally:
-        stop(process)
-        log.close()
+    with open(os.path.join(workdir, f"{name}-server.log"), "w") as log:
+        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_until_serving(url, process)
+            return bench(url, folder, rate, requests, os.path.join(workdir, f"{name}-bench"))
+        finally:
+            stop(process)
 
 
-
-
-def median_of(runs: list[dict], *keys: str) -> float:
-    """Median over runs of the metric at ``metrics[keys[0]][keys[1]]...``."""
-    values = []
-    for metrics in runs:
-        for key in keys:
-            metrics = metrics[key]
-        values.append(metrics)
-    return statistics.median(values)
+def median_of(runs: list[dict], *path: str) -> float:
+    """Median over runs of the metric at ``metrics[path[0]][path[1]]...``."""
+    return statistics.median(metric_value(metrics, *path) for metrics in runs)
 
 
 def main() -> None:
@@ -110,6 +104,7 @@ def main() -> None:
     parser.add_argument("--model", default="26m", choices=sorted(MODELS))
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--rate", type=float, required=True, help="requests per second (Poisson)")
+    parser.add_argument("--requests", type=int, default=256, help="requests per run (the offline preset's 256)")
     parser.add_argument("--overrides", nargs="*", default=["attention=cpu"], help="servelab-serve Hydra overrides")
     parser.add_argument("--servers", nargs="+", default=["servelab", "vllm"], choices=["servelab", "vllm"])
     parser.add_argument("--repeats", type=int, default=1,
@@ -120,25 +115,27 @@ def main() -> None:
     os.makedirs(args.workdir, exist_ok=True)
     folder = make_checkpoint(os.path.join(args.workdir, args.model), args.model)
     servelab = ["servelab-serve", "model=local", f"model.path={folder}", f"model.dtype={args.dtype}",
-                "model.max_model_len=512", "scheduler.max_num_seqs=256", "server.port=8301", *args.overrides]
-    vllm = [args.vllm_python, "-c", VLLM_SERVE, folder, "--dtype", args.dtype, "--max-model-len", "512",
+                f"model.max_model_len={MAX_POSITIONS}", "scheduler.max_num_seqs=256", "server.port=8301",
+                *args.overrides]
+    vllm = [args.vllm_python, "-c", VLLM_SERVE, folder, "--dtype", args.dtype, "--max-model-len", str(MAX_POSITIONS),
             "--max-num-seqs", "256", "--port", "8302"]
-    vllm_env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="4")
+    vllm_env = dict(os.environ, **VLLM_CPU_ENV)
     servers = {"servelab": (servelab, dict(os.environ), "http://127.0.0.1:8301"),
                "vllm": (vllm, vllm_env, "http://127.0.0.1:8302")}
     results: dict[str, list[dict]] = {name: [] for name in args.servers}
     for _ in range(args.repeats):
         for name in args.servers:
-            results[name].append(serve_and_bench(name, *servers[name], folder, args.rate, args.workdir))
-    print(f"{args.model} {args.dtype}, Poisson {args.rate} req/s, 256 requests, {args.repeats} run(s) per server; "
-          f"servelab overrides: {' '.join(args.overrides)}")
-    print("| server | median TTFT ms | P99 TPOT ms | mean TPOT ms | output tok/s | failed | runs (TTFT / P99 TPOT) |")
-    print("|---|---:|---:|---:|---:|---:|---|")
-    for name, runs in results.items():
-        each = " ".join(f"{m['ttft_ms']['p50']:.0f}/{m['tpot_ms']['p99']:.0f}" for m in runs)
-        print(f"| {name} | {median_of(runs, 'ttft_ms', 'p50'):.1f} | {median_of(runs, 'tpot_ms', 'p99'):.1f} | "
-              f"{median_of(runs, 'tpot_ms', 'mean'):.1f} | {median_of(runs, 'output_throughput'):.1f} | "
-              f"{sum(m['num_failed'] for m in runs)} | {each} |")
+            results[name].append(serve_and_bench(name, *servers[name], folder, args.rate, args.requests,
+                                                 args.workdir))
+    print(f"{args.model} {args.dtype}, Poisson {args.rate} req/s, {args.requests} requests, {args.repeats} run(s) "
+          f"per server; servelab overrides: {' '.join(args.overrides)}")
+    rows = [[name, f"{median_of(runs, 'ttft_ms', 'p50'):.1f}", f"{median_of(runs, 'tpot_ms', 'p99'):.1f}",
+             f"{median_of(runs, 'tpot_ms', 'mean'):.1f}", f"{median_of(runs, 'output_throughput'):.1f}",
+             sum(m["num_failed"] for m in runs),
+             " ".join(f"{m['ttft_ms']['p50']:.0f}/{m['tpot_ms']['p99']:.0f}" for m in runs)]
+            for name, runs in results.items()]
+    print(render_markdown(["server", "median TTFT ms", "P99 TPOT ms", "mean TPOT ms", "output tok/s", "failed",
+                           "runs (TTFT / P99 TPOT)"], rows, align="lrrrrrl"), end="")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

@@ -1,7 +1,8 @@
 """The compute roofline of this CPU for a model: measured matmul FLOP/s x FLOPs per token.
 
 FLOPs per generated token = 2 x (parameters that take part in a matmul: every linear
-layer and the LM head; the embedding lookup is not a matmul). The matmul rate is the best
+layer and the LM head; the embedding lookup is not a matmul) of one of
+``servelab.bench.random_llama``'s models. The matmul rate is the best
 of several large GEMMs shaped like a decode batch (tokens x hidden @ hidden x out), in
 the dtype servelab's linear layers compute in: bfloat16 on a CPU without bfloat16 matmul
 instructions is measured in float32, as servelab multiplies it there.
@@ -18,27 +19,13 @@ by 3x from one second to the next, which is why the comparisons alternate engine
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from compare_vllm import MODELS, VOCAB  # noqa: E402
+from servelab.bench.random_llama import MODELS, matmul_parameters
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def matmul_params(name: str) -> int:
-    """Parameters used in matmuls per token for one of compare_vllm's models."""
-    m = MODELS[name]
-    hidden, inter, layers = m["hidden_size"], m["intermediate_size"], m["num_hidden_layers"]
-    head_dim = hidden // m["num_attention_heads"]
-    kv = m["num_key_value_heads"] * head_dim
-    per_layer = hidden * (hidden + 2 * kv) + hidden * hidden + 3 * hidden * inter
-    return layers * per_layer + hidden * VOCAB
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -85,7 +72,7 @@ def main() -> None:
         watch(dtype, args.watch)
         return
     rate = matmul_flops(dtype)
-    per_token = 2 * matmul_params(args.model)
+    per_token = 2 * matmul_parameters(args.model)
     computed_in = "" if dtype == DTYPES[args.dtype] else f" (computed in {str(dtype).removeprefix('torch.')})"
     print(f"{args.model} {args.dtype}{computed_in} threads={args.threads}: matmul {rate / 1e9:.1f} GFLOP/s, "
           f"{per_token / 1e6:.1f} MFLOP/token, roofline {rate / per_token:.0f} tok/s")
