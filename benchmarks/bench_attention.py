@@ -17,6 +17,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from servelab.bench.report import render_markdown
+
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
 DTYPE = torch.bfloat16
 
@@ -84,17 +86,16 @@ def decode_row(batch: int, ctx: int, args, dev: str) -> list[str]:
             q[:, None], k, v, cache_seqlens=seq_lens, softmax_scale=scale, causal=True))
     except ImportError:
         results["flash-attn"] = None
-    results["flashinfer"] = flashinfer_decode(q, kv, table, ctx, args.block_size, scale)
-    del k, v, kt, vt, kv
-    torch.cuda.empty_cache()
+    results["flashinfer"] = flashinfer_paged("decode", q, kv, table, ctx, args.block_size, scale)
     gbps = lambda ms: None if ms is None else nbytes / ms / 1e6  # noqa: E731
     return [str(batch), str(ctx), f"{t_ours * 1e3:.1f}", fmt(gbps(t_ours)),
             fmt(100 * gbps(t_ours) / args.peak_gbps), *(fmt(gbps(t)) for t in results.values()),
             f"{err:.1e}"]
 
 
-def flashinfer_decode(q, kv, table, ctx, block_size, scale) -> float | None:
-    """flashinfer's paged decode on the same cache (None if flashinfer is missing or fails)."""
+def flashinfer_paged(kind: str, q, kv, table, ctx, block_size, scale, qsl=None) -> float | None:
+    """flashinfer's paged ``decode`` or causal ``prefill`` (``qsl``: query start offsets) on
+    the same cache, in ms (None if flashinfer is missing or fails)."""
     try:
         import flashinfer
     except ImportError:
@@ -102,14 +103,18 @@ def flashinfer_decode(q, kv, table, ctx, block_size, scale) -> float | None:
     try:
         batch, blocks = table.shape
         workspace = torch.empty(256 << 20, dtype=torch.uint8, device=q.device)
-        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
         indptr = torch.arange(0, batch * blocks + 1, blocks, dtype=torch.int32, device=q.device)
         last = torch.full((batch,), ctx - (blocks - 1) * block_size, dtype=torch.int32, device=q.device)
-        wrapper.plan(indptr, table.flatten(), last, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, block_size,
-                     sm_scale=scale, q_data_type=q.dtype, kv_data_type=kv.dtype)
+        shape = (indptr, table.flatten(), last, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, block_size)
+        if kind == "decode":
+            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+            wrapper.plan(*shape, sm_scale=scale, q_data_type=q.dtype, kv_data_type=kv.dtype)
+        else:
+            wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+            wrapper.plan(qsl, *shape, causal=True, sm_scale=scale, q_data_type=q.dtype, kv_data_type=kv.dtype)
         return try_bench(lambda: wrapper.run(q, (kv[0], kv[1])))
-    except Exception as exc:  # noqa: BLE001
-        print(f"  (flashinfer decode failed: {exc!r:.120})", file=sys.stderr)
+    except Exception as exc:  # noqa: BLE001 - a baseline failing must not stop the table
+        print(f"  (flashinfer {kind} failed: {exc!r:.120})", file=sys.stderr)
         return None
 
 
@@ -139,41 +144,26 @@ def prefill_row(batch: int, ctx: int, args, dev: str) -> list[str]:
             q, kf, vf, qsl, qsl, ctx, ctx, softmax_scale=scale, causal=True))
     except ImportError:
         results["flash-attn"] = None
-    results["flashinfer"] = flashinfer_prefill(q, kv, table, qsl, ctx, args.block_size, scale)
-    del k, v, qd, kd, vd, kv
-    torch.cuda.empty_cache()
+    results["flashinfer"] = flashinfer_paged("prefill", q, kv, table, ctx, args.block_size, scale, qsl)
     tflops = lambda ms: None if ms is None else flops / ms / 1e9  # noqa: E731
     return [str(batch), str(ctx), f"{t_ours:.3f}", fmt(tflops(t_ours)),
             *(fmt(tflops(t)) for t in results.values()), f"{err:.1e}"]
 
 
-def flashinfer_prefill(q, kv, table, qsl, ctx, block_size, scale) -> float | None:
-    """flashinfer's paged causal prefill on the same cache (None if missing or failing)."""
-    try:
-        import flashinfer
-    except ImportError:
-        return None
-    try:
-        batch, blocks = table.shape
-        workspace = torch.empty(256 << 20, dtype=torch.uint8, device=q.device)
-        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
-        indptr = torch.arange(0, batch * blocks + 1, blocks, dtype=torch.int32, device=q.device)
-        last = torch.full((batch,), ctx - (blocks - 1) * block_size, dtype=torch.int32, device=q.device)
-        wrapper.plan(qsl, indptr, table.flatten(), last, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, block_size,
-                     causal=True, sm_scale=scale, q_data_type=q.dtype, kv_data_type=kv.dtype)
-        return try_bench(lambda: wrapper.run(q, (kv[0], kv[1])))
-    except Exception as exc:  # noqa: BLE001
-        print(f"  (flashinfer prefill failed: {exc!r:.120})", file=sys.stderr)
-        return None
+def table_rows(row, configs, args, dev: str) -> list[list[str]]:
+    """``row(batch, context, args, dev)`` for each configuration; the GPU memory of one
+    (its cache, gathered copies) is released before the next."""
+    rows = []
+    for batch, ctx in configs:
+        rows.append(row(batch, ctx, args, dev))
+        torch.cuda.empty_cache()
+    return rows
 
 
 def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
-    """Markdown table."""
+    """A titled markdown table, numbers right-aligned."""
     print(f"\n### {title}\n")
-    print("| " + " | ".join(header) + " |")
-    print("|" + "|".join("---:" for _ in header) + "|")
-    for row in rows:
-        print("| " + " | ".join(row) + " |")
+    print(render_markdown(header, rows, align="r" * len(header)), end="")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,12 +187,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# Attention kernels on {torch.cuda.get_device_name()} (H={NUM_HEADS}, Hkv={NUM_KV_HEADS}, "
           f"D={HEAD_DIM}, bf16, block_size={args.block_size}); err = max |ours - sdpa|")
     baselines = ["sdpa", "flash-attn", "flashinfer"]
-    rows = [decode_row(b, c, args, dev) for b in args.batch_sizes for c in args.context_lens]
+    rows = table_rows(decode_row, [(b, c) for b in args.batch_sizes for c in args.context_lens], args, dev)
     print_table(f"Decode (one new token per request; GB/s of KV read, peak {args.peak_gbps:.0f})",
                 ["batch", "context", "ours us", "ours GB/s", "% peak", *(f"{b} GB/s" for b in baselines), "err"],
                 rows)
-    rows = [prefill_row(b, c, args, dev) for b in args.batch_sizes for c in args.context_lens
-            if b * c <= args.max_prefill_tokens]
+    rows = table_rows(prefill_row, [(b, c) for b in args.batch_sizes for c in args.context_lens
+                                    if b * c <= args.max_prefill_tokens], args, dev)
     print_table("Prefill (causal, no cache; TFLOP/s)",
                 ["batch", "context", "ours ms", "ours TFLOP/s", *(f"{b} TFLOP/s" for b in baselines), "err"],
                 rows)
