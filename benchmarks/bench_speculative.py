@@ -8,7 +8,9 @@ verification step, and the i.i.d. prediction (1 - alpha^(k+1)) / (1 - alpha). Pr
 are the openings of held-out standard-library files (``servelab.bench.prompts``); each
 run is ``servelab.bench.offline_run``'s warm-up and one timed ``generate``.
 
-    python benchmarks/bench_speculative.py --max-tokens 64 --out docs/results/speculative.md
+    OMP_NUM_THREADS=1 python benchmarks/bench_speculative.py --max-tokens 64 --out /tmp/speculative_table.md
+
+``--out`` writes the table alone; docs/results/speculative.md holds it with the date and machine.
 """
 
 from __future__ import annotations
