@@ -1,14 +1,30 @@
-"""Beam search over the engine's sequences, sharing KV blocks through fork/copy-on-write."""
+"""Beam search as a layer over the engine's public API: the engine, its requests, the
+scheduler and the output processor know nothing of beams."""
 
 from __future__ import annotations
 
+import itertools
+import logging
 import time
-from dataclasses import dataclass, replace
-from typing import Any, Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
 
-from servelab.core.outputs import CompletionOutput
-from servelab.core.request import Request
+from servelab.core.errors import InvalidRequestError
+from servelab.core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from servelab.core.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+MAX_BEAM_WIDTH = 10
+"""The widest beam: each step asks for the top ``2 * width`` tokens (logprobs <= 20)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Beam:
+    """A live hypothesis: its generated ``token_ids`` and their summed ``logprob``."""
+
+    token_ids: tuple[int, ...]
+    logprob: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,146 +37,180 @@ class Hypothesis:
     finish_reason: str
 
 
+@dataclass
 class BeamGroup:
-    """The live beams of one prompt and its finished hypotheses.
+    """One beam-search prompt: its live beams, the engine requests in flight for them
+    (request id -> beam), the candidates they reported and the finished hypotheses."""
 
-    Every step each live beam yields its top ``2 * width`` next tokens (the request's
-    logprobs); ``advance`` keeps the ``width`` best extensions: the first extension of a
-    beam reuses its request, further ones fork it (its blocks are shared and copied on
-    write), beams with no extension are dropped. EOS extensions become hypotheses.
-    Scores are cumulative log-probabilities divided by length ** ``length_penalty``.
-    """
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_id: int | None
+    arrival_time: float
+    live: list[Beam] = field(default_factory=list)
+    pending: dict[str, Beam] = field(default_factory=dict)
+    reported: list[tuple[Beam, dict[int, Logprob]]] = field(default_factory=list)
+    finished: list[Hypothesis] = field(default_factory=list)
+    first_scheduled_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
 
-    def __init__(self, request_id: str, params: SamplingParams, eos_token_id: int | None, max_model_len: int):
-        self.request_id = request_id
-        self.params = params
-        self.width = params.best_of or params.n
-        self.eos_token_id = None if params.ignore_eos else eos_token_id
-        self.max_model_len = max_model_len
-        self.live: list[Request] = []
-        self.scores: dict[str, float] = {}
-        self.candidates: dict[str, dict] = {}
-        self.finished: list[Hypothesis] = []
-        self.done = False
-        self._forks = 0
+    @property
+    def width(self) -> int:
+        """Beams kept per step (``best_of``, else ``n``)."""
+        return self.params.best_of or self.params.n
 
-    @staticmethod
-    def beam_params(params: SamplingParams) -> SamplingParams:
-        """Per-beam parameters: argmax decoding that reports the top 2 x width tokens."""
-        width = params.best_of or params.n
-        return replace(params, n=1, best_of=None, temperature=0.0, logprobs=2 * width, use_beam_search=False,
-                       stop=None, seed=None)
-
-    def start(self, request: Request) -> None:
-        """Track the first beam (the prompt)."""
-        request.beam = self
-        self.live = [request]
-        self.scores[request.request_id] = 0.0
-
-    def collect(self, request: Request, candidates: dict) -> None:
-        """Record one beam's candidate next tokens (token id -> Logprob)."""
-        self.candidates[request.request_id] = candidates
-
-    def ready(self) -> bool:
-        """True when every live beam has reported its candidates."""
-        return all(r.request_id in self.candidates for r in self.live)
-
-    def _score(self, logprob: float, length: int) -> float:
+    def score(self, logprob: float, length: int) -> float:
+        """Cumulative log-probability divided by length ** ``length_penalty``."""
         return logprob / max(length, 1) ** self.params.length_penalty
 
-    def advance(self, fork: Callable[[Request], Request], drop: Callable[[Request], None]) -> None:
-        """Choose the next beams; ``fork(parent)`` returns a new request sharing the
-        parent's blocks, ``drop(request)`` frees an abandoned beam."""
-        now = time.perf_counter()
-        ranked = sorted(((self.scores[b.request_id] + lp.logprob, b, token)
-                         for b in self.live for token, lp in self.candidates[b.request_id].items()),
+    def advance(self, max_model_len: int) -> bool:
+        """Keep the ``width`` best extensions of the reported beams (EOS extensions past
+        ``min_tokens`` become hypotheses); returns True when the search is over."""
+        ranked = sorted(((beam.logprob + entry.logprob, beam, token)
+                         for beam, candidates in self.reported for token, entry in candidates.items()),
                         key=lambda item: -item[0])
-        chosen: list[tuple[float, Request, int]] = []
-        for logprob, beam, token in ranked:
-            if token == self.eos_token_id and beam.num_output_tokens + 1 > self.params.min_tokens:
-                output = tuple(beam.output_token_ids) + (token,)
-                self.finished.append(Hypothesis(output, logprob, self._score(logprob, len(output)), "stop"))
-                continue
-            chosen.append((logprob, beam, token))
-            if len(chosen) == self.width:
-                break
-        self.candidates.clear()
-        used: set[str] = set()
-        next_live = []
-        for logprob, beam, token in chosen:
-            request = fork(beam) if beam.request_id in used else beam
-            used.add(beam.request_id)
-            next_live.append((request, token, logprob))
-        for beam in self.live:
-            if beam.request_id not in used:
-                drop(beam)
+        self.reported = []
         self.live = []
-        for request, token, logprob in next_live:
-            request.token_ids.append(token)
-            request.token_times.append(now)
-            self.scores[request.request_id] = logprob
-            self.live.append(request)
-        self._finish_if_done(drop)
+        for logprob, beam, token in ranked:
+            if token == self.eos_token_id:
+                if len(beam.token_ids) + 1 > self.params.min_tokens:
+                    output = beam.token_ids + (token,)
+                    self.finished.append(Hypothesis(output, logprob, self.score(logprob, len(output)), "stop"))
+                continue
+            self.live.append(Beam(beam.token_ids + (token,), logprob))
+            if len(self.live) == self.width:
+                break
+        return self._done(max_model_len)
 
-    def _finish_if_done(self, drop: Callable[[Request], None]) -> None:
-        length_capped = any(r.num_output_tokens >= (self.params.max_tokens or self.max_model_len)
-                            or r.num_tokens >= self.max_model_len for r in self.live)
-        if length_capped or not self.live:
-            for beam in self.live:
-                output = tuple(beam.output_token_ids)
-                logprob = self.scores[beam.request_id]
-                self.finished.append(Hypothesis(output, logprob, self._score(logprob, len(output)), "length"))
-        elif len(self.finished) >= self.width:
-            best_live = max(self._score(self.scores[r.request_id], r.num_output_tokens) for r in self.live)
+    def _done(self, max_model_len: int) -> bool:
+        max_tokens = self.params.max_tokens or max_model_len
+        capped = any(len(b.token_ids) >= max_tokens or len(self.prompt_token_ids) + len(b.token_ids) >= max_model_len
+                     for b in self.live)
+        if not capped and self.live:
+            if len(self.finished) < self.width:
+                return False
+            best_live = max(self.score(b.logprob, len(b.token_ids)) for b in self.live)
             worst_kept = sorted(h.score for h in self.finished)[-self.width]
             if best_live > worst_kept:
-                return
+                return False
         else:
-            return
-        for beam in self.live:
-            drop(beam)
+            self.finished += [Hypothesis(b.token_ids, b.logprob, self.score(b.logprob, len(b.token_ids)), "length")
+                              for b in self.live]
         self.live = []
-        self.done = True
+        return True
 
-    def fork_id(self) -> str:
-        """A fresh request id for a forked beam."""
-        self._forks += 1
-        return f"{self.request_id}#beam{self._forks}"
-
-    def completions(self, decode: Callable[[list[int]], str]) -> list[CompletionOutput]:
-        """The ``n`` best hypotheses, best first."""
+    def render(self, tokenizer: Any) -> RequestOutput:
+        """The final output: the ``n`` best hypotheses, best first."""
         best = sorted(self.finished, key=lambda h: -h.score)[:self.params.n]
-        return [CompletionOutput(index=i, text=decode(list(h.token_ids)), token_ids=list(h.token_ids),
-                                 cumulative_logprob=h.logprob, finish_reason=h.finish_reason)
-                for i, h in enumerate(best)]
+        decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer else (lambda ids: "")
+        completions = [CompletionOutput(index=i, text=decode(list(h.token_ids)), token_ids=list(h.token_ids),
+                                        cumulative_logprob=h.logprob, finish_reason=h.finish_reason)
+                       for i, h in enumerate(best)]
+        metrics = RequestMetrics(arrival_time=self.arrival_time, first_scheduled_time=self.first_scheduled_time,
+                                 token_times=list(self.token_times), finished_time=time.perf_counter())
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, True, metrics)
 
 
-def fork_beam(parent: Request, request_id: str) -> Request:
-    """A new beam continuing ``parent``: same tokens, same computed count, same group."""
-    child = Request(request_id, parent.prompt_token_ids, parent.sampling_params, parent.eos_token_id,
-                    parent.prompt, parent.arrival_time, 0, parent.group_id)
-    child.token_ids = list(parent.token_ids)
-    child.num_computed_tokens = parent.num_computed_tokens
-    child.first_scheduled_time = parent.first_scheduled_time
-    child.token_times = list(parent.token_times)
-    child.beam = parent.beam
-    return child
+class BeamSearch:
+    """Beam search over an ``LLMEngine``, through its public API only.
 
+    Every live beam of a step is one ordinary engine request: the prompt plus the beam's
+    tokens, one greedy token, the top ``2 * width`` logprobs of the raw distribution.
+    When all beams of a prompt have reported, the ``width`` best extensions are the next
+    step's beams. Preemption, swapping and every scheduler and cache apply to beams as
+    to any request; with ``cache.enable_prefix_caching=true`` the beams share their
+    common full blocks through the prefix cache, otherwise every beam recomputes its
+    context each step. Use ``add``/``abort`` in place of the engine's and pass every
+    ``engine.step()`` result through ``process``.
+    """
 
-def advance_ready_groups(groups: dict[str, BeamGroup], scheduler: Any, cache: Any) -> list[BeamGroup]:
-    """Advance every beam group whose beams all reported; returns the groups that finished."""
-    finished = []
-    for group in list(groups.values()):
-        if not group.live or not group.ready():
-            continue
+    def __init__(self, engine: Any):
+        self.engine = engine
+        self.groups: dict[str, BeamGroup] = {}
+        self._owner: dict[str, str] = {}
+        self._ids = itertools.count()
+        self._warned = False
 
-        def fork(parent: Request, group: BeamGroup = group) -> Request:
-            child = fork_beam(parent, group.fork_id())
-            cache.fork(parent, child)
-            scheduler.adopt(child)
-            return child
+    def check_request(self, token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ``InvalidRequestError`` naming the field if the beam search cannot run."""
+        width = params.best_of or params.n
+        if width > MAX_BEAM_WIDTH:
+            raise InvalidRequestError("best_of", f"beam width (best_of or n) must be <= {MAX_BEAM_WIDTH}, got {width}")
+        self.engine.check_request(token_ids, self._step_params(params))
 
-        group.advance(fork, lambda beam: scheduler.abort([beam.request_id]))
-        if group.done:
-            finished.append(groups.pop(group.request_id))
-    return finished
+    def add(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+            arrival_time: float | None = None) -> str:
+        """Validate and start a beam search (``request_id`` default: ``beam<k>``); returns
+        its id. Its ``RequestOutput`` comes out of ``process`` when it finishes."""
+        request_id = f"beam{next(self._ids)}" if request_id is None else request_id
+        if request_id in self.groups:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already running")
+        token_ids = self.engine.tokenize(prompt)
+        self.check_request(token_ids, params)
+        if not self.engine.cache.prefix_caching and not self._warned:
+            self._warned = True
+            log.warning("beam search without cache.enable_prefix_caching=true recomputes every beam's context "
+                        "at every step")
+        eos = None if params.ignore_eos else getattr(self.engine.tokenizer, "eos_token_id", None)
+        group = BeamGroup(request_id, prompt if isinstance(prompt, str) else None, token_ids, params, eos,
+                          time.perf_counter() if arrival_time is None else arrival_time, live=[Beam((), 0.0)])
+        self.groups[request_id] = group
+        self._submit(group)
+        return request_id
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort beam searches and engine requests by id (unknown ids are ignored)."""
+        engine_ids = []
+        for request_id in request_ids:
+            group = self.groups.pop(request_id, None)
+            if group is None:
+                engine_ids.append(request_id)
+                continue
+            for sub_id in group.pending:
+                del self._owner[sub_id]
+                engine_ids.append(sub_id)
+        self.engine.abort_request(engine_ids)
+
+    def process(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """The engine's outputs with the beams' own requests taken out, plus the output of
+        every beam search that finished."""
+        passed = []
+        for output in outputs:
+            group_id = self._owner.pop(output.request_id, None)
+            if group_id is None:
+                passed.append(output)
+                continue
+            group = self.groups[group_id]
+            beam = group.pending.pop(output.request_id)
+            if group.first_scheduled_time is None:
+                group.first_scheduled_time = output.metrics.first_scheduled_time
+            candidates = output.outputs[0].logprobs[0]
+            top = sorted(candidates.values(), key=lambda entry: -entry.logprob)[:2 * group.width]
+            group.reported.append((beam, {entry.token_id: entry for entry in top}))
+            if group.pending:
+                continue
+            group.token_times.append(time.perf_counter())
+            if group.advance(self.engine.max_model_len):
+                passed.append(group.render(self.engine.tokenizer))
+                del self.groups[group_id]
+            else:
+                self._submit(group)
+        return passed
+
+    def _submit(self, group: BeamGroup) -> None:
+        params = self._step_params(group.params)
+        for beam in group.live:
+            sub_id = f"{group.request_id}#{next(self._ids)}"
+            self.engine.add_request(group.prompt_token_ids + list(beam.token_ids), params, sub_id,
+                                    arrival_time=group.arrival_time)
+            group.pending[sub_id] = beam
+            self._owner[sub_id] = group.request_id
+
+    @staticmethod
+    def _step_params(params: SamplingParams) -> SamplingParams:
+        """One greedy token reporting the top ``2 * width`` candidates."""
+        width = params.best_of or params.n
+        return replace(params, n=1, best_of=None, temperature=0.0, logprobs=min(2 * width, 2 * MAX_BEAM_WIDTH),
+                       max_tokens=1, min_tokens=0, ignore_eos=True, use_beam_search=False, stop=None,
+                       stop_token_ids=None, seed=None)

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from servelab.core.outputs import Logprob
 from servelab.core.request import Request
+
+if TYPE_CHECKING:
+    from servelab.core.registry import Registry
+    from servelab.core.scheduler import SchedulerOutput
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,7 +27,7 @@ class DecodeBatch:
 
     requests: tuple[Request, ...]
     num_draft_tokens: tuple[int, ...]
-    scheduled: Any
+    scheduled: SchedulerOutput
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,28 +44,59 @@ class Proposal:
 
 @dataclass(frozen=True, slots=True)
 class DecodeResult:
-    """Accepted tokens per request of the batch (1 .. k+1 each).
+    """A step's tokens per sampling request (1 .. k+1 each), in ``DecodeBatch`` order:
+    what the scheduler applies in ``update_from_output``.
 
     ``logprobs[i][j]``: for token j of request i, token id -> Logprob (None when no request
-    asked for logprobs). ``num_accepted_drafts[i]`` counts verified draft tokens kept.
+    asked for logprobs; an empty dict for requests that did not ask).
+    ``num_draft_tokens[i]`` / ``num_accepted_drafts[i]``: drafts verified for request i
+    and how many of them it kept (None without speculation).
     """
 
     token_ids: list[list[int]]
     logprobs: list[list[dict[int, Logprob]]] | None = None
+    num_draft_tokens: tuple[int, ...] | None = None
     num_accepted_drafts: list[int] | None = None
+
+    @property
+    def num_proposed(self) -> int:
+        """Draft tokens verified in the step."""
+        return sum(self.num_draft_tokens) if self.num_draft_tokens else 0
+
+    @property
+    def num_accepted(self) -> int:
+        """Draft tokens kept in the step."""
+        return sum(self.num_accepted_drafts) if self.num_accepted_drafts else 0
+
+
+@dataclass(frozen=True, slots=True)
+class DecodingContext:
+    """What the engine hands a decoding strategy: the engine's ``registry`` (to build a
+    draft model and its attention backend), the target's ``device``, compute ``dtype``,
+    ``vocab_size``, ``max_model_len`` and ``tokenizer``, and ``attention_config``, the
+    resolved config of the target's attention backend (a draft model uses the same)."""
+
+    registry: Registry
+    device: torch.device
+    dtype: torch.dtype
+    vocab_size: int
+    max_model_len: int
+    tokenizer: Any
+    attention_config: Any
 
 
 class DecodingStrategy(abc.ABC):
     """Chooses the next tokens from the model's logits.
 
-    Plain strategies set ``num_lookahead_tokens = 0`` and return no proposal; speculative
-    strategies propose up to ``num_lookahead_tokens`` drafts per request that the target
-    verifies in one forward pass.
+    Built as ``cls(config, DecodingContext)``; a constructor raises ``ConfigError`` listing
+    every problem of its config. Plain strategies set ``num_lookahead_tokens = 0`` and
+    return no proposal; speculative strategies propose up to ``num_lookahead_tokens``
+    drafts per request that the target verifies in one forward pass.
     """
 
     num_lookahead_tokens: int = 0
 
-    def __init__(self, config: Any, context: Any = None):
+    def __init__(self, config: Any, context: DecodingContext | None = None):
         self.config = config
         self.context = context
 

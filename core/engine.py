@@ -5,15 +5,15 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from typing import Any
+from dataclasses import replace
+from typing import Callable, TypeVar
 
-import torch
 from omegaconf import DictConfig
 
-from servelab.core.beam_search import BeamGroup, advance_ready_groups
 from servelab.core.checkpoint import load_checkpoint, resolve_device, resolve_dtype
-from servelab.core.decoding import DecodeResult
+from servelab.core.decoding import DecodingContext
 from servelab.core.errors import ConfigError, InvalidRequestError
+from servelab.core.kv_cache import CacheContext
 from servelab.core.model_runner import ModelRunner
 from servelab.core.output_processor import OUTPUT_KINDS, OutputProcessor
 from servelab.core.outputs import RequestOutput
@@ -27,70 +27,72 @@ from servelab.core.validate import validate
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 
-class EngineContext:
-    """What decoding strategies may use from the engine that builds them."""
 
-    def __init__(self, cfg: DictConfig, registry: Registry, device: torch.device, dtype: torch.dtype,
-                 vocab_size: int, max_model_len: int, tokenizer: Any):
-        self.cfg = cfg
-        self.registry = registry
-        self.device = device
-        self.dtype = dtype
-        self.vocab_size = vocab_size
-        self.max_model_len = max_model_len
-        self.tokenizer = tokenizer
+def build_collecting(problems: list[str], build: Callable[[], T]) -> T | None:
+    """``build()``, or None with its ``ConfigError``'s problems added to ``problems``, so
+    one error can report every component's problems together."""
+    try:
+        return build()
+    except ConfigError as exc:
+        problems += exc.problems
+        return None
 
 
 class LLMEngine:
-    """Builds every component from a composed config and runs the step loop."""
+    """Builds every component from a composed config and runs the step loop.
+
+    ``registry`` (default: the process-wide one) is the registry every component is
+    built from, the engine's own components and the ones they build (a draft model, an
+    eviction policy). Each component validates its own config; the engine reports every
+    problem of every component in one ``ConfigError`` before anything runs.
+    """
 
     def __init__(self, cfg: DictConfig, registry: Registry | None = None):
         self.cfg = cfg
-        self.registry = registry or get_registry()
+        self.registry = registry = registry or get_registry()
         checkpoint = load_checkpoint(cfg.model)
         hf = checkpoint.hf_config
         self.tokenizer = checkpoint.tokenizer
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.model.dtype, hf, self.device)
-        model_cls = self.registry.get("model", checkpoint.architecture).cls
+        model_cls = registry.get("model", checkpoint.architecture).cls
         shape = model_cls.shape_of(hf)
         self.max_model_len = cfg.model.max_model_len or shape.max_positions
         self.vocab_size = shape.vocab_size
         attention_spec = shape.attention_spec(self.dtype, self.device, self.max_model_len)
-        kv_spec = shape.kv_cache_spec(self.dtype, self.max_model_len)
-        attention_cls = self.registry.spec_for_config("attention", cfg.attention).cls
-        cfg.attention = attention_cls.resolve(cfg.attention, attention_spec, self.registry)
-        problems: list[str] = []
-        cache = None
-        try:
-            cache = self.registry.build("cache", cfg.cache, kv_spec)
-        except ConfigError as exc:
-            problems += exc.problems
-        problems += validate(cfg, self.registry, self.max_model_len, shape.max_positions, attention_spec, cache)
+        attention_spec_cls = registry.spec_for_config("attention", cfg.attention)
+        cfg.attention = attention_spec_cls.cls.resolve(cfg.attention, attention_spec, registry)
+        attention_cls = registry.spec_for_config("attention", cfg.attention)
+        problems = [f"attention={attention_cls.name}: {reason}"
+                    for reason in attention_cls.cls.unsupported_reasons(cfg.attention, attention_spec)]
+        cache = build_collecting(problems, lambda: registry.build(
+            "cache", cfg.cache, CacheContext(shape.kv_cache_spec(self.dtype, self.max_model_len), registry)))
+        strategy = build_collecting(problems, lambda: registry.build("decoding", cfg.decoding, DecodingContext(
+            registry, self.device, self.dtype, self.vocab_size, self.max_model_len, self.tokenizer, cfg.attention)))
+        self.stop_checker = StopChecker(self.tokenizer, self.max_model_len)
+        scheduler = None
+        if cache is not None and strategy is not None:
+            scheduler = build_collecting(problems, lambda: registry.build("scheduler", cfg.scheduler, SchedulerContext(
+                cache, self.max_model_len, strategy.num_lookahead_tokens, self.stop_checker,
+                strategy.on_request_finished)))
+        problems += validate(self.max_model_len, shape.max_positions, cache)
         if problems:
             raise ConfigError(problems)
-        self.cache = cache
-        attention = self.registry.build("attention", cfg.attention, attention_spec)
+        self.cache, self.strategy, self.scheduler = cache, strategy, scheduler
+        attention = registry.build("attention", cfg.attention, attention_spec)
         model = model_cls(hf, attention, self.dtype, self.max_model_len)
         model.load_weights(checkpoint.weights())
         self.model = model.to(self.device).eval()
-        self.context = EngineContext(cfg, self.registry, self.device, self.dtype, self.vocab_size,
-                                     self.max_model_len, self.tokenizer)
-        self.strategy = self.registry.build("decoding", cfg.decoding, self.context)
-        self.stop_checker = StopChecker(self.tokenizer, self.max_model_len)
-        self.scheduler = self.registry.build("scheduler", cfg.scheduler, SchedulerContext(
-            cache, self.max_model_len, self.strategy.num_lookahead_tokens, self.stop_checker,
-            self.strategy.on_request_finished))
-        self.runner = ModelRunner(self.model, attention, cache, self.strategy, shape.num_layers,
+        self.runner = ModelRunner(self.model, attention, cache, strategy, shape.num_layers,
                                   self.max_model_len, self.device, self.dtype)
         self.outputs = OutputProcessor(self.tokenizer)
-        self.beam_groups: dict[str, BeamGroup] = {}
         self._ids = itertools.count()
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
         self.num_steps = 0
-        self.registry.hook.servelab_engine_started(engine=self)
+        registry.hook.servelab_engine_started(engine=self)
 
     # -- requests ----------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -114,11 +116,9 @@ class LLMEngine:
                 f"This model's maximum context length is {self.max_model_len} tokens, but the prompt has "
                 f"{len(prompt_token_ids)} tokens (at most {self.max_model_len - 1}, so that one can be generated)"))
         if params.use_beam_search:
-            width = params.best_of or params.n
-            if width > 10:
-                raise InvalidRequestError("best_of", f"beam width (best_of or n) must be <= 10, got {width}")
-            if self.strategy.num_lookahead_tokens:
-                raise InvalidRequestError("use_beam_search", "beam search cannot run with speculative decoding")
+            raise InvalidRequestError("use_beam_search", (
+                "beam search runs over the engine, not inside it: use LLM.generate or "
+                "servelab.BeamSearch(engine); LLMEngine.add_request generates sampled sequences"))
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
                     arrival_time: float | None = None, output_kind: str = "final") -> str:
@@ -134,8 +134,6 @@ class LLMEngine:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         arrival = time.perf_counter() if arrival_time is None else arrival_time
         text = prompt if isinstance(prompt, str) else None
-        if params.use_beam_search:
-            return self._add_beam_search(request_id, token_ids, params, arrival, text, output_kind)
         children = [self._child(request_id, i, token_ids, params, arrival, text) for i in range(params.n)]
         self.outputs.add(request_id, children, output_kind)
         for child in children:
@@ -150,26 +148,10 @@ class LLMEngine:
         self.num_prompt_tokens += len(token_ids) * len(children)
         return request_id
 
-    def _add_beam_search(self, request_id: str, token_ids: list[int], params: SamplingParams, arrival: float,
-                         text: str | None, output_kind: str) -> str:
-        if output_kind != "final":
-            raise InvalidRequestError("stream", "beam search returns final outputs only")
-        group = BeamGroup(request_id, params, self._eos_token_id(), self.max_model_len)
-        first = Request(request_id, token_ids, BeamGroup.beam_params(params), self._eos_token_id(), text, arrival,
-                        0, request_id)
-        group.start(first)
-        self.beam_groups[request_id] = group
-        self.outputs.add(request_id, [first], "final", beam=group)
-        self.scheduler.add_request(first)
-        self.num_prompt_tokens += len(token_ids)
-        return request_id
-
     def _child(self, request_id: str, index: int, token_ids: list[int], params: SamplingParams,
                arrival: float, text: str | None) -> Request:
         child_params = params
         if params.n > 1:
-            from dataclasses import replace
-
             child_params = replace(params, n=1, seed=None if params.seed is None else params.seed + index)
         child_id = request_id if params.n == 1 else f"{request_id}#{index}"
         return Request(child_id, token_ids, child_params, self._eos_token_id(), text, arrival, index, request_id)
@@ -180,8 +162,7 @@ class LLMEngine:
     def abort_request(self, request_ids: list[str] | str) -> None:
         """Abort prompts by id; their cache is freed at once."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        beams = [b.request_id for rid in ids if rid in self.beam_groups for b in self.beam_groups.pop(rid).live]
-        self.scheduler.abort(self.outputs.child_ids(ids) + beams)
+        self.scheduler.abort(self.outputs.child_ids(ids))
         for rid in ids:
             self.outputs.groups.pop(rid, None)
 
@@ -191,71 +172,35 @@ class LLMEngine:
 
     # -- the loop -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run and apply one step; returns the outputs it produced."""
+        """Schedule, execute, update, render: one step; returns the outputs it produced."""
         started = time.perf_counter()
-        hits_before = self.cache.prefix_hit_tokens
-        spec_before = (self.runner.spec_proposed, self.runner.spec_accepted)
         output = self.scheduler.schedule()
         if output.is_empty and self.scheduler.has_unfinished():
             self._idle_until(self.scheduler.next_wakeup(), started)
         result = self.runner.execute(output)
-        sampled_before = self._record_before(output)
-        changed = self.scheduler.update_from_output(output, result.token_ids if result else None)
-        generated = self._record_after(output, result, sampled_before)
+        update = self.scheduler.update_from_output(output, result)
+        outputs = self.outputs.process(update.changed)
         self.num_steps += 1
-        self.num_generated_tokens += generated
-        outputs = self.outputs.process(changed)
-        if self.beam_groups and result is not None:
-            outputs += self._advance_beams(output, result)
+        self.num_generated_tokens += update.num_generated_tokens
         self.registry.hook.servelab_step_end(engine=self, stats=StepStats(
             step_index=output.step_index, num_prefill_tokens=output.num_prefill_tokens,
             num_decode_tokens=output.num_decode_tokens, num_scheduled=len(output.scheduled),
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
-            num_preempted=len(output.preempted), num_finished=sum(r.is_finished for r in changed),
-            num_generated_tokens=generated, kv=self.cache.usage, step_time_s=time.perf_counter() - started,
-            prefix_hit_tokens=self.cache.prefix_hit_tokens - hits_before,
-            spec_proposed=self.runner.spec_proposed - spec_before[0],
-            spec_accepted=self.runner.spec_accepted - spec_before[1]))
+            num_preempted=len(output.preempted), num_finished=update.num_finished,
+            num_generated_tokens=update.num_generated_tokens, kv=self.cache.usage,
+            step_time_s=time.perf_counter() - started, prefix_hit_tokens=output.num_prefix_hit_tokens,
+            spec_proposed=result.num_proposed if result else 0, spec_accepted=result.num_accepted if result else 0))
         return outputs
-
-    def _advance_beams(self, output, result: DecodeResult) -> list[RequestOutput]:
-        sampling = [g.request for g in output.scheduled if g.samples]
-        for i, request in enumerate(sampling):
-            if request.beam is not None and not request.is_finished:
-                request.beam.collect(request, result.logprobs[i][0])
-        finished = advance_ready_groups(self.beam_groups, self.scheduler, self.cache)
-        return [self.outputs.render_beam(group) for group in finished]
 
     @staticmethod
     def _idle_until(wakeup: float | None, now: float) -> None:
         """Nothing can run yet (a batching timer): sleep briefly instead of spinning."""
         time.sleep(min(max(wakeup - now, 0.0), 0.01) if wakeup is not None else 0.001)
 
-    @staticmethod
-    def _record_before(output) -> list[int]:
-        return [g.request.num_tokens for g in output.scheduled if g.samples]
-
-    @staticmethod
-    def _record_after(output, result: DecodeResult | None, before: list[int]) -> int:
-        """Count generated tokens and attach logprobs for the tokens each request kept."""
-        if result is None:
-            return 0
-        generated = 0
-        sampling = [g.request for g in output.scheduled if g.samples]
-        for i, (request, old) in enumerate(zip(sampling, before)):
-            kept = request.num_tokens - old
-            generated += kept
-            if result.logprobs is not None and request.logprobs is not None:
-                entries = result.logprobs[i][:kept]
-                request.logprobs.extend(entries)
-                for token, entry in zip(request.token_ids[old:], entries):
-                    request.cumulative_logprob += entry[token].logprob
-        return generated
-
     @property
     def max_step_tokens(self) -> int:
         """The most tokens one step holds: the scheduler's budget, else ``max_model_len``."""
-        return self.scheduler.max_step_tokens() or self.cfg.model.max_model_len
+        return self.scheduler.max_step_tokens() or self.max_model_len
 
     def warm_up(self, max_tokens: int | None = None) -> int:
         """Compile the model's kernels for steps of up to ``max_tokens`` tokens (default:

@@ -1,58 +1,70 @@
-"""Every hook servelab calls. Plugins implement them with ``@servelab.core.hookspecs.hookimpl``."""
+"""Every hook servelab calls. Plugins implement them with ``@servelab.core.hookspecs.hookimpl``.
+
+A plugin module that implements a ``servelab_register_*`` hook also declares
+``SERVELAB_PLUGIN_API`` (see ``core/plugin_api.py``).
+"""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pluggy
+
+if TYPE_CHECKING:
+    from servelab.core.component import ComponentSpec
+    from servelab.core.engine import LLMEngine
+    from servelab.core.step_stats import StepStats
 
 hookspec = pluggy.HookspecMarker("servelab")
 hookimpl = pluggy.HookimplMarker("servelab")
 
 
 @hookspec
-def servelab_register_schedulers() -> list:
+def servelab_register_schedulers() -> list[ComponentSpec]:
     """Return ``ComponentSpec(kind="scheduler", ...)`` entries; each class implements
-    ``servelab.core.scheduler.Scheduler`` and is built as ``cls(config, context)``."""
+    ``servelab.core.scheduler.Scheduler`` and is built as ``cls(config, SchedulerContext)``."""
 
 
 @hookspec
-def servelab_register_kv_caches() -> list:
+def servelab_register_kv_caches() -> list[ComponentSpec]:
     """Return ``ComponentSpec(kind="cache", ...)`` entries; each class implements
-    ``servelab.core.kv_cache.KVCacheManager`` and is built as ``cls(config, spec)``."""
+    ``servelab.core.kv_cache.KVCacheManager`` and is built as ``cls(config, CacheContext)``."""
 
 
 @hookspec
-def servelab_register_attention_backends() -> list:
+def servelab_register_attention_backends() -> list[ComponentSpec]:
     """Return ``ComponentSpec(kind="attention", ...)`` entries; each class implements
-    ``servelab.core.attention.AttentionBackend`` and is built as ``cls(config, spec)``."""
+    ``servelab.core.attention.AttentionBackend`` and is built as ``cls(config, AttentionSpec)``."""
 
 
 @hookspec
-def servelab_register_decoding_strategies() -> list:
+def servelab_register_decoding_strategies() -> list[ComponentSpec]:
     """Return ``ComponentSpec(kind="decoding", ...)`` entries; each class implements
-    ``servelab.core.decoding.DecodingStrategy`` and is built as ``cls(config, context)``."""
+    ``servelab.core.decoding.DecodingStrategy`` and is built as ``cls(config, DecodingContext)``."""
 
 
 @hookspec
-def servelab_register_models() -> list:
+def servelab_register_models() -> list[ComponentSpec]:
     """Return ``ComponentSpec(kind="model", name=<config.json architecture>, ...)`` entries;
     each class implements ``servelab.core.model.CausalLM``."""
 
 
 @hookspec
-def servelab_register_eviction_policies() -> list:
-    """Return ``ComponentSpec(kind="eviction", ...)`` entries for prefix-cache eviction."""
+def servelab_register_eviction_policies() -> list[ComponentSpec]:
+    """Return ``ComponentSpec(kind="eviction", ...)`` entries; each class implements
+    ``servelab.core.eviction.EvictionPolicy`` and is built as ``cls()``."""
 
 
 @hookspec
-def servelab_engine_started(engine) -> None:
+def servelab_engine_started(engine: LLMEngine) -> None:
     """Called once when an engine is built and ready."""
 
 
 @hookspec
-def servelab_step_end(engine, stats) -> None:
+def servelab_step_end(engine: LLMEngine, stats: StepStats) -> None:
     """Called once per engine step with that step's ``StepStats``."""
 
 
 @hookspec
-def servelab_engine_stopped(engine) -> None:
+def servelab_engine_stopped(engine: LLMEngine) -> None:
     """Called once when an engine shuts down."""

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from servelab.core.request import Request
+
+if TYPE_CHECKING:
+    from servelab.core.registry import Registry
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +33,16 @@ class KVCacheSpec:
         """Bytes of K and V for one token across all layers."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class CacheContext:
+    """What the engine hands a KV cache manager: the model's ``spec`` and the engine's
+    ``registry`` (for the components a cache builds itself, such as its prefix-cache
+    eviction policy)."""
+
+    spec: KVCacheSpec
+    registry: Registry
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,13 +88,18 @@ class KVCacheUsage:
 class KVCacheManager(abc.ABC):
     """Owns the mapping from requests to cache blocks; never touches tensors.
 
-    Every cache, paged or contiguous, is a pool of ``num_blocks`` blocks of ``block_size``
-    token slots; a request's ``block_table`` lists its blocks in position order. The
-    runner allocates the tensors (``AttentionBackend.kv_cache_shape``) from these numbers.
+    Built as ``cls(config, CacheContext)``; a constructor raises ``ConfigError`` listing
+    every problem of its config. Every cache, paged or contiguous, is a pool of
+    ``num_blocks`` blocks of ``block_size`` token slots; a request's ``block_table`` lists
+    its blocks in position order. The runner allocates the tensors
+    (``AttentionBackend.kv_cache_shape``) from these numbers.
     """
 
+    #: Slots per block and blocks in the device pool.
     block_size: int
     num_blocks: int
+    #: Blocks in the host pool that ``swap_out`` moves blocks to (0: no swapping).
+    num_host_blocks: int = 0
 
     @abc.abstractmethod
     def allocate(self, request: Request, num_new_tokens: int, num_lookahead_tokens: int = 0) -> Allocation | None:
@@ -114,6 +133,11 @@ class KVCacheManager(abc.ABC):
         return self.num_blocks * self.block_size
 
     @property
+    def prefix_caching(self) -> bool:
+        """True when ``lookup_prefix`` can find cached blocks."""
+        return False
+
+    @property
     def prefix_hit_tokens(self) -> int:
         """Prompt tokens found in the prefix cache so far (0 without prefix caching)."""
         return 0
@@ -134,7 +158,8 @@ class KVCacheManager(abc.ABC):
         return False
 
     def fork(self, parent: Request, child: Request) -> None:
-        """Share ``parent``'s blocks with ``child`` (copy-on-write)."""
+        """Share the blocks holding ``parent``'s first ``child.num_computed_tokens`` tokens
+        with ``child`` (copy-on-write); ``parent`` holds device blocks (it is running)."""
         raise NotImplementedError(f"{type(self).__name__} does not support sharing blocks between sequences")
 
     @property

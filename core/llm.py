@@ -7,6 +7,7 @@ from typing import Any, Sequence
 
 from omegaconf import DictConfig
 
+from servelab.core.beam_search import BeamSearch
 from servelab.core.compose import compose_config
 from servelab.core.engine import LLMEngine
 from servelab.core.outputs import RequestOutput
@@ -33,14 +34,18 @@ class LLM:
 
     def __init__(self, model: str | None = None, overrides: Sequence[str] = (), **choices: Any):
         selected = model_overrides(model) + [f"{group}={option}" for group, option in choices.items()]
-        self.engine = LLMEngine(compose_config(selected + list(overrides)))
+        self._attach(LLMEngine(compose_config(selected + list(overrides))))
 
     @classmethod
     def from_config(cls, cfg: DictConfig) -> "LLM":
         """An LLM over an already composed config."""
         llm = cls.__new__(cls)
-        llm.engine = LLMEngine(cfg)
+        llm._attach(LLMEngine(cfg))
         return llm
+
+    def _attach(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.beam_search = BeamSearch(engine)
 
     def warm_up(self, max_tokens: int | None = None) -> int:
         """Compile the model's CPU matmul kernels for steps of up to ``max_tokens`` tokens
@@ -65,12 +70,14 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
-        engine = self.engine
+        engine, beams = self.engine, self.beam_search
         tokenized = [engine.tokenize(p) for p in prompts]
         for token_ids, p in zip(tokenized, params):
-            engine.check_request(token_ids, p)
-        ids = [engine.add_request(p if isinstance(p, str) else t, sp)
-               for p, t, sp in zip(prompts, tokenized, params)]
+            (beams if p.use_beam_search else engine).check_request(token_ids, p)
+        ids = []
+        for prompt, token_ids, p in zip(prompts, tokenized, params):
+            prompt = prompt if isinstance(prompt, str) else token_ids
+            ids.append(beams.add(prompt, p) if p.use_beam_search else engine.add_request(prompt, p))
         return self._run(ids, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
@@ -83,7 +90,7 @@ class LLM:
                   dynamic_ncols=True) as bar:
             try:
                 while engine.has_unfinished_requests():
-                    for output in engine.step():
+                    for output in self.beam_search.process(engine.step()):
                         if output.finished:
                             finished[output.request_id] = output
                             bar.update(1)
@@ -91,6 +98,6 @@ class LLM:
                     bar.set_postfix_str(f"output {(engine.num_generated_tokens - start_tokens) / elapsed:.1f} tok/s",
                                         refresh=False)
             except BaseException:
-                engine.abort_request([i for i in ids if i not in finished])
+                self.beam_search.abort([i for i in ids if i not in finished])
                 raise
         return [finished[i] for i in ids]

@@ -24,15 +24,11 @@ class ModelRunner:
         self.strategy = strategy
         self.max_model_len = max_model_len
         self.device = device
-        self.spec_proposed = 0
-        self.spec_accepted = 0
-        self.spec_verifications = 0
-        self.spec_rejections = 0
         if device.type == "cpu":
             retain_freed_heap_memory()
         shape = attention.kv_cache_shape(cache.num_blocks, cache.block_size)
         self.kv_caches = [huge_page_zeros(shape, dtype, device) for _ in range(num_layers)]
-        host_blocks = getattr(cache, "num_host_blocks", 0)
+        host_blocks = cache.num_host_blocks
         host_shape = attention.kv_cache_shape(host_blocks, cache.block_size)
         self.host_caches = [torch.zeros(host_shape, dtype=dtype, pin_memory=device.type == "cuda")
                             for _ in range(num_layers if host_blocks else 0)]
@@ -61,7 +57,7 @@ class ModelRunner:
         self.move_blocks(output)
         if not output.scheduled:
             return None
-        sampling = tuple(g.request for g in output.scheduled if g.samples)
+        sampling = output.sampling_requests
         proposal = None
         if sampling and self.strategy.num_lookahead_tokens:
             allowance = tuple(
@@ -77,19 +73,4 @@ class ModelRunner:
             return None
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         counts = tuple(len(d) for d in drafts) if drafts else (0,) * len(sampling)
-        result = self.strategy.accept(logits, DecodeBatch(sampling, counts, output), proposal)
-        if result.num_accepted_drafts is not None:
-            self._count_speculation(sampling, counts, result.num_accepted_drafts)
-        return result
-
-    def _count_speculation(self, requests, proposed: tuple[int, ...], accepted: list[int]) -> None:
-        """Per-request and running totals of drafted and accepted tokens, of verifications
-        (a request verified with at least one draft in a step) and of rejections (a
-        verification that stopped before its last draft)."""
-        for request, drafted, kept in zip(requests, proposed, accepted):
-            request.spec_proposed += drafted
-            request.spec_accepted += kept
-        self.spec_proposed += sum(proposed)
-        self.spec_accepted += sum(accepted)
-        self.spec_verifications += sum(1 for drafted in proposed if drafted)
-        self.spec_rejections += sum(1 for drafted, kept in zip(proposed, accepted) if kept < drafted)
+        return self.strategy.accept(logits, DecodeBatch(sampling, counts, output), proposal)

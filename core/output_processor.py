@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +20,6 @@ class RequestGroup:
     output_kind: str
     sent_tokens: list[int] = field(default_factory=list)
     sent_chars: list[int] = field(default_factory=list)
-    beam: Any = None
 
     @property
     def finished(self) -> bool:
@@ -41,10 +39,10 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.groups: dict[str, RequestGroup] = {}
 
-    def add(self, request_id: str, children: list[Request], output_kind: str, beam: Any = None) -> None:
-        """Track a new prompt's sequences (``beam``: its ``BeamGroup`` for beam search)."""
+    def add(self, request_id: str, children: list[Request], output_kind: str) -> None:
+        """Track a new prompt's sequences."""
         n = len(children)
-        self.groups[request_id] = RequestGroup(request_id, children, output_kind, [0] * n, [0] * n, beam)
+        self.groups[request_id] = RequestGroup(request_id, children, output_kind, [0] * n, [0] * n)
 
     def child_ids(self, request_ids: list[str]) -> list[str]:
         """Sequence ids of the given prompt ids (unknown ids are ignored)."""
@@ -60,8 +58,6 @@ class OutputProcessor:
                 continue
             seen.add(group_id)
             group = self.groups[group_id]
-            if group.beam is not None:
-                continue
             finished = group.finished
             if group.output_kind == "final" and not finished:
                 continue
@@ -69,16 +65,6 @@ class OutputProcessor:
             if finished:
                 del self.groups[group_id]
         return outputs
-
-    def render_beam(self, beam: Any) -> RequestOutput:
-        """The final output of a finished beam search: its best ``n`` hypotheses."""
-        group = self.groups.pop(beam.request_id)
-        first = group.children[0]
-        decode = (lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)) if self.tokenizer else (lambda ids: "")
-        metrics = RequestMetrics(arrival_time=first.arrival_time, first_scheduled_time=first.first_scheduled_time,
-                                 token_times=list(first.token_times), finished_time=time.perf_counter())
-        return RequestOutput(beam.request_id, first.prompt, first.prompt_token_ids, beam.completions(decode), True,
-                             metrics)
 
     def _text(self, request: Request) -> str:
         if request.detokenizer is not None:

@@ -2,7 +2,9 @@
 
 Plugins (the built-ins included) are found through the ``servelab`` entry-point group.
 A plugin that fails to import is logged and skipped; selecting one of its components
-later reports the import error.
+later reports the import error. A plugin that registers components must declare the
+plugin API versions it supports (``core/plugin_api.py``); one that does not support
+this servelab's fails the registry's construction with a ``ConfigError`` naming it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from servelab.core import hookspecs
 from servelab.core.component import KINDS, ComponentSpec
 from servelab.core.errors import ConfigError
+from servelab.core.plugin_api import api_problem
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +48,18 @@ class Registry:
         for plugin in plugins:
             self.plugin_manager.register(plugin)
         self.plugin_manager.check_pending()
+        self._check_api_versions()
         self._specs = {kind: self._collect(kind) for kind in KINDS}
+
+    def _check_api_versions(self) -> None:
+        """Refuse, all at once, every component plugin that does not support this plugin API."""
+        hooks = set(REGISTER_HOOKS.values())
+        manager = self.plugin_manager
+        problems = [problem for name, plugin in manager.list_name_plugin()
+                    if any(caller.name in hooks for caller in manager.get_hookcallers(plugin) or ())
+                    and (problem := api_problem(name, plugin)) is not None]
+        if problems:
+            raise ConfigError(problems)
 
     def _load_entry_points(self) -> None:
         for entry_point in importlib.metadata.entry_points(group="servelab"):

@@ -24,8 +24,7 @@ class Request:
     Scheduling is token accounting: ``num_computed_tokens`` of ``num_tokens`` are in the
     KV cache; each step the scheduler grants some of the rest. ``token_ids`` holds the
     prompt followed by the generated tokens. ``forks`` are sibling sequences (``n > 1``)
-    that share this request's prompt blocks once its prefill is done. ``beam`` is the
-    ``BeamGroup`` of a beam-search sequence, which chooses its tokens instead of the sampler.
+    that share this request's prompt blocks once its prefill is done.
     """
 
     __slots__ = (
@@ -34,7 +33,7 @@ class Request:
         "finish_reason", "stop_reason", "arrival_time", "first_scheduled_time",
         "token_times", "finished_time", "num_preemptions", "generator", "logprobs",
         "cumulative_logprob", "detokenizer", "stop_text_len", "index", "group_id",
-        "spec_proposed", "spec_accepted", "forks", "beam",
+        "spec_proposed", "spec_accepted", "forks",
     )
 
     def __init__(
@@ -74,7 +73,6 @@ class Request:
         self.spec_proposed = 0
         self.spec_accepted = 0
         self.forks: list[Request] = []
-        self.beam = None
 
     @property
     def num_tokens(self) -> int:
@@ -95,6 +93,11 @@ class Request:
     def output_token_ids(self) -> list[int]:
         """The generated token ids."""
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_sequences(self) -> int:
+        """This sequence and the siblings that will fork from it."""
+        return 1 + len(self.forks)
 
     @property
     def is_finished(self) -> bool:

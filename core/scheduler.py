@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import abc
 import enum
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
 from servelab.core.request import Request
+
+if TYPE_CHECKING:
+    from servelab.core.decoding import DecodeResult
+    from servelab.core.kv_cache import KVCacheManager
+    from servelab.core.stop_checker import StopChecker
 
 
 class PreemptionMode(enum.Enum):
@@ -21,14 +26,15 @@ class PreemptionMode(enum.Enum):
 @dataclass(frozen=True, slots=True)
 class ScheduledRequest:
     """One request's share of a step: ``num_new_tokens`` tokens after the
-    ``num_computed_tokens`` already cached, stored in the blocks ``block_ids``.
-    ``samples`` is True when the grant reaches the request's last token, so the step
-    yields a token for it (False for a partial prefill chunk)."""
+    ``num_computed_tokens`` already cached, stored in the blocks ``block_ids`` (a snapshot
+    of the request's block table when the step was scheduled). ``samples`` is True when
+    the grant reaches the request's last token, so the step yields a token for it (False
+    for a partial prefill chunk)."""
 
     request: Request
     num_computed_tokens: int
     num_new_tokens: int
-    block_ids: list[int]
+    block_ids: tuple[int, ...]
     samples: bool
 
 
@@ -36,11 +42,15 @@ class ScheduledRequest:
 class SchedulerOutput:
     """Everything the runner needs for one step.
 
-    ``scheduled``: requests with their token grants. ``blocks_to_swap_out`` /
+    ``scheduled``: requests with their token grants. ``num_prefill_tokens`` /
+    ``num_decode_tokens``: the step's tokens split by kind (a decode grant is one token of
+    a request with nothing else left to compute). ``blocks_to_swap_out`` /
     ``blocks_to_swap_in``: (device, host) / (host, device) block pairs to move before the
     step; ``blocks_to_copy``: (source, destination) device blocks (copy-on-write).
-    ``preempted``: ids preempted while building this step. ``finished_ids``: requests
-    finished or aborted since the previous step (strategies drop their state).
+    ``preempted``: ids preempted while building this step. ``num_lookahead_tokens``:
+    speculative slots reserved after each decode grant. ``num_prefix_hit_tokens``: prompt
+    tokens of the requests admitted this step that the prefix cache already held.
+    ``step_index``: the scheduler's step counter.
     """
 
     scheduled: tuple[ScheduledRequest, ...]
@@ -51,8 +61,8 @@ class SchedulerOutput:
     blocks_to_copy: tuple[tuple[int, int], ...] = ()
     preempted: tuple[str, ...] = ()
     num_lookahead_tokens: int = 0
+    num_prefix_hit_tokens: int = 0
     step_index: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -64,12 +74,52 @@ class SchedulerOutput:
         """True when nothing runs this step."""
         return not self.scheduled and not self.blocks_to_swap_out
 
+    @property
+    def sampling_requests(self) -> tuple[Request, ...]:
+        """The requests that yield tokens this step, in the order of a ``DecodeResult``."""
+        return tuple(g.request for g in self.scheduled if g.samples)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerUpdate:
+    """What applying one step's result changed: ``changed`` lists every request whose
+    state moved (tokens appended or finished), ``num_generated_tokens`` counts the tokens
+    the requests kept (after stop conditions cut a speculative run short)."""
+
+    changed: tuple[Request, ...] = ()
+    num_generated_tokens: int = 0
+
+    @property
+    def num_finished(self) -> int:
+        """Requests of ``changed`` that stopped in this step."""
+        return sum(r.is_finished for r in self.changed)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerContext:
+    """What the engine hands a scheduler.
+
+    ``cache``: the KV cache manager it allocates from. ``max_model_len``: prompt + output
+    limit per sequence. ``num_lookahead_tokens``: speculative slots to reserve after each
+    decode grant (0 without speculation). ``stop_checker``: appends sampled tokens and
+    their logprobs and decides when a request stops. ``on_request_finished``: called once
+    per finished or aborted request, after its cache is freed (the decoding strategy drops
+    its per-request state).
+    """
+
+    cache: KVCacheManager
+    max_model_len: int
+    num_lookahead_tokens: int
+    stop_checker: StopChecker
+    on_request_finished: Callable[[Request], None]
+
 
 class Scheduler(abc.ABC):
     """Decides which requests run each step and how many tokens each gets.
 
-    Policies (static, dynamic, continuous, chunked, ...) differ only in ``schedule``; all
-    emit the same ``SchedulerOutput``.
+    Built as ``cls(config, SchedulerContext)``; a constructor raises ``ConfigError``
+    listing every problem of its config. Policies (static, dynamic, continuous, chunked,
+    ...) differ only in ``schedule``; all emit the same ``SchedulerOutput``.
     """
 
     @abc.abstractmethod
@@ -81,14 +131,11 @@ class Scheduler(abc.ABC):
         """Pick this step's requests and token counts, allocating their cache slots."""
 
     @abc.abstractmethod
-    def update_from_output(self, output: SchedulerOutput, token_ids: list[list[int]] | None) -> list[Request]:
-        """Apply sampled tokens (``token_ids[i]`` for the i-th sampling request of
-        ``output``), check stop conditions, free finished requests; return every request
-        whose state changed."""
-
-    @abc.abstractmethod
-    def adopt(self, request: Request) -> None:
-        """Run a request that already holds cache blocks (a forked beam) from now on."""
+    def update_from_output(self, output: SchedulerOutput, result: DecodeResult | None) -> SchedulerUpdate:
+        """Apply the step's result, the one channel through which sampled tokens reach
+        requests: ``result.token_ids[i]`` (with their logprobs and speculative counts)
+        belong to ``output.sampling_requests[i]``; ``result`` is None when no request
+        sampled. Advance token accounting, stop finished requests and free their cache."""
 
     @abc.abstractmethod
     def abort(self, request_ids: list[str]) -> list[Request]:
@@ -97,16 +144,6 @@ class Scheduler(abc.ABC):
     @abc.abstractmethod
     def has_unfinished(self) -> bool:
         """True while any request is waiting or running."""
-
-    def max_step_tokens(self) -> int | None:
-        """The most tokens one step of this policy holds (what ``LLMEngine.warm_up``
-        prepares kernels for); None when the policy sets no such bound."""
-        return None
-
-    def next_wakeup(self) -> float | None:
-        """For policies that wait on a timer with nothing to run: when to step again
-        (``time.perf_counter`` seconds); None otherwise."""
-        return None
 
     @property
     @abc.abstractmethod
@@ -118,16 +155,17 @@ class Scheduler(abc.ABC):
     def num_waiting(self) -> int:
         """Requests queued (new, preempted or swapped)."""
 
+    def max_step_tokens(self) -> int | None:
+        """The most tokens (lookahead slots included) one step of this policy holds, which
+        is what ``LLMEngine.warm_up`` prepares kernels for; None when the policy sets no
+        bound (the engine then uses ``max_model_len``)."""
+        return None
 
-@dataclass(frozen=True, slots=True)
-class SchedulerContext:
-    """What the engine hands a scheduler: the ``cache`` manager, the ``max_model_len``
-    limit, ``num_lookahead_tokens`` to reserve for speculative decoding, the
-    ``stop_checker`` that appends tokens, and ``on_request_finished`` (called once per
-    finished or aborted request, after its cache is freed)."""
+    def max_num_seqs(self) -> int | None:
+        """The most requests one step schedules; None when the policy sets no bound."""
+        return None
 
-    cache: Any
-    max_model_len: int
-    num_lookahead_tokens: int
-    stop_checker: Any
-    on_request_finished: Any
+    def next_wakeup(self) -> float | None:
+        """For policies that wait on a timer with nothing to run: when to step again
+        (``time.perf_counter`` seconds); None otherwise."""
+        return None

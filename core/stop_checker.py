@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from servelab.core.detokenizer import IncrementalDetokenizer
+from servelab.core.outputs import Logprob
 from servelab.core.request import Request
 
 
@@ -20,14 +21,21 @@ class StopChecker:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
 
-    def append(self, request: Request, token_ids: list[int], now: float) -> int:
-        """Append tokens until one stops the request; return how many were kept and set
+    def append(self, request: Request, token_ids: list[int], logprobs: list[dict[int, Logprob]] | None,
+               now: float) -> int:
+        """Append tokens (with their ``logprobs`` entries when the request asked for them)
+        until one stops the request; return how many were kept and set
         ``finish_reason``/``stop_reason`` when it stops."""
         params = request.sampling_params
         max_tokens = params.max_tokens
+        keep_logprobs = request.logprobs is not None and logprobs is not None
         for count, token in enumerate(token_ids, start=1):
             request.token_ids.append(token)
             request.token_times.append(now)
+            if keep_logprobs:
+                entry = logprobs[count - 1]
+                request.logprobs.append(entry)
+                request.cumulative_logprob += entry[token].logprob
             num_output = request.num_output_tokens
             if request.detokenizer is not None and self._hit_stop_string(request, token):
                 return count

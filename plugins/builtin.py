@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from servelab.core.hookspecs import hookimpl
 
+SERVELAB_PLUGIN_API = ">=1.0,<2"
+"""The plugin API versions the built-ins are written against (``core/plugin_api.py``)."""
+
 
 @hookimpl
 def servelab_register_schedulers():

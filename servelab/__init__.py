@@ -1,7 +1,8 @@
 """servelab: a plugin-based, modular LLM serving framework.
 
 The public API: ``LLM`` for offline generation, ``SamplingParams`` per request,
-``LLMEngine`` for step-by-step control, and the output types. They are imported on first
+``LLMEngine`` for step-by-step control (``BeamSearch`` runs beam search over it), the
+output types, and ``PLUGIN_API_VERSION``, the plugin API plugins declare support for. They are imported on first
 access, so ``import servelab.<module>`` does not load torch by itself (tools and the
 server's processes import only what they use).
 """
@@ -13,6 +14,8 @@ import importlib
 _EXPORTS = {
     "LLM": "servelab.core.llm",
     "LLMEngine": "servelab.core.engine",
+    "BeamSearch": "servelab.core.beam_search",
+    "PLUGIN_API_VERSION": "servelab.core.plugin_api",
     "SamplingParams": "servelab.core.sampling_params",
     "RequestOutput": "servelab.core.outputs",
     "CompletionOutput": "servelab.core.outputs",

@@ -1,6 +1,6 @@
 """The server's handle on the engine process, used from one asyncio event loop.
 
-Commands go to the engine process through its pipe (``engine_loop`` lists them); a reader
+Commands go to the engine process through its pipe (``server/messages.py``); a reader
 thread receives its messages and hands each to the event loop in one
 ``loop.call_soon_threadsafe`` call, which settles pending adds, feeds the metrics and
 routes each step's delta outputs to the ``OutputStream`` that owns the request.
@@ -14,7 +14,8 @@ import threading
 from typing import Callable, TypeVar
 
 from servelab.core.sampling_params import SamplingParams
-from servelab.server.engine_loop import EngineInfo, StepReport
+from servelab.server.messages import (AbortRequests, AddRequest, EngineFailed, EngineInfo, RequestAdded,
+                                      StepReport, StopEngine)
 from servelab.server.engine_process import EngineProcess
 from servelab.server.errors import EngineDeadError, RequestAbortedError
 from servelab.server.metrics import ServerMetrics
@@ -70,7 +71,7 @@ class AsyncEngine:
         self.abort_all(RequestAbortedError())
         self._stopping = True
         try:
-            self.process.send(("stop",))
+            self.process.send(StopEngine())
         except OSError:  # already gone
             pass
         await asyncio.to_thread(self.process.join)
@@ -103,7 +104,7 @@ class AsyncEngine:
         added = self._loop.create_future()
         self._adding[request_id] = added
         try:
-            self._send(("add", request_id, prompt, params, arrival_time))
+            self._send(AddRequest(request_id, prompt, params, arrival_time))
             length = await added
         except BaseException:  # rejected, or cancelled while the engine may have added it
             self.abort([request_id])
@@ -119,7 +120,7 @@ class AsyncEngine:
             self._forget(request_id)
         if request_ids and self.dead is None and self._reader is not None:
             try:
-                self._send(("abort", request_ids))
+                self._send(AbortRequests(tuple(request_ids)))
             except EngineDeadError:  # the process is gone with its requests; the reader reports it
                 pass
 
@@ -128,7 +129,7 @@ class AsyncEngine:
             raise EngineDeadError("the engine is not running" if self.dead is None
                                   else f"the engine loop failed: {self.dead}")
 
-    def _send(self, message: tuple) -> None:
+    def _send(self, message: AddRequest | AbortRequests) -> None:
         try:
             self.process.send(message)
         except OSError as exc:  # the engine process is gone; the reader reports it
@@ -151,20 +152,18 @@ class AsyncEngine:
                 return
             self._loop.call_soon_threadsafe(self._on_message, message)
 
-    def _on_message(self, message: tuple) -> None:
-        kind = message[0]
-        if kind == "report":
-            self._on_report(message[1])
-        elif kind == "added":
-            _, request_id, length, error = message
-            future = self._adding.get(request_id)
+    def _on_message(self, message: StepReport | RequestAdded | EngineFailed) -> None:
+        if isinstance(message, StepReport):
+            self._on_report(message)
+        elif isinstance(message, RequestAdded):
+            future = self._adding.get(message.request_id)
             if future is not None and not future.done():
-                if error is None:
-                    future.set_result(length)
+                if message.error is None:
+                    future.set_result(message.prompt_length)
                 else:
-                    future.set_exception(error)
-        elif kind == "failed":
-            self._on_failed(message[1])
+                    future.set_exception(message.error)
+        elif isinstance(message, EngineFailed):
+            self._on_failed(message.description)
 
     def _on_report(self, report: StepReport) -> None:
         metrics = self.metrics

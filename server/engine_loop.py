@@ -2,61 +2,23 @@
 the server over a pipe.
 
 It runs in the engine process (``engine_process.py``), so the HTTP side never holds the
-interpreter lock the engine needs, nor takes the cores its threads compute on.
-
-Messages, plain tuples pickled through a ``multiprocessing`` connection:
-
-- server -> engine: ``("add", request_id, prompt, params, arrival_time)``,
-  ``("abort", request_ids)``, ``("stop",)``;
-- engine -> server: ``("added", request_id, prompt_length, error)`` (error None or an
-  ``InvalidRequestError``), ``("report", StepReport)`` after every step and after aborts,
-  ``("failed", description)`` once if the loop fails.
+interpreter lock the engine needs, nor takes the cores its threads compute on. The
+messages are the frozen dataclasses of ``server/messages.py``.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import Any
 
 from servelab.core.errors import InvalidRequestError
 from servelab.core.hookspecs import hookimpl
 from servelab.core.outputs import RequestOutput
 from servelab.core.step_stats import StepStats
+from servelab.server.messages import (AbortRequests, AddRequest, EngineFailed, RequestAdded, StepReport,
+                                      StopEngine)
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    """What the server knows of its engine without asking: limits, the tokenizer (for
-    /tokenize, /detokenize, echo and chat templates) and which metrics exist."""
-
-    max_model_len: int
-    vocab_size: int
-    tokenizer: Any
-    prefix_caching: bool
-    speculative: bool
-
-    @classmethod
-    def of(cls, engine: Any) -> "EngineInfo":
-        """The info of a built ``LLMEngine``."""
-        return cls(engine.max_model_len, engine.vocab_size, engine.tokenizer,
-                   bool(engine.cfg.cache.get("enable_prefix_caching", False)),
-                   engine.strategy.num_lookahead_tokens > 0)
-
-
-@dataclass
-class StepReport:
-    """What changed since the last report: delta outputs, the steps' statistics, the
-    scheduler and cache gauges, and sequences aborted on request."""
-
-    outputs: list[RequestOutput] = field(default_factory=list)
-    stats: list[StepStats] = field(default_factory=list)
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_usage: float = 0.0
-    num_aborted: int = 0
 
 
 class EngineLoop:
@@ -85,7 +47,7 @@ class EngineLoop:
             pass
         except Exception as exc:  # a bug in the engine: the server fails every request
             log.exception("the engine loop failed")
-            self.conn.send(("failed", repr(exc)))
+            self.conn.send(EngineFailed(repr(exc)))
             self._refuse_until_stop(repr(exc))
         finally:
             engine.registry.plugin_manager.unregister(self._observer)
@@ -97,16 +59,17 @@ class EngineLoop:
             self.conn.poll(None)
         while self.conn.poll(0):
             command = self.conn.recv()
-            if command[0] == "stop":
+            if isinstance(command, StopEngine):
                 return False
-            if command[0] == "add":
-                self._add(*command[1:])
-            elif command[0] == "abort":
-                self._abort(command[1])
+            if isinstance(command, AddRequest):
+                self._add(command)
+            elif isinstance(command, AbortRequests):
+                self._abort(list(command.request_ids))
         return True
 
-    def _add(self, request_id: str, prompt: str | list[int], params: Any, arrival_time: float) -> None:
+    def _add(self, command: AddRequest) -> None:
         engine = self.engine
+        request_id, prompt, params = command.request_id, command.prompt, command.params
         try:
             token_ids = engine.tokenize(prompt)
             engine.check_request(token_ids, params)
@@ -116,11 +79,11 @@ class EngineLoop:
                     f"requested {len(token_ids) + params.max_tokens} tokens ({len(token_ids)} in the prompt, "
                     f"{params.max_tokens} in the completion). Please reduce the length of the prompt or "
                     "completion."))
-            engine.add_request(prompt, params, request_id, arrival_time=arrival_time, output_kind="delta")
+            engine.add_request(prompt, params, request_id, arrival_time=command.arrival_time, output_kind="delta")
         except InvalidRequestError as exc:
-            self.conn.send(("added", request_id, 0, exc))
+            self.conn.send(RequestAdded(request_id, 0, exc))
         else:
-            self.conn.send(("added", request_id, len(token_ids), None))
+            self.conn.send(RequestAdded(request_id, len(token_ids)))
 
     def _abort(self, request_ids: list[str]) -> None:
         groups = self.engine.outputs.groups
@@ -139,18 +102,18 @@ class EngineLoop:
                             logprob.decoded_token = (tokenizer.decode([logprob.token_id]) if tokenizer is not None
                                                      else str(logprob.token_id))
         scheduler = self.engine.scheduler
-        report = StepReport(outputs, list(self._stats), scheduler.num_running, scheduler.num_waiting,
+        report = StepReport(tuple(outputs), tuple(self._stats), scheduler.num_running, scheduler.num_waiting,
                             self.engine.cache.usage.usage, self._num_aborted)
         self._stats.clear()
         self._num_aborted = 0
-        self.conn.send(("report", report))
+        self.conn.send(report)
 
     def _refuse_until_stop(self, reason: str) -> None:
         """After a failure: answer adds with an error until told to stop."""
         try:
-            while (command := self.conn.recv())[0] != "stop":
-                if command[0] == "add":
-                    self.conn.send(("added", command[1], 0, RuntimeError(f"the engine loop failed: {reason}")))
+            while not isinstance(command := self.conn.recv(), StopEngine):
+                if isinstance(command, AddRequest):
+                    self.conn.send(RequestAdded(command.request_id, 0, RuntimeError(f"the engine loop failed: {reason}")))
         except (EOFError, OSError):
             pass
 

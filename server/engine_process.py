@@ -19,7 +19,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from servelab.core.errors import ConfigError
-from servelab.server.engine_loop import EngineInfo
+from servelab.server.messages import EngineConfigError, EngineInfo, EngineReady
 
 log = logging.getLogger(__name__)
 
@@ -66,16 +66,16 @@ class EngineProcess:
         except EOFError:
             process.join()
             raise RuntimeError(f"the engine process exited with code {process.exitcode} while starting") from None
-        if message[0] == "config_error":
+        if isinstance(message, EngineConfigError):
             process.join()
-            raise ConfigError(message[1])
-        return cls(process, server_end, message[1])
+            raise ConfigError(list(message.problems))
+        return cls(process, server_end, message.info)
 
-    def send(self, message: tuple) -> None:
-        """Send one command to the engine loop."""
+    def send(self, message: Any) -> None:
+        """Send one command (``server/messages.py``) to the engine loop."""
         self.conn.send(message)
 
-    def recv(self) -> tuple:
+    def recv(self) -> Any:
         """The next message from the engine loop; ``EOFError`` once the process is gone."""
         return self.conn.recv()
 
@@ -110,10 +110,10 @@ def _engine_main(cfg: DictConfig, conn: Any, threads: int, warmup_tokens: int | 
     try:
         engine = LLMEngine(cfg)
     except ConfigError as exc:
-        conn.send(("config_error", exc.problems))
+        conn.send(EngineConfigError(tuple(exc.problems)))
         return
     warm_up(engine, warmup_tokens)
-    conn.send(("ready", EngineInfo.of(engine)))
+    conn.send(EngineReady(EngineInfo.of(engine)))
     log.info("engine ready (%d compute threads)", threads)
     EngineLoop(engine, conn).run()
 

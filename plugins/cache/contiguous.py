@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from servelab.core.component import ComponentSpec
-from servelab.core.kv_cache import KVCacheSpec
+from servelab.core.kv_cache import CacheContext
 from servelab.plugins.cache.paged import PagedKVCacheManager
 from servelab.plugins.cache.sizing import num_blocks_for
 
@@ -28,10 +28,11 @@ class ContiguousKVCacheManager(PagedKVCacheManager):
     the unused tail of every region is the waste that PagedAttention removes.
     """
 
-    def __init__(self, config: ContiguousCacheConfig, spec: KVCacheSpec):
-        block_size = spec.max_model_len
-        num_slots = num_blocks_for(config.num_slots, config.memory_bytes, block_size, spec, group="cache (contiguous)")
-        self._init_pool(config, spec, block_size, num_slots)
+    def __init__(self, config: ContiguousCacheConfig, context: CacheContext):
+        block_size = context.spec.max_model_len
+        num_slots = num_blocks_for(config.num_slots, config.memory_bytes, block_size, context.spec,
+                                   group="cache (contiguous)")
+        self._init_pool(config, context, block_size, num_slots)
 
     @property
     def supports_fork(self) -> bool:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from servelab.core.component import ComponentSpec
-from servelab.core.kv_cache import Allocation, KVCacheManager, KVCacheSpec, KVCacheUsage
+from servelab.core.kv_cache import Allocation, CacheContext, KVCacheManager, KVCacheUsage
 from servelab.core.request import Request
 from servelab.plugins.cache.block_pool import BlockPool
 from servelab.plugins.cache.prefix_cache import PrefixCache
@@ -37,11 +37,12 @@ class PagedKVCacheManager(KVCacheManager):
     blocks. Blocks are reference counted: ``fork`` shares them and the first write into a
     shared partial block copies it (``Allocation.blocks_to_copy``)."""
 
-    def __init__(self, config: PagedCacheConfig, spec: KVCacheSpec):
-        num_blocks = num_blocks_for(config.num_blocks, config.memory_bytes, config.block_size, spec)
-        self._init_pool(config, spec, config.block_size, num_blocks)
+    def __init__(self, config: PagedCacheConfig, context: CacheContext):
+        num_blocks = num_blocks_for(config.num_blocks, config.memory_bytes, config.block_size, context.spec)
+        self._init_pool(config, context, config.block_size, num_blocks)
 
-    def _init_pool(self, config, spec: KVCacheSpec, block_size: int, num_blocks: int) -> None:
+    def _init_pool(self, config, context: CacheContext, block_size: int, num_blocks: int) -> None:
+        spec = context.spec
         self.config = config
         self.spec = spec
         self.block_size = block_size
@@ -55,9 +56,7 @@ class PagedKVCacheManager(KVCacheManager):
         self._looked_up: set[str] = set()
         self.prefix: PrefixCache | None = None
         if getattr(config, "enable_prefix_caching", False):
-            from servelab.core.registry import get_registry
-
-            policy = get_registry().get("eviction", config.eviction).cls()
+            policy = context.registry.get("eviction", config.eviction).cls()
             self.prefix = PrefixCache(block_size, policy)
         swap_bytes = getattr(config, "swap_space_bytes", 0)
         self.num_host_blocks = swap_bytes // (spec.bytes_per_token * block_size)
@@ -189,6 +188,11 @@ class PagedKVCacheManager(KVCacheManager):
         )
 
     # -- prefix caching and sharing ---------------------------------------------------------------
+    @property
+    def prefix_caching(self) -> bool:
+        """True when ``enable_prefix_caching`` is on."""
+        return self.prefix is not None
+
     def lookup_prefix(self, request: Request) -> int:
         """Attach the cached full blocks that start the request's tokens (leaving at least
         its last token to compute); returns the number of tokens found."""
@@ -228,8 +232,11 @@ class PagedKVCacheManager(KVCacheManager):
 
     def fork(self, parent: Request, child: Request) -> None:
         """Share the parent's blocks that hold the child's ``num_computed_tokens`` tokens."""
+        table = self._tables.get(parent.request_id)
+        if table is None:
+            raise RuntimeError(f"fork: request {parent.request_id!r} holds no device blocks (swapped out or freed)")
         count = self._blocks_for(child.num_computed_tokens)
-        shared = self._tables[parent.request_id][:count]
+        shared = table[:count]
         self.pool.share(shared)
         self._tables[child.request_id] = list(shared)
         full = child.num_computed_tokens // self.block_size

@@ -8,10 +8,12 @@ import torch
 
 from servelab.core.batch_builder import build_step_inputs
 from servelab.core.checkpoint import load_checkpoint
+from servelab.core.decoding import DecodingContext
 from servelab.core.errors import ConfigError
-from servelab.kernels.huge_pages import huge_page_zeros
+from servelab.core.kv_cache import CacheContext
 from servelab.core.request import Request
 from servelab.core.scheduler import ScheduledRequest
+from servelab.kernels.huge_pages import huge_page_zeros
 from servelab.plugins.cache.paged import PagedCacheConfig, PagedKVCacheManager
 from servelab.plugins.decoding.sampler import random_race
 from servelab.plugins.decoding.speculative_sampling import target_probabilities
@@ -39,7 +41,7 @@ class DraftModel:
     passes over a private paged cache, catching up on each request's accepted tokens
     before drafting."""
 
-    def __init__(self, model_config: Any, context: Any, block_size: int, memory_bytes: int):
+    def __init__(self, model_config: Any, context: DecodingContext, block_size: int, memory_bytes: int):
         checkpoint = load_checkpoint(model_config)
         registry = context.registry
         model_cls = registry.get("model", checkpoint.architecture).cls
@@ -55,10 +57,10 @@ class DraftModel:
         if problems:
             raise ConfigError(problems)
         self.device, dtype = context.device, context.dtype
-        self.attention = registry.build("attention", context.cfg.attention,
+        self.attention = registry.build("attention", context.attention_config,
                                         shape.attention_spec(dtype, self.device, max_len))
         self.cache = PagedKVCacheManager(PagedCacheConfig(block_size=block_size, memory_bytes=memory_bytes),
-                                         shape.kv_cache_spec(dtype, max_len))
+                                         CacheContext(shape.kv_cache_spec(dtype, max_len), registry))
         self.model = model_cls(checkpoint.hf_config, self.attention, dtype, max_len)
         self.model.load_weights(checkpoint.weights())
         self.model.to(self.device).eval()
@@ -103,7 +105,7 @@ class DraftModel:
                 grants.append(None)
                 continue
             grants.append(ScheduledRequest(sequence, sequence.num_computed_tokens, num_new,
-                                           self.cache.block_table(sequence), True))
+                                           tuple(self.cache.block_table(sequence)), True))
         return grants
 
     def _forward(self, grants: list[ScheduledRequest]) -> torch.Tensor:

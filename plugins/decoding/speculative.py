@@ -45,7 +45,7 @@ class SpeculativeDecoding(DecodingStrategy):
         from servelab.core.config import ModelConfig
 
         if self.config.draft_path:
-            return ModelConfig(path=self.config.draft_path, dtype=self.context.cfg.model.dtype)
+            return ModelConfig(path=self.config.draft_path)
         return compose_config([f"model={self.config.draft}"]).model
 
     def propose(self, batch: DecodeBatch) -> Proposal:

@@ -94,7 +94,7 @@ def verify(logits: torch.Tensor, batch: DecodeBatch, proposal: Proposal | None) 
     for k, token in enumerate(chosen.tolist()):
         token_ids[resample_owner[k]].append(token)
     return DecodeResult(token_ids, None if raw is None else _logprobs(raw, starts, token_ids, requests),
-                        accepted_counts)
+                        tuple(counts), accepted_counts)
 
 
 def _logprobs(raw: torch.Tensor, starts: list[int], token_ids: list[list[int]], requests: Sequence[Request]) -> list:

@@ -4,24 +4,33 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from typing import Any
 
+from servelab.core.decoding import DecodeResult
+from servelab.core.errors import ConfigError
 from servelab.core.kv_cache import Allocation
 from servelab.core.request import Request, RequestStatus
 from servelab.core.scheduler import (PreemptionMode, ScheduledRequest, Scheduler, SchedulerContext,
-                                     SchedulerOutput)
+                                     SchedulerOutput, SchedulerUpdate)
 
 
 class QueueScheduler(Scheduler):
     """A waiting deque, a running list and a swapped deque; policies implement ``schedule``.
 
     When blocks run out the newest running request is preempted. With
-    ``config.preemption = recompute`` it gives up its blocks and returns to the front of the
-    queue with ``num_computed_tokens = 0``; with ``swap`` its blocks move to the host pool
-    (falling back to recompute when the pool is full) and come back, oldest first, before
-    any new request is admitted.
+    ``config.preemption = recompute`` (also when the config has no ``preemption`` field) it
+    gives up its blocks and returns to the front of the queue with
+    ``num_computed_tokens = 0``; with ``swap`` its blocks move to the host pool (falling
+    back to recompute when the pool is full) and come back, oldest first, before any new
+    request is admitted. A prompt with ``n > 1`` sequences counts as ``n`` running
+    requests from its admission on. The constructor raises ``ConfigError`` with every
+    problem ``config_problems`` finds.
     """
 
-    def __init__(self, config, context: SchedulerContext):
+    def __init__(self, config: Any, context: SchedulerContext):
+        problems = self.config_problems(config, context)
+        if problems:
+            raise ConfigError(problems)
         self.config = config
         self.context = context
         self.cache = context.cache
@@ -33,17 +42,36 @@ class QueueScheduler(Scheduler):
         self._swap_out: list[tuple[int, int]] = []
         self._swap_in: list[tuple[int, int]] = []
         self._copies: list[tuple[int, int]] = []
+        self._prefix_hits = 0
+
+    @classmethod
+    def config_problems(cls, config: Any, context: SchedulerContext) -> list[str]:
+        """Every reason ``config`` cannot work in ``context`` (policies add their own):
+        swap preemption needs a cache with a host pool."""
+        if getattr(config, "preemption", None) is PreemptionMode.swap and not context.cache.supports_swap:
+            return ["scheduler.preemption=swap needs a cache with a host pool for swapped blocks: set "
+                    "cache.swap_space_bytes (cache=paged) or use scheduler.preemption=recompute"]
+        return []
+
+    @staticmethod
+    def at_least(name: str, value: int | float, minimum: int | float) -> list[str]:
+        """A problem naming ``scheduler.<name>`` when ``value`` is below ``minimum``."""
+        return [f"scheduler.{name} must be >= {minimum}, got {value}"] if value < minimum else []
+
+    @staticmethod
+    def holds_a_prompt(name: str, budget: int | None, max_model_len: int) -> list[str]:
+        """A problem when a per-step token budget ``scheduler.<name>`` cannot hold the
+        longest prompt, which a policy that never splits prompts needs."""
+        if budget is None or budget >= max_model_len:
+            return []
+        return [f"scheduler.{name}={budget} is below model.max_model_len={max_model_len}: a long prompt "
+                f"could never be scheduled; raise it or use scheduler=chunked"]
 
     # -- queue bookkeeping -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         """Queue a request at the back."""
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
-
-    def adopt(self, request: Request) -> None:
-        """Add a forked sequence straight to the running list."""
-        request.status = RequestStatus.RUNNING
-        self.running.append(request)
 
     def has_unfinished(self) -> bool:
         """True while any request waits, runs or is swapped out."""
@@ -81,7 +109,7 @@ class QueueScheduler(Scheduler):
     def _preempt(self, request: Request) -> None:
         request.num_preemptions += 1
         self.num_preemptions += 1
-        if getattr(self.config, "preemption", PreemptionMode.recompute) is PreemptionMode.swap and self.cache.supports_swap:
+        if getattr(self.config, "preemption", PreemptionMode.recompute) is PreemptionMode.swap:
             pairs = self.cache.swap_out(request)
             if pairs is not None:
                 request.status = RequestStatus.SWAPPED
@@ -115,7 +143,7 @@ class QueueScheduler(Scheduler):
             request.first_scheduled_time = time.perf_counter()
         request.status = RequestStatus.RUNNING
         computed = request.num_computed_tokens
-        return ScheduledRequest(request, computed, num_new_tokens, self.cache.block_table(request),
+        return ScheduledRequest(request, computed, num_new_tokens, tuple(self.cache.block_table(request)),
                                 computed + num_new_tokens >= request.num_tokens)
 
     def _lookahead(self, request: Request, num_new_tokens: int) -> int:
@@ -158,10 +186,12 @@ class QueueScheduler(Scheduler):
         its prompt. Returns (grants, tokens used)."""
         grants: list[ScheduledRequest] = []
         used = 0
-        while self.waiting and len(self.running) < max_running:
+        while self.waiting and len(self.running) + self.waiting[0].num_sequences <= max_running:
             request = self.waiting[0]
             if request.num_computed_tokens == 0:
-                request.num_computed_tokens = self.cache.lookup_prefix(request)
+                hit = self.cache.lookup_prefix(request)
+                request.num_computed_tokens = hit
+                self._prefix_hits += hit
             remaining = request.num_tokens - request.num_computed_tokens
             num_new = min(remaining, budget - used) if chunk else remaining
             if num_new <= 0 or num_new > budget - used:
@@ -181,17 +211,20 @@ class QueueScheduler(Scheduler):
         output = SchedulerOutput(tuple(grants), num_prefill_tokens=prefill, num_decode_tokens=decode,
                                  blocks_to_swap_out=tuple(self._swap_out), blocks_to_swap_in=tuple(self._swap_in),
                                  blocks_to_copy=tuple(self._copies), preempted=tuple(preempted),
-                                 num_lookahead_tokens=self.context.num_lookahead_tokens, step_index=self.step_index)
+                                 num_lookahead_tokens=self.context.num_lookahead_tokens,
+                                 num_prefix_hit_tokens=self._prefix_hits, step_index=self.step_index)
         self._swap_out, self._swap_in, self._copies = [], [], []
+        self._prefix_hits = 0
         return output
 
     # -- applying a step's result ---------------------------------------------------------
-    def update_from_output(self, output: SchedulerOutput, token_ids: list[list[int]] | None) -> list[Request]:
-        """Advance token accounting, append sampled tokens, finish stopped requests."""
+    def update_from_output(self, output: SchedulerOutput, result: DecodeResult | None) -> SchedulerUpdate:
+        """Advance token accounting; append each sampling request's tokens with their
+        logprobs and speculative counts; finish stopped requests."""
         now = time.perf_counter()
         changed: list[Request] = []
-        samples = iter(token_ids or ())
-        finished = False
+        generated = 0
+        index = -1
         stop_checker = self.context.stop_checker
         speculative = self.context.num_lookahead_tokens > 0
         for grant in output.scheduled:
@@ -199,25 +232,26 @@ class QueueScheduler(Scheduler):
             request.num_computed_tokens = grant.num_computed_tokens + grant.num_new_tokens
             if not grant.samples:
                 continue
-            new_tokens = next(samples)
+            index += 1
             if request.is_finished:
                 continue
             if request.forks:
                 self._fork(request)
-            if request.beam is not None:  # its BeamGroup picks the token once every beam reported
-                changed.append(request)
-                continue
-            kept = stop_checker.append(request, new_tokens, now)
+            logprobs = result.logprobs[index] if result.logprobs is not None else None
+            kept = stop_checker.append(request, result.token_ids[index], logprobs, now)
             request.num_computed_tokens += kept - 1
+            generated += kept
             changed.append(request)
+            if result.num_draft_tokens is not None:
+                request.spec_proposed += result.num_draft_tokens[index]
+                request.spec_accepted += result.num_accepted_drafts[index]
             if request.finish_reason is not None:
                 self._finish(request)
-                finished = True
             elif speculative:
                 self.cache.truncate(request, request.num_tokens)
-        if finished:
+        if any(r.is_finished for r in changed):
             self.running = [r for r in self.running if not r.is_finished]
-        return changed
+        return SchedulerUpdate(tuple(changed), generated)
 
     def _fork(self, parent: Request) -> None:
         """The parent's prompt is cached: its siblings share those blocks and each

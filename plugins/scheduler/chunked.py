@@ -24,9 +24,19 @@ class ChunkedScheduler(QueueScheduler):
     is split into chunks that fit the remaining budget, so a long prefill never stalls
     the decodes, and decode and prefill tokens share one forward pass."""
 
+    @classmethod
+    def config_problems(cls, config, context) -> list[str]:
+        """A step must hold a decode token and its lookahead slots."""
+        return (super().config_problems(config, context) + cls.at_least("max_num_seqs", config.max_num_seqs, 1)
+                + cls.at_least("token_budget", config.token_budget, 1 + context.num_lookahead_tokens))
+
     def max_step_tokens(self) -> int:
         """The step budget (``token_budget``)."""
         return self.config.token_budget
+
+    def max_num_seqs(self) -> int:
+        """``max_num_seqs``."""
+        return self.config.max_num_seqs
 
     def schedule(self) -> SchedulerOutput:
         """Fill the step's token budget in stall-free order."""

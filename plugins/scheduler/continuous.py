@@ -37,9 +37,19 @@ class ContinuousScheduler(QueueScheduler):
         super().__init__(config, context)
         self.token_budget = config.max_num_batched_tokens or max(DEFAULT_BATCHED_TOKENS, context.max_model_len)
 
+    @classmethod
+    def config_problems(cls, config, context) -> list[str]:
+        """Whole prompts must fit a step; at least one running request."""
+        return (super().config_problems(config, context) + cls.at_least("max_num_seqs", config.max_num_seqs, 1)
+                + cls.holds_a_prompt("max_num_batched_tokens", config.max_num_batched_tokens, context.max_model_len))
+
     def max_step_tokens(self) -> int:
         """The step budget (``max_num_batched_tokens`` or its default)."""
         return self.token_budget
+
+    def max_num_seqs(self) -> int:
+        """``max_num_seqs``."""
+        return self.config.max_num_seqs
 
     def schedule(self) -> SchedulerOutput:
         """One step of prefills (new prompts) or decodes, or both when mixing."""

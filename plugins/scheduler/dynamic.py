@@ -24,6 +24,11 @@ class DynamicSchedulerConfig:
 class DynamicScheduler(StaticScheduler):
     """Static batching whose launch waits for a full batch or a timeout (Triton-style)."""
 
+    @classmethod
+    def config_problems(cls, config, context) -> list[str]:
+        """A timeout cannot be negative."""
+        return super().config_problems(config, context) + cls.at_least("max_wait_ms", config.max_wait_ms, 0)
+
     def batch_ready(self) -> bool:
         """A full batch is waiting, or the oldest request has waited long enough."""
         if len(self.waiting) >= self.config.max_batch_size:

@@ -27,9 +27,19 @@ class StaticScheduler(QueueScheduler):
         """Whether a new batch may start now (overridden by ``dynamic``)."""
         return True
 
+    @classmethod
+    def config_problems(cls, config, context) -> list[str]:
+        """Whole prompts must fit a step; a batch holds at least one request."""
+        return (super().config_problems(config, context) + cls.at_least("max_batch_size", config.max_batch_size, 1)
+                + cls.holds_a_prompt("max_num_batched_tokens", config.max_num_batched_tokens, context.max_model_len))
+
     def max_step_tokens(self) -> int:
         """The step budget (``max_num_batched_tokens``)."""
         return self.config.max_num_batched_tokens
+
+    def max_num_seqs(self) -> int:
+        """``max_batch_size``."""
+        return self.config.max_batch_size
 
     def schedule(self) -> SchedulerOutput:
         """Prefill a new batch when idle, else advance the running batch."""

@@ -134,10 +134,11 @@ def test_beam_search_width_one_equals_greedy(llama):
 
 
 def test_beam_search_matches_transformers_and_shares_blocks(llama, step_recorder):
+    """Beams are ordinary requests; the prefix cache shares their common blocks."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    llm = LLM(llama, overrides=[*BASE, "cache.block_size=4"])
+    llm = LLM(llama, overrides=[*BASE, "cache.block_size=4", "cache.enable_prefix_caching=true"])
     recorder = step_recorder(llm.engine)
     prompt = mixed_prompts(llm.engine.vocab_size, lengths=(48,), seed=4)[0]
     out = llm.generate([prompt], SamplingParams(use_beam_search=True, temperature=0.0, n=2, best_of=4,
@@ -178,3 +179,32 @@ def test_continuous_budget_default_grows_to_max_model_len(tmp_path):
     (tmp_path / "m" / "config.json").write_text(json.dumps(config))
     llm = LLM(folder, overrides=[*BASE, "model.max_model_len=3000"])
     assert llm.engine.scheduler.token_budget == 3000
+
+
+def test_step_budget_defaults_to_max_model_len_when_the_policy_sets_none(llama):
+    """A scheduler without a step budget (``max_step_tokens`` None) warms up to the
+    model's context length, also when ``model.max_model_len`` is unset."""
+    llm = LLM(llama, overrides=["model.dtype=float32", "device=cpu"])
+    engine = llm.engine
+    engine.scheduler.max_step_tokens = lambda: None
+    assert engine.cfg.model.max_model_len is None
+    assert engine.max_step_tokens == engine.max_model_len == 256
+    assert engine.warm_up(16) >= 0
+
+
+@pytest.mark.parametrize("scheduler", ["continuous", "chunked"])
+def test_beam_search_survives_swapping(llama, scheduler):
+    """Beam requests are preempted and swapped like any request (once a crash: a beam
+    was forked while its blocks were swapped out)."""
+    llm = LLM(llama, scheduler=scheduler, overrides=[*BASE, "cache.block_size=4", "cache.num_blocks=48",
+                                                     "model.max_model_len=128", "cache.enable_prefix_caching=true",
+                                                     "cache.swap_space_bytes=4000000", "scheduler.preemption=swap"])
+    prompts = mixed_prompts(llm.engine.vocab_size, lengths=(40, 33, 25, 47))
+    beams = llm.generate(prompts, SamplingParams(use_beam_search=True, temperature=0.0, best_of=3, n=2,
+                                                 max_tokens=12, ignore_eos=True), use_tqdm=False)
+    alone = [LLM(llama, overrides=[*BASE, "cache.block_size=4"]).generate(
+        [p], SamplingParams(use_beam_search=True, temperature=0.0, best_of=3, n=2, max_tokens=12, ignore_eos=True),
+        use_tqdm=False)[0] for p in prompts[:1]]
+    assert [c.token_ids for c in beams[0].outputs] == [c.token_ids for c in alone[0].outputs]
+    assert all(len(c.token_ids) == 12 for o in beams for c in o.outputs)
+    assert llm.engine.cache.usage.used_blocks == 0 and not llm.beam_search.groups

@@ -24,35 +24,44 @@ def _draft_caches_empty(llm) -> bool:
     return not draft.sequences and draft.cache.usage.used_blocks == 0
 
 
+def matches_transformers_counting_drafts(folder, overrides, step_recorder, **kwargs) -> tuple[LLM, int, int]:
+    """``assert_engine_matches_transformers`` on a new LLM; returns it with the draft
+    tokens proposed and accepted over the run (from the steps' statistics)."""
+    llm = LLM(folder, overrides=["model.dtype=float32", "device=cpu", *overrides])
+    recorder = step_recorder(llm.engine)
+    assert_engine_matches_transformers(folder, overrides, llm=llm, **kwargs)
+    return llm, sum(s.spec_proposed for s in recorder.stats), sum(s.spec_accepted for s in recorder.stats)
+
+
 @pytest.mark.parametrize("k", [1, 3, 5])
-def test_self_draft_accepts_everything_and_matches_greedy(llama, k):
-    llm = assert_engine_matches_transformers(llama, [*BASE, "decoding=speculative", f"decoding.draft_path={llama}",
-                                                     f"decoding.num_speculative_tokens={k}"], max_tokens=16)
-    runner = llm.engine.runner
-    assert runner.spec_proposed > 0 and runner.spec_accepted == runner.spec_proposed
+def test_self_draft_accepts_everything_and_matches_greedy(llama, k, step_recorder):
+    llm, proposed, accepted = matches_transformers_counting_drafts(
+        llama, [*BASE, "decoding=speculative", f"decoding.draft_path={llama}", f"decoding.num_speculative_tokens={k}"],
+        step_recorder, max_tokens=16)
+    assert proposed > 0 and accepted == proposed
     assert _draft_caches_empty(llm)
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
-def test_random_draft_is_rejected_but_output_is_exact(llama, random_draft, k):
-    llm = assert_engine_matches_transformers(llama, [*BASE, "decoding=speculative",
-                                                     f"decoding.draft_path={random_draft}",
-                                                     f"decoding.num_speculative_tokens={k}"], max_tokens=16)
-    runner = llm.engine.runner
-    assert runner.spec_accepted / runner.spec_proposed < 0.2
+def test_random_draft_is_rejected_but_output_is_exact(llama, random_draft, k, step_recorder):
+    llm, proposed, accepted = matches_transformers_counting_drafts(
+        llama, [*BASE, "decoding=speculative", f"decoding.draft_path={random_draft}",
+                f"decoding.num_speculative_tokens={k}"], step_recorder, max_tokens=16)
+    assert accepted / proposed < 0.2
     assert _draft_caches_empty(llm)
 
 
 @pytest.mark.parametrize("scheduler", ["continuous", "chunked"])
 @pytest.mark.parametrize("k", [1, 3, 5])
-def test_ngram_matches_greedy(llama, scheduler, k):
+def test_ngram_matches_greedy(llama, scheduler, k, step_recorder):
     repetitive = [list(itertools.islice(itertools.cycle([5, 9, 13, 2]), n)) for n in (12, 30)]
     prompts = mixed_prompts(257, lengths=(3, 40)) + repetitive
     overrides = [*BASE, "decoding=ngram", f"decoding.num_speculative_tokens={k}", f"scheduler={scheduler}"]
     if scheduler == "chunked":
         overrides.append("scheduler.token_budget=24")
-    llm = assert_engine_matches_transformers(llama, overrides, prompts=prompts, max_tokens=16)
-    assert llm.engine.runner.spec_proposed > 0
+    _, proposed, _ = matches_transformers_counting_drafts(llama, overrides, step_recorder, prompts=prompts,
+                                                          max_tokens=16)
+    assert proposed > 0
 
 
 def test_mixed_sampling_parameters_share_a_batch(llama):
@@ -109,12 +118,13 @@ def _exact_joint(folder: str, prompt: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("draft_kind", ["good", "bad"])
-def test_sampling_rule_preserves_the_target_distribution(small_vocab, draft_kind):
+def test_sampling_rule_preserves_the_target_distribution(small_vocab, draft_kind, step_recorder):
     target, bad_draft = small_vocab
     draft = target if draft_kind == "good" else bad_draft
     prompt = [1, 5, 2, 7]
     llm = LLM(target, overrides=[*BASE, "decoding=speculative", f"decoding.draft_path={draft}",
                                  "decoding.num_speculative_tokens=2", "scheduler.max_num_seqs=512"])
+    recorder = step_recorder(llm.engine)
     samples = 2000
     outputs = llm.generate([prompt] * samples, [SamplingParams(temperature=1.0, seed=s, max_tokens=2, ignore_eos=True)
                                                 for s in range(samples)], use_tqdm=False)
@@ -125,6 +135,5 @@ def test_sampling_rule_preserves_the_target_distribution(small_vocab, draft_kind
     expected = _exact_joint(target, prompt) * samples
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     assert chi2 < CHI2_CRITICAL_63_DOF, (draft_kind, chi2)
-    runner = llm.engine.runner
-    rate = runner.spec_accepted / runner.spec_proposed
+    rate = sum(s.spec_accepted for s in recorder.stats) / sum(s.spec_proposed for s in recorder.stats)
     assert rate > 0.99 if draft_kind == "good" else rate < 0.9

@@ -14,12 +14,10 @@ PLUGIN = pathlib.Path(__file__).resolve().parents[2] / "examples" / "third_party
 
 @pytest.fixture(scope="module")
 def installed_plugin() -> None:
-    """Install the example package into this environment unless it already is."""
-    try:
-        importlib.metadata.distribution("servelab-spf")
-    except importlib.metadata.PackageNotFoundError:
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                        str(PLUGIN)], check=True, timeout=600)
+    """Install the example package (editable, so this checkout's copy is the one loaded)."""
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e",
+                    str(PLUGIN)], check=True, timeout=600)
+    assert importlib.metadata.distribution("servelab-spf") is not None
 
 
 def test_plugin_scheduler_runs_end_to_end(installed_plugin):

@@ -19,6 +19,7 @@ from servelab.server.config import compose_serve_config
 from servelab.server.engine_loop import EngineLoop
 from servelab.server.engine_process import EngineProcess
 from servelab.server.errors import EngineDeadError
+from servelab.server.messages import AddRequest, EngineFailed, RequestAdded, StepReport, StopEngine
 from servelab.server.metrics import ServerMetrics
 
 
@@ -32,14 +33,14 @@ def test_failing_step_is_reported_once_then_adds_are_refused(offline, monkeypatc
     server_end, engine_end = multiprocessing.Pipe()
     loop = threading.Thread(target=EngineLoop(engine, engine_end).run)
     loop.start()
-    server_end.send(("add", "doomed", "hi", SamplingParams(max_tokens=2), time.perf_counter()))
-    assert server_end.recv() == ("added", "doomed", 2, None)
-    kind, reason = server_end.recv()
-    assert kind == "failed" and "boom" in reason
-    server_end.send(("add", "late", "hi", SamplingParams(max_tokens=2), time.perf_counter()))
-    kind, request_id, _, error = server_end.recv()
-    assert (kind, request_id) == ("added", "late") and "boom" in str(error)
-    server_end.send(("stop",))
+    server_end.send(AddRequest("doomed", "hi", SamplingParams(max_tokens=2), time.perf_counter()))
+    assert server_end.recv() == RequestAdded("doomed", 2)
+    failed = server_end.recv()
+    assert isinstance(failed, EngineFailed) and "boom" in failed.description
+    server_end.send(AddRequest("late", "hi", SamplingParams(max_tokens=2), time.perf_counter()))
+    added = server_end.recv()
+    assert isinstance(added, RequestAdded) and added.request_id == "late" and "boom" in str(added.error)
+    server_end.send(StopEngine())
     loop.join(timeout=30)
     assert not loop.is_alive()
     assert not engine.has_unfinished_requests()
@@ -49,19 +50,20 @@ def test_bad_request_is_refused_by_name_and_loop_keeps_serving(offline):
     server_end, engine_end = multiprocessing.Pipe()
     loop = threading.Thread(target=EngineLoop(offline.engine, engine_end).run)
     loop.start()
-    server_end.send(("add", "long", "hi", SamplingParams(max_tokens=10**6), time.perf_counter()))
-    kind, _, _, error = server_end.recv()
-    assert kind == "added" and error.field == "max_tokens" and "maximum context length" in str(error)
-    server_end.send(("add", "fine", "hi", SamplingParams(max_tokens=2, temperature=0), time.perf_counter()))
-    assert server_end.recv()[:2] == ("added", "fine")
+    server_end.send(AddRequest("long", "hi", SamplingParams(max_tokens=10**6), time.perf_counter()))
+    error = server_end.recv().error
+    assert error.field == "max_tokens" and "maximum context length" in str(error)
+    server_end.send(AddRequest("fine", "hi", SamplingParams(max_tokens=2, temperature=0), time.perf_counter()))
+    assert server_end.recv() == RequestAdded("fine", 2)
     tokens = []
     while True:
-        kind, report = server_end.recv()
+        report = server_end.recv()
+        assert isinstance(report, StepReport)
         tokens += [t for o in report.outputs for c in o.outputs for t in c.token_ids]
         if any(o.finished for o in report.outputs):
             break
     assert len(tokens) == 2
-    server_end.send(("stop",))
+    server_end.send(StopEngine())
     loop.join(timeout=30)
     assert not loop.is_alive()
 

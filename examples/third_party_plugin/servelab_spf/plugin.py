@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from servelab.core.hookspecs import hookimpl
 
+SERVELAB_PLUGIN_API = ">=1.0,<2"
+"""The servelab plugin API versions this plugin runs on."""
+
 
 @hookimpl
 def servelab_register_schedulers():

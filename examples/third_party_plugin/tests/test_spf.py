@@ -1,9 +1,19 @@
-"""The plugin passes servelab's conformance check and orders admissions by prompt length."""
+"""The plugin passes every servelab conformance kit and orders admissions by prompt length."""
 
 from __future__ import annotations
 
 from servelab import LLM, SamplingParams
-from servelab.testing import assert_engine_matches_transformers, tiny_checkpoint
+from servelab.testing import (EntryPointConformance, SchedulerConformance, StressConformance, assert_engine_matches_transformers,
+                              tiny_checkpoint)
+
+
+class TestSchedulerContract(SchedulerConformance): names = ("shortest_prompt_first",)
+
+
+class TestStress(StressConformance): names = ("shortest_prompt_first",)
+
+
+class TestEntryPoints(EntryPointConformance): names = ("scheduler=shortest_prompt_first",)
 
 
 def test_matches_transformers(tmp_path):

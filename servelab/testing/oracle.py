@@ -1,15 +1,5 @@
-"""Helpers and the conformance suite for servelab and third-party plugin authors.
-
-A plugin package tests itself against the same oracle as the built-ins::
-
-    from servelab.testing import assert_engine_matches_transformers, tiny_checkpoint
-
-    def test_my_scheduler(tmp_path):
-        folder = tiny_checkpoint(tmp_path / "llama", "llama")
-        assert_engine_matches_transformers(folder, ["scheduler=my_scheduler"])
-
-The oracle is Hugging Face transformers' greedy ``generate`` in float32, token for token.
-"""
+"""The oracle: tiny random checkpoints and Hugging Face transformers' greedy ``generate``
+in float32, token for token."""
 
 from __future__ import annotations
 

@@ -1,0 +1,138 @@
+"""Conformance kit for attention backends: the same random flat batches through the
+backend and through ``attention=naive``, the reference, within the dtype's tolerance."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+import torch
+
+from servelab.core.attention import AttentionSpec
+from servelab.core.batch_builder import build_step_inputs
+from servelab.core.request import Request
+from servelab.core.sampling_params import SamplingParams
+from servelab.core.scheduler import ScheduledRequest
+from servelab.testing.kit import ConformanceKit
+
+SCENARIOS = {
+    "prefill": [(0, 23), (0, 33), (0, 5)],
+    "chunked_prefill": [(54, 16), (32, 13), (82, 8)],
+    "decode": [(0, 1), (49, 1), (96, 1), (15, 1)],
+    "speculative_verify": [(56, 4), (77, 4), (29, 4)],
+    "mixed": [(56, 1), (0, 30), (76, 12), (60, 5)],
+}
+"""(tokens already cached, new tokens) per request of a step."""
+BLOCK_SIZES = (1, 16, 128)
+"""Paged block sizes; 128 holds a whole context in one block, the contiguous layout."""
+HEADS = ((4, 4), (4, 2), (4, 1))
+"""(query heads, KV heads): multi-head, grouped-query and multi-query."""
+DTYPES = (torch.float32, torch.bfloat16)
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 3e-3}
+"""Absolute and relative tolerance against the float32 reference, per dtype."""
+HEAD_DIM = 32
+
+CASES = [(scenario, block_size, HEADS[i % len(HEADS)], DTYPES[i % len(DTYPES)])
+         for i, (block_size, scenario) in enumerate(itertools.product(BLOCK_SIZES, SCENARIOS))]
+"""Every (block size, scenario) pair once, cycling the head layout and dtype through them."""
+
+
+def case_id(case: tuple) -> str:
+    """A readable test id: ``decode-bs16-gqa2-bfloat16``."""
+    scenario, block_size, (heads, kv_heads), dtype = case
+    return f"{scenario}-bs{block_size}-gqa{heads // kv_heads}-{str(dtype).removeprefix('torch.')}"
+
+
+def build_backend(name: str, spec: AttentionSpec) -> Any:
+    """The backend ``name`` (a selector resolved first) for ``spec``, or a skip naming why
+    it cannot run here."""
+    from omegaconf import OmegaConf
+
+    from servelab.core.registry import get_registry
+
+    registry = get_registry()
+    entry = registry.get("attention", name)
+    config = entry.cls.resolve(OmegaConf.structured(entry.config_cls), spec, registry)
+    chosen = registry.spec_for_config("attention", config)
+    reasons = chosen.cls.unsupported_reasons(OmegaConf.to_object(config), spec)
+    if reasons:
+        pytest.skip(f"attention={name} cannot run here: {'; '.join(reasons)}")
+    return registry.build("attention", config, spec)
+
+
+def run_steps(backend: Any, steps: list[tuple[list[ScheduledRequest], dict]], num_blocks: int,
+              block_size: int) -> list[torch.Tensor]:
+    """Each step's outputs through ``backend``, over a fresh cache in its own layout."""
+    spec = backend.spec
+    kv_cache = torch.zeros(backend.kv_cache_shape(num_blocks, block_size), dtype=spec.dtype)
+    outputs = []
+    for grants, tensors in steps:
+        inputs = build_step_inputs(grants, (), block_size, spec.device)
+        meta = backend.build_metadata(inputs.layout)
+        outputs.append(backend.forward(tensors["q"].clone(), tensors["k"].clone(), tensors["v"].clone(), kv_cache,
+                                       meta, 0))
+    return outputs
+
+
+def random_steps(pairs: list[tuple[int, int]], spec: AttentionSpec, block_size: int, seed: int
+                 ) -> tuple[list[tuple[list[ScheduledRequest], dict]], int]:
+    """A step caching every request's context, then the step under test; shuffled block
+    tables. Returns the steps (grants and random q/k/v) and the number of blocks."""
+    generator = torch.Generator().manual_seed(seed)
+    blocks = [-(-(cached + new) // block_size) for cached, new in pairs]
+    num_blocks = sum(blocks) + 2
+    order = torch.randperm(num_blocks, generator=generator).tolist()
+    tables, start = [], 0
+    for count in blocks:
+        tables.append(tuple(order[start:start + count]))
+        start += count
+    requests = [Request(f"r{i}", [0] * (cached + new), SamplingParams(), None) for i, (cached, new) in enumerate(pairs)]
+    history = [ScheduledRequest(r, 0, cached, table, False)
+               for r, (cached, _), table in zip(requests, pairs, tables) if cached]
+    current = [ScheduledRequest(r, cached, new, table, True)
+               for r, (cached, new), table in zip(requests, pairs, tables)]
+
+    def tensors(grants: list[ScheduledRequest]) -> dict:
+        tokens = sum(g.num_new_tokens for g in grants)
+        shapes = {"q": spec.num_heads, "k": spec.num_kv_heads, "v": spec.num_kv_heads}
+        return {key: torch.randn(tokens, heads, spec.head_dim, generator=generator).to(spec.dtype)
+                for key, heads in shapes.items()}
+
+    steps = [(grants, tensors(grants)) for grants in (history, current) if grants]
+    return steps, num_blocks
+
+
+class AttentionConformance(ConformanceKit):
+    """The ``AttentionBackend`` contract: prefill, chunked prefill, decode, speculative
+    verification and mixed steps over paged and contiguous layouts, multi-head,
+    grouped-query and multi-query, float32 and bfloat16, equal to ``attention=naive``.
+    A backend that reports ``unsupported_reasons`` for a case is skipped with them."""
+
+    kind = "attention"
+
+    @pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
+    def test_matches_the_reference(self, component, case):
+        scenario, block_size, (heads, kv_heads), dtype = case
+        spec = AttentionSpec(heads, kv_heads, HEAD_DIM, HEAD_DIM ** -0.5, dtype, torch.device("cpu"))
+        self.check(component, spec, SCENARIOS[scenario], block_size)
+
+    @pytest.mark.parametrize("window", [7, 40])
+    def test_sliding_window_matches_the_reference(self, component, window):
+        spec = AttentionSpec(4, 2, HEAD_DIM, HEAD_DIM ** -0.5, torch.float32, torch.device("cpu"), window)
+        self.check(component, spec, SCENARIOS["mixed"], 16)
+
+    @staticmethod
+    def check(name: str, spec: AttentionSpec, pairs: list[tuple[int, int]], block_size: int) -> None:
+        """Both backends on the same steps; every step's output within tolerance."""
+        backend = build_backend(name, spec)
+        reference = build_backend("naive", spec)
+        steps, num_blocks = random_steps(pairs, spec, block_size, seed=hash((tuple(pairs), block_size)) % 2**31)
+        got = run_steps(backend, steps, num_blocks, block_size)
+        expected = run_steps(reference, steps, num_blocks, block_size)
+        tolerance = TOLERANCE[spec.dtype]
+        for step, (actual, wanted) in enumerate(zip(got, expected)):
+            assert actual.shape == wanted.shape and actual.dtype == spec.dtype
+            assert not torch.isnan(actual).any(), f"step {step}: NaN in the output"
+            torch.testing.assert_close(actual.float(), wanted.float(), atol=tolerance, rtol=tolerance,
+                                       msg=lambda m: f"step {step} of {pairs}: {m}")

@@ -1,0 +1,65 @@
+"""Conformance kit for decoding strategies: tokens per step, the cache after rollback, and
+greedy output, on whole engines."""
+
+from __future__ import annotations
+
+import math
+
+from servelab.core.sampling_params import SamplingParams
+from servelab.testing.engine_kit import EngineKit, record_steps, run_to_completion
+
+LENGTHS = (3, 17, 40, 9, 64)
+
+
+class DecodingConformance(EngineKit):
+    """The ``DecodingStrategy`` contract on whole engines: greedy output (temperature 0)
+    equal to transformers; every sampling request of a step gets 1 to k+1 tokens
+    (k = ``num_lookahead_tokens``) and the result's speculative counts agree; after every
+    step each running request's blocks cover its computed tokens and nothing past its
+    tokens (rejected drafts rolled back); sampled runs end with no block held."""
+
+    kind = "decoding"
+
+    def test_greedy_matches_transformers(self, component, kit_checkpoint, kit_draft):
+        from servelab.testing.oracle import assert_engine_matches_transformers
+
+        assert_engine_matches_transformers(kit_checkpoint, self.overrides_for(component, kit_checkpoint, kit_draft),
+                                           max_tokens=16)
+
+    def test_tokens_per_step_and_rollback(self, component, kit_checkpoint, kit_draft):
+        llm = self.llm(component, kit_checkpoint, kit_draft, "cache.block_size=4")
+        engine = llm.engine
+        steps = record_steps(engine)
+        lookahead = engine.strategy.num_lookahead_tokens
+        block_size = engine.cache.block_size
+
+        def check_cache(_step: int) -> None:
+            """The requests of the last step that still run hold the blocks they should."""
+            last = steps.outputs[-1].scheduled if steps.outputs else ()
+            for request in (g.request for g in last if not g.request.is_finished):
+                held = len(engine.cache.block_table(request))
+                assert math.ceil(request.num_computed_tokens / block_size) <= held, request
+                assert held <= math.ceil(request.num_tokens / block_size), \
+                    f"{request.request_id} holds {held} blocks for {request.num_tokens} tokens: drafts not rolled back"
+
+        for i, prompt in enumerate(self.prompts(engine.vocab_size, LENGTHS * 2)):
+            engine.add_request(prompt, SamplingParams(temperature=0.8 * (i % 2), seed=i, max_tokens=12, logprobs=i % 3,
+                                                      ignore_eos=True))
+        finished = run_to_completion(engine, between_steps=check_cache)
+        assert len(finished) == 2 * len(LENGTHS)
+        for output, result in zip(steps.outputs, steps.results):
+            if result is None:
+                continue
+            assert len(result.token_ids) == len(output.sampling_requests)
+            assert all(1 <= len(tokens) <= lookahead + 1 for tokens in result.token_ids), result.token_ids
+            if result.num_draft_tokens is not None:
+                assert all(0 <= kept <= drafted for kept, drafted in zip(result.num_accepted_drafts,
+                                                                          result.num_draft_tokens))
+                assert all(len(tokens) <= kept + 1 for tokens, kept in zip(result.token_ids,
+                                                                            result.num_accepted_drafts))
+        for output in finished:
+            completion = output.outputs[0]
+            assert len(completion.token_ids) == 12
+            if completion.logprobs is not None:
+                assert len(completion.logprobs) == 12
+        assert engine.cache.usage.used_blocks == 0

@@ -1,0 +1,102 @@
+"""The messages between the server process and the engine process of ``servelab-serve``,
+pickled through one ``multiprocessing`` pipe.
+
+server -> engine: ``AddRequest``, ``AbortRequests``, ``StopEngine``.
+engine -> server: ``EngineReady`` or ``EngineConfigError`` once at start-up, then
+``RequestAdded`` for every ``AddRequest``, a ``StepReport`` after every step (and after
+aborts), and ``EngineFailed`` once if the loop fails.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from servelab.core.outputs import RequestOutput
+from servelab.core.sampling_params import SamplingParams
+from servelab.core.step_stats import StepStats
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """What the server knows of its engine without asking: limits, the tokenizer (for
+    /tokenize, /detokenize, echo and chat templates) and which metrics exist."""
+
+    max_model_len: int
+    vocab_size: int
+    tokenizer: Any
+    prefix_caching: bool
+    speculative: bool
+
+    @classmethod
+    def of(cls, engine: Any) -> "EngineInfo":
+        """The info of a built ``LLMEngine``."""
+        return cls(engine.max_model_len, engine.vocab_size, engine.tokenizer, engine.cache.prefix_caching,
+                   engine.strategy.num_lookahead_tokens > 0)
+
+
+@dataclass(frozen=True, slots=True)
+class AddRequest:
+    """Validate and queue ``prompt`` (text or token ids) under ``request_id``; its outputs
+    stream back as deltas in ``StepReport``s."""
+
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+@dataclass(frozen=True, slots=True)
+class AbortRequests:
+    """Abort these requests (unknown ids are ignored)."""
+
+    request_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class StopEngine:
+    """Abort what runs and exit the engine process."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineReady:
+    """The engine is built and warmed up."""
+
+    info: EngineInfo
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfigError:
+    """The configuration cannot work; ``problems`` lists every reason."""
+
+    problems: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestAdded:
+    """The answer to an ``AddRequest``: the prompt's length, or the ``error``
+    (an ``InvalidRequestError`` naming the field) that kept it out of the engine."""
+
+    request_id: str
+    prompt_length: int
+    error: Exception | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StepReport:
+    """What changed since the last report: delta outputs, the steps' statistics, the
+    scheduler and cache gauges, and sequences aborted on request."""
+
+    outputs: tuple[RequestOutput, ...] = ()
+    stats: tuple[StepStats, ...] = ()
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    num_aborted: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineFailed:
+    """The engine loop failed; every later ``AddRequest`` is refused."""
+
+    description: str
