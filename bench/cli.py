@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
         torch.set_num_threads(cfg.torch_threads)
     folder = Path(HydraConfig.get().runtime.output_dir)
     (folder / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    started = time.perf_counter()
     system = open_system(cfg, str(folder))
     try:
         capacity = OmegaConf.get_type(cfg.mode) is CapacityModeConfig
@@ -42,7 +44,8 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
     finally:
         system.close()
     samples = metrics.pop("samples")
-    metrics = {"job": job_info(cfg), **metrics}
+    metrics = {"job": job_info(cfg), "simulated": system.simulated, "wall_time_s": time.perf_counter() - started,
+               **metrics}
     (folder / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     (folder / "samples.json").write_text(json.dumps(samples) + "\n")
     print(summary_table(metrics))

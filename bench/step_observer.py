@@ -11,8 +11,10 @@ class StepObserver:
     """Accumulates per-step ``StepStats`` of one engine while registered.
 
     KV waste is time-weighted: each step's snapshot (taken after the step) counts for the
-    step's wall time, so waste = 1 - sum(used_slots * dt) / sum(reserved_slots * dt), the
-    reserved-but-unused share of the memory held over the run.
+    step's time, so waste = 1 - sum(used_slots * dt) / sum(reserved_slots * dt), the
+    reserved-but-unused share of the memory held over the run. With pipeline stages,
+    each stage's busy seconds add up and its bubble fraction is the share of the engine's
+    busy time the stage sat idle.
     """
 
     def __init__(self) -> None:
@@ -30,6 +32,7 @@ class StepObserver:
         self.prefix_hit_tokens = 0
         self.spec_proposed = 0
         self.spec_accepted = 0
+        self.stage_busy_s: list[float] = []
 
     @hookimpl
     def servelab_step_end(self, engine: Any, stats: Any) -> None:
@@ -49,6 +52,10 @@ class StepObserver:
         self.prefix_hit_tokens += stats.prefix_hit_tokens
         self.spec_proposed += stats.spec_proposed
         self.spec_accepted += stats.spec_accepted
+        if len(self.stage_busy_s) < len(stats.stage_busy_s):
+            self.stage_busy_s += [0.0] * (len(stats.stage_busy_s) - len(self.stage_busy_s))
+        for stage, busy in enumerate(stats.stage_busy_s):
+            self.stage_busy_s[stage] += busy
 
     def summary(self) -> dict[str, Any]:
         """The aggregated statistics as plain values for ``metrics.json``."""
@@ -67,4 +74,6 @@ class StepObserver:
             "step_preemptions": self.preempted,
             "step_prefix_hit_tokens": self.prefix_hit_tokens,
             "step_spec_acceptance_rate": self.spec_accepted / self.spec_proposed if self.spec_proposed else None,
+            "stage_busy_s": list(self.stage_busy_s),
+            "stage_bubble_fraction": [1 - busy / self.busy_s if self.busy_s else None for busy in self.stage_busy_s],
         }

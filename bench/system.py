@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 import abc
-import time
 from collections import deque
 from typing import Any, Sequence
 
 from servelab.bench.metrics import RequestRecord
 from servelab.bench.workload import BenchRequest, TokenSpace
+from servelab.core.clock import Clock, WallClock
 
 
 class System(abc.ABC):
     """A serving system the harness measures: servelab in process, an HTTP server, or a
-    baseline engine. ``space`` describes its model for building the workload."""
+    baseline engine. ``space`` describes its model for building the workload;
+    ``simulated`` is True when its times are virtual (``executor=simulated``)."""
 
     name: str
     space: TokenSpace
+    simulated: bool = False
 
     @abc.abstractmethod
     def run(self, requests: Sequence[BenchRequest], progress: Any = None) -> tuple[list[RequestRecord], dict[str, Any]]:
@@ -33,13 +35,16 @@ class SteppedSystem(System):
 
     The driver adds every request whose arrival time has come, with that scheduled time
     as its arrival (so time spent waiting for a running step counts as queueing), steps
-    the engine while it has work, and sleeps until the next arrival when it is idle.
+    the engine while it has work, and sleeps until the next arrival when it is idle. Time
+    is the system's ``clock``: the engine's, virtual under ``executor=simulated``.
     """
+
+    clock: Clock = WallClock()
 
     @abc.abstractmethod
     def add(self, request: BenchRequest, arrival_time: float) -> RequestRecord | None:
-        """Queue ``request``, arrived at ``arrival_time`` (``time.perf_counter`` seconds);
-        returns a failed record instead when the engine rejects it."""
+        """Queue ``request``, arrived at ``arrival_time`` (seconds on ``clock``); returns a
+        failed record instead when the engine rejects it."""
 
     @abc.abstractmethod
     def step(self) -> list[RequestRecord]:
@@ -61,10 +66,11 @@ class SteppedSystem(System):
         pending = deque(sorted(requests, key=lambda r: r.arrival_offset_s))
         records: list[RequestRecord] = []
         self.begin()
+        clock = self.clock
         try:
-            start = time.perf_counter()
+            start = clock.now()
             while pending or self.has_work():
-                now = time.perf_counter()
+                now = clock.now()
                 while pending and start + pending[0].arrival_offset_s <= now:
                     request = pending.popleft()
                     rejected = self.add(request, start + request.arrival_offset_s)
@@ -73,7 +79,7 @@ class SteppedSystem(System):
                 if self.has_work():
                     self._collect(records, self.step(), progress)
                 elif pending:
-                    time.sleep(max(0.0, start + pending[0].arrival_offset_s - time.perf_counter()))
+                    clock.advance_to(start + pending[0].arrival_offset_s)
         finally:
             stats = self.end()
         return records, stats

@@ -85,7 +85,7 @@ def main() -> None:
         base_tps = tokens_per_second(baseline, prompts, args.max_tokens)
         for k in args.ks:
             spec = LLM("tiny", decoding="speculative", overrides=[*common, f"decoding.num_speculative_tokens={k}"])
-            drafts = DraftCounter(spec.engine.runner.strategy)
+            drafts = DraftCounter(spec.engine.strategy)
             spec_tps = tokens_per_second(spec, prompts, args.max_tokens, drafts.counting)
             share = drafts.accepted / drafts.proposed if drafts.proposed else 0.0
             judged = drafts.accepted + drafts.rejections

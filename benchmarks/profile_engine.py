@@ -66,7 +66,7 @@ def main() -> None:
     workload = read_workload_file(write_comparison_workload(os.path.join(args.workdir, "profile_workload.json"),
                                                             args.requests, args.output_tokens))
     llm = servelab_llm(folder, workload, args.dtype, args.overrides)
-    forward = ForwardTimer(llm.engine.runner.model)
+    forward = ForwardTimer(llm.engine.executor.model)
     profile = PROFILERS[args.profiler]()
     steps = {}
 

@@ -1,4 +1,5 @@
-"""A deterministic random Llama and byte-level tokenizer built in memory (``model=toy``)."""
+"""Random weights and a byte-level tokenizer built in memory (``model=toy`` and other
+shapes with ``random_weights``)."""
 
 from __future__ import annotations
 
@@ -25,30 +26,11 @@ def byte_level_tokenizer() -> Any:
                                    model_max_length=1 << 20)
 
 
-def random_llama_config(spec: Any, vocab_size: int, eos_token_id: int) -> Any:
-    """A ``LlamaConfig`` with the sizes of ``spec`` (a ``RandomModelConfig``)."""
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        max_position_embeddings=spec.max_position_embeddings,
-        bos_token_id=eos_token_id,
-        eos_token_id=eos_token_id,
-        tie_word_embeddings=False,
-        architectures=["LlamaForCausalLM"],
-    )
-
-
-def random_llama_weights(hf_config: Any, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+def random_weights(hf_config: Any, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
     """Deterministic random weights, under Hugging Face names, for ``hf_config``."""
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(hf_config)
+        model = AutoModelForCausalLM.from_config(hf_config)
     yield from model.state_dict().items()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -100,15 +99,15 @@ class BeamGroup:
         self.live = []
         return True
 
-    def render(self, tokenizer: Any) -> RequestOutput:
-        """The final output: the ``n`` best hypotheses, best first."""
+    def render(self, tokenizer: Any, now: float) -> RequestOutput:
+        """The final output at time ``now``: the ``n`` best hypotheses, best first."""
         best = sorted(self.finished, key=lambda h: -h.score)[:self.params.n]
         decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer else (lambda ids: "")
         completions = [CompletionOutput(index=i, text=decode(list(h.token_ids)), token_ids=list(h.token_ids),
                                         cumulative_logprob=h.logprob, finish_reason=h.finish_reason)
                        for i, h in enumerate(best)]
         metrics = RequestMetrics(arrival_time=self.arrival_time, first_scheduled_time=self.first_scheduled_time,
-                                 token_times=list(self.token_times), finished_time=time.perf_counter())
+                                 token_times=list(self.token_times), finished_time=now)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, True, metrics)
 
 
@@ -154,7 +153,7 @@ class BeamSearch:
                         "at every step")
         eos = None if params.ignore_eos else getattr(self.engine.tokenizer, "eos_token_id", None)
         group = BeamGroup(request_id, prompt if isinstance(prompt, str) else None, token_ids, params, eos,
-                          time.perf_counter() if arrival_time is None else arrival_time, live=[Beam((), 0.0)])
+                          self.engine.clock.now() if arrival_time is None else arrival_time, live=[Beam((), 0.0)])
         self.groups[request_id] = group
         self._submit(group)
         return request_id
@@ -190,9 +189,10 @@ class BeamSearch:
             group.reported.append((beam, {entry.token_id: entry for entry in top}))
             if group.pending:
                 continue
-            group.token_times.append(time.perf_counter())
+            now = self.engine.clock.now()
+            group.token_times.append(now)
             if group.advance(self.engine.max_model_len):
-                passed.append(group.render(self.engine.tokenizer))
+                passed.append(group.render(self.engine.tokenizer, now))
                 del self.groups[group_id]
             else:
                 self._submit(group)

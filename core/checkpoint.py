@@ -1,4 +1,5 @@
-"""Find and read a model: Hugging Face folder or in-memory random model."""
+"""Find and read a model: a Hugging Face folder, or a shape given in the config (random
+weights built in memory, or no weights at all for simulation)."""
 
 from __future__ import annotations
 
@@ -16,13 +17,14 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass(frozen=True, slots=True)
 class Checkpoint:
-    """A model ready to instantiate: its Hugging Face config, tokenizer, architecture name
-    and a callable yielding (name, tensor) weights."""
+    """A model ready to instantiate: its Hugging Face config, tokenizer (None for a shape
+    without one), architecture name, a callable yielding (name, tensor) weights (None for
+    a shape without weights) and where it came from (``source``)."""
 
     hf_config: Any
     tokenizer: Any
     architecture: str
-    weights: Callable[[], Iterable[tuple[str, torch.Tensor]]]
+    weights: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None
     source: str
 
 
@@ -35,10 +37,10 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:
-    """``auto`` is float32 on CPU and the checkpoint's dtype elsewhere."""
+def resolve_dtype(name: str, hf_config: Any, device: torch.device, runs_model: bool = True) -> torch.dtype:
+    """``auto`` is float32 on a CPU that runs the model, else the checkpoint's dtype."""
     if name == "auto":
-        if device.type == "cpu":
+        if device.type == "cpu" and runs_model:
             return torch.float32
         stored = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
         if isinstance(stored, str):
@@ -75,29 +77,60 @@ def iter_folder_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
     yield from torch.load(binary, map_location="cpu", weights_only=True).items()
 
 
+def shape_config(shape: Any, vocab_size: int, eos_token_id: int | None) -> Any:
+    """The transformers config of a ``ModelShapeConfig``'s architecture with its sizes."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_types = {architecture: model_type for model_type, architecture in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()}
+    if shape.architecture not in model_types:
+        raise ConfigError([f"model.shape.architecture={shape.architecture!r} is no transformers causal LM "
+                           f"(e.g. LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM)"])
+    sizes = {key: getattr(shape, key) for key in (
+        "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+        "max_position_embeddings", "tie_word_embeddings")}
+    if shape.head_dim is not None:
+        sizes["head_dim"] = shape.head_dim
+    if shape.sliding_window is not None:
+        sizes.update(sliding_window=shape.sliding_window, use_sliding_window=True)
+    return AutoConfig.for_model(model_types[shape.architecture], vocab_size=vocab_size, bos_token_id=eos_token_id,
+                                eos_token_id=eos_token_id, architectures=[shape.architecture], **sizes)
+
+
 def load_checkpoint(model_config: Any) -> Checkpoint:
     """Read config and tokenizer of ``model_config`` (a ``ModelConfig``); weights stay lazy."""
-    if model_config.random_init is not None:
+    shape = model_config.shape
+    if shape is not None:
         from servelab.checkpoints import toy
 
-        tokenizer = toy.byte_level_tokenizer()
-        hf_config = toy.random_llama_config(model_config.random_init, len(tokenizer), tokenizer.eos_token_id)
-        return Checkpoint(hf_config, tokenizer, "LlamaForCausalLM",
-                          lambda: toy.random_llama_weights(hf_config, model_config.seed), "toy")
+        tokenizer = toy.byte_level_tokenizer() if shape.random_weights else None
+        if model_config.tokenizer:
+            tokenizer = _tokenizer(model_config.tokenizer)
+        vocab = shape.vocab_size or (len(tokenizer) if tokenizer is not None else None)
+        if vocab is None:
+            raise ConfigError(["model.shape.vocab_size is not set and the shape has no tokenizer to count it"])
+        hf_config = shape_config(shape, vocab, getattr(tokenizer, "eos_token_id", None))
+        weights = (lambda: toy.random_weights(hf_config, model_config.seed)) if shape.random_weights else None
+        return Checkpoint(hf_config, tokenizer, shape.architecture, weights, "shape")
     folder = model_config.path
     if not folder:
         raise ConfigError(["model.path is not set: give a Hugging Face folder or pick a preset (model=tiny)"])
     if not os.path.isfile(os.path.join(folder, "config.json")):
         raise ConfigError([f"model.path={folder!r} is not a Hugging Face model folder (no config.json)"])
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     hf_config = AutoConfig.from_pretrained(folder)
     architectures = getattr(hf_config, "architectures", None) or []
     if not architectures:
         raise ConfigError([f"{folder}/config.json names no 'architectures'"])
-    tokenizer_folder = model_config.tokenizer or folder
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
-    except Exception as exc:
-        raise ConfigError([f"cannot load a tokenizer from {tokenizer_folder!r} (model.tokenizer): {exc}"]) from exc
+    tokenizer = _tokenizer(model_config.tokenizer or folder)
     return Checkpoint(hf_config, tokenizer, architectures[0], lambda: iter_folder_weights(folder), folder)
+
+
+def _tokenizer(folder: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except Exception as exc:
+        raise ConfigError([f"cannot load a tokenizer from {folder!r} (model.tokenizer): {exc}"]) from exc

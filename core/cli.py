@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-import time
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -40,9 +39,10 @@ def complete(cfg: DictConfig) -> None:
     llm = LLM.from_config(cfg)
     params = SamplingParams(**OmegaConf.to_container(cfg.sampling))
     prompts = _prompts(cfg)
-    started = time.perf_counter()
+    clock = llm.engine.clock
+    started = clock.now()
     outputs = llm.generate(prompts, params, use_tqdm=cfg.use_tqdm)
-    elapsed = time.perf_counter() - started
+    elapsed = clock.now() - started
     generated = 0
     for output in outputs:
         for completion in output.outputs:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-KINDS = ("scheduler", "cache", "attention", "decoding", "model", "eviction")
-"""Component kinds; each but ``model`` is a Hydra config group of the same name."""
+KINDS = ("scheduler", "cache", "attention", "decoding", "model", "eviction", "executor", "cost_model")
+"""Component kinds; each but ``model`` and ``eviction`` is a Hydra config group of the same name."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,29 +12,45 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 
 @dataclass
-class RandomModelConfig:
-    """A Llama with random weights built in memory (``model=toy``), byte-level tokenizer."""
+class ModelShapeConfig:
+    """A model given by its sizes instead of a checkpoint folder: a registered
+    ``architecture`` (``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
+    ...) of ``num_hidden_layers`` layers of width ``hidden_size``, ``num_attention_heads``
+    query and ``num_key_value_heads`` KV heads (of ``head_dim``, default hidden / heads),
+    a gated MLP of ``intermediate_size``, ``vocab_size`` tokens (default: the byte-level
+    tokenizer's 257), ``max_position_embeddings`` positions, an optional
+    ``sliding_window`` and ``tie_word_embeddings``. ``random_weights``: build seeded random
+    weights and a byte-level tokenizer in memory (``model=toy``); otherwise the model has
+    no weights and no tokenizer, a shape for ``executor=simulated`` (``model=llama-2-7b``).
+    """
 
+    architecture: str = "LlamaForCausalLM"
     hidden_size: int = 64
     num_hidden_layers: int = 2
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
+    head_dim: Optional[int] = None
     intermediate_size: int = 128
+    vocab_size: Optional[int] = None
     max_position_embeddings: int = 512
+    sliding_window: Optional[int] = None
+    tie_word_embeddings: bool = False
+    random_weights: bool = False
 
 
 @dataclass
 class ModelConfig:
-    """Which checkpoint to serve and how.
+    """Which model to serve and how.
 
-    ``path``: a Hugging Face folder (config.json + safetensors + tokenizer). ``random_init``:
-    build a random model instead (no files). ``dtype``: auto | float32 | bfloat16 | float16
-    (auto = float32 on CPU, the checkpoint's dtype on GPU). ``max_model_len``: prompt +
-    output limit per sequence (default: the model's ``max_position_embeddings``).
+    ``path``: a Hugging Face folder (config.json + safetensors + tokenizer). ``shape``: a
+    model given by its sizes instead (random weights, or none for simulation).
+    ``dtype``: auto | float32 | bfloat16 | float16 (auto = float32 on CPU, the checkpoint's
+    dtype on GPU and in simulation). ``max_model_len``: prompt + output limit per sequence
+    (default: the model's ``max_position_embeddings``). ``seed``: random weights' seed.
     """
 
     path: Optional[str] = None
-    random_init: Optional[RandomModelConfig] = None
+    shape: Optional[ModelShapeConfig] = None
     tokenizer: Optional[str] = None
     dtype: str = "auto"
     max_model_len: Optional[int] = None
@@ -61,15 +77,64 @@ class SamplingConfig:
 
 
 @dataclass
+class HardwareConfig:
+    """One device of the machine a cost model prices (``hardware=a100-80gb``), from its
+    datasheet: ``peak_flops``, dense matmul FLOP/s in the compute dtype (bfloat16/float16
+    tensor cores on a GPU); ``memory_bandwidth``, device memory bytes/s; ``memory_bytes``;
+    ``interconnect_bandwidth``, bytes/s one device sends another in one direction (NVLink,
+    PCIe); ``interconnect_latency_s``, the fixed cost of one collective or send;
+    ``host_bandwidth``, bytes/s between device and host memory (swapping);
+    ``devices_per_node``; ``memory_utilization``, the share of device memory the engine
+    may use (vLLM's ``gpu_memory_utilization``); ``activation_reserve_bytes``, kept per
+    device for activations and workspace. ``compute_efficiency`` and
+    ``memory_efficiency``: the fractions of peak that the roofline cost model assumes
+    kernels reach (calibrated against measured operator times, docs/simulation.md)."""
+
+    name: str = "local"
+    peak_flops: float = 1.0e11
+    memory_bandwidth: float = 1.0e10
+    memory_bytes: int = 8 << 30
+    interconnect_bandwidth: float = 1.0e10
+    interconnect_latency_s: float = 1.0e-5
+    host_bandwidth: float = 1.0e10
+    devices_per_node: int = 1
+    memory_utilization: float = 0.9
+    activation_reserve_bytes: int = 0
+    compute_efficiency: float = 0.7
+    memory_efficiency: float = 0.8
+
+
+@dataclass
+class ParallelConfig:
+    """How one engine splits its model over devices: ``tensor_parallel_size`` devices per
+    stage (attention heads and MLP columns split, two all-reduces per layer) and
+    ``pipeline_parallel_size`` stages of consecutive layers."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+    @property
+    def num_devices(self) -> int:
+        """Devices one engine uses."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass
 class EngineConfig:
-    """What every servelab app composes to build an ``LLMEngine``: the model and one
-    option of each component group (filled from the registry), on ``device``."""
+    """What every servelab app composes to build an ``LLMEngine``: the model, one option
+    of each component group (filled from the registry: the four contracts, the
+    ``executor`` and, for ``executor=simulated``, the ``cost_model``), the ``hardware``
+    it is priced on, the ``parallel`` split, on ``device``."""
 
     model: ModelConfig = MISSING
     cache: Any = MISSING
     attention: Any = MISSING
     scheduler: Any = MISSING
     decoding: Any = MISSING
+    executor: Any = MISSING
+    cost_model: Any = MISSING
+    hardware: HardwareConfig = MISSING
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: str = "auto"
 
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
+from random import Random
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from servelab.core.model import ModelShape
 from servelab.core.outputs import Logprob
 from servelab.core.request import Request
 
@@ -73,8 +75,10 @@ class DecodeResult:
 class DecodingContext:
     """What the engine hands a decoding strategy: the engine's ``registry`` (to build a
     draft model and its attention backend), the target's ``device``, compute ``dtype``,
-    ``vocab_size``, ``max_model_len`` and ``tokenizer``, and ``attention_config``, the
-    resolved config of the target's attention backend (a draft model uses the same)."""
+    ``vocab_size``, ``max_model_len`` and ``tokenizer``, ``attention_config``, the resolved
+    config of the target's attention backend (a draft model uses the same), and
+    ``runs_model``: False under ``executor=simulated``, where no logits exist and a
+    strategy must not load weights (``simulated_acceptance`` stands in for ``accept``)."""
 
     registry: Registry
     device: torch.device
@@ -83,6 +87,15 @@ class DecodingContext:
     max_model_len: int
     tokenizer: Any
     attention_config: Any
+    runs_model: bool = True
+
+
+def lookahead_allowances(output: SchedulerOutput, max_model_len: int) -> tuple[int, ...]:
+    """Draft tokens each sampling request of ``output`` may have verified this step: the
+    step's lookahead for a decode grant (one new token), cut at ``max_model_len``; 0 for
+    the last chunk of a prefill."""
+    return tuple(min(output.num_lookahead_tokens, max_model_len - g.request.num_tokens) if g.num_new_tokens == 1 else 0
+                 for g in output.scheduled if g.samples)
 
 
 class DecodingStrategy(abc.ABC):
@@ -95,6 +108,9 @@ class DecodingStrategy(abc.ABC):
     """
 
     num_lookahead_tokens: int = 0
+    #: The shape of the model that drafts, priced by ``executor=simulated`` (None: drafts
+    #: cost nothing or there are none).
+    draft_model_shape: ModelShape | None = None
 
     def __init__(self, config: Any, context: DecodingContext | None = None):
         self.config = config
@@ -110,3 +126,8 @@ class DecodingStrategy(abc.ABC):
 
     def on_request_finished(self, request: Request) -> None:
         """Release whatever per-request state the strategy keeps (draft caches, ...)."""
+
+    def simulated_acceptance(self, allowances: tuple[int, ...], random: Random) -> list[int] | None:
+        """Under ``executor=simulated``: how many of its ``allowances[i]`` drafts request i
+        keeps this step (None: the strategy does not speculate)."""
+        return None

@@ -4,23 +4,23 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from dataclasses import replace
 from typing import Callable, TypeVar
 
 from omegaconf import DictConfig
 
 from servelab.core.checkpoint import load_checkpoint, resolve_device, resolve_dtype
+from servelab.core.clock import Clock, VirtualClock, WallClock
 from servelab.core.decoding import DecodingContext
 from servelab.core.errors import ConfigError, InvalidRequestError
+from servelab.core.executor import ExecutedStep, ExecutorContext
 from servelab.core.kv_cache import CacheContext
-from servelab.core.model_runner import ModelRunner
 from servelab.core.output_processor import OUTPUT_KINDS, OutputProcessor
 from servelab.core.outputs import RequestOutput
 from servelab.core.registry import Registry, get_registry
 from servelab.core.request import Request
 from servelab.core.sampling_params import SamplingParams
-from servelab.core.scheduler import SchedulerContext
+from servelab.core.scheduler import SchedulerContext, SchedulerUpdate
 from servelab.core.step_stats import StepStats
 from servelab.core.stop_checker import StopChecker
 from servelab.core.validate import validate
@@ -45,48 +45,54 @@ class LLMEngine:
 
     ``registry`` (default: the process-wide one) is the registry every component is
     built from, the engine's own components and the ones they build (a draft model, an
-    eviction policy). Each component validates its own config; the engine reports every
-    problem of every component in one ``ConfigError`` before anything runs.
+    eviction policy). ``clock`` (default: a virtual clock for an executor that runs no
+    model, else the wall clock) is the only time the engine and its scheduler read. Each
+    component validates its own config; the engine reports every problem of every
+    component in one ``ConfigError`` before anything runs.
     """
 
-    def __init__(self, cfg: DictConfig, registry: Registry | None = None):
+    def __init__(self, cfg: DictConfig, registry: Registry | None = None, clock: Clock | None = None):
         self.cfg = cfg
         self.registry = registry = registry or get_registry()
+        executor_cls = registry.spec_for_config("executor", cfg.executor).cls
+        self.clock = clock or (WallClock() if executor_cls.runs_model else VirtualClock())
         checkpoint = load_checkpoint(cfg.model)
         hf = checkpoint.hf_config
         self.tokenizer = checkpoint.tokenizer
         self.device = resolve_device(cfg.device)
-        self.dtype = resolve_dtype(cfg.model.dtype, hf, self.device)
+        self.dtype = resolve_dtype(cfg.model.dtype, hf, self.device, executor_cls.runs_model)
         model_cls = registry.get("model", checkpoint.architecture).cls
         shape = model_cls.shape_of(hf)
+        self.shape = shape
         self.max_model_len = cfg.model.max_model_len or shape.max_positions
         self.vocab_size = shape.vocab_size
         attention_spec = shape.attention_spec(self.dtype, self.device, self.max_model_len)
-        attention_spec_cls = registry.spec_for_config("attention", cfg.attention)
-        cfg.attention = attention_spec_cls.cls.resolve(cfg.attention, attention_spec, registry)
-        attention_cls = registry.spec_for_config("attention", cfg.attention)
-        problems = [f"attention={attention_cls.name}: {reason}"
-                    for reason in attention_cls.cls.unsupported_reasons(cfg.attention, attention_spec)]
+        cfg.attention = registry.spec_for_config("attention", cfg.attention).cls.resolve(
+            cfg.attention, attention_spec, registry)
+        parallel = cfg.parallel
+        problems = shape.parallel_problems(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
+        executor = build_collecting(problems, lambda: registry.build("executor", cfg.executor, ExecutorContext(
+            checkpoint, shape, model_cls, self.dtype, self.device, self.max_model_len, cfg.attention, cfg, registry,
+            self.clock)))
+        kv_spec = shape.kv_cache_spec(self.dtype, self.max_model_len, parallel.tensor_parallel_size,
+                                      parallel.pipeline_parallel_size)
+        budget = build_collecting(problems, lambda: executor.kv_cache_budget_bytes(kv_spec)) if executor else None
         cache = build_collecting(problems, lambda: registry.build(
-            "cache", cfg.cache, CacheContext(shape.kv_cache_spec(self.dtype, self.max_model_len), registry)))
+            "cache", cfg.cache, CacheContext(kv_spec, registry, budget)))
         strategy = build_collecting(problems, lambda: registry.build("decoding", cfg.decoding, DecodingContext(
-            registry, self.device, self.dtype, self.vocab_size, self.max_model_len, self.tokenizer, cfg.attention)))
+            registry, self.device, self.dtype, self.vocab_size, self.max_model_len, self.tokenizer, cfg.attention,
+            executor_cls.runs_model)))
         self.stop_checker = StopChecker(self.tokenizer, self.max_model_len)
         scheduler = None
         if cache is not None and strategy is not None:
             scheduler = build_collecting(problems, lambda: registry.build("scheduler", cfg.scheduler, SchedulerContext(
                 cache, self.max_model_len, strategy.num_lookahead_tokens, self.stop_checker,
-                strategy.on_request_finished)))
+                strategy.on_request_finished, self.clock)))
         problems += validate(self.max_model_len, shape.max_positions, cache)
         if problems:
             raise ConfigError(problems)
-        self.cache, self.strategy, self.scheduler = cache, strategy, scheduler
-        attention = registry.build("attention", cfg.attention, attention_spec)
-        model = model_cls(hf, attention, self.dtype, self.max_model_len)
-        model.load_weights(checkpoint.weights())
-        self.model = model.to(self.device).eval()
-        self.runner = ModelRunner(self.model, attention, cache, strategy, shape.num_layers,
-                                  self.max_model_len, self.device, self.dtype)
+        self.cache, self.strategy, self.scheduler, self.executor = cache, strategy, scheduler, executor
+        executor.attach(cache, strategy)
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.num_prompt_tokens = 0
@@ -132,7 +138,7 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self.outputs.groups:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
-        arrival = time.perf_counter() if arrival_time is None else arrival_time
+        arrival = self.clock.now() if arrival_time is None else arrival_time
         text = prompt if isinstance(prompt, str) else None
         children = [self._child(request_id, i, token_ids, params, arrival, text) for i in range(params.n)]
         self.outputs.add(request_id, children, output_kind)
@@ -172,30 +178,51 @@ class LLMEngine:
 
     # -- the loop -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, execute, update, render: one step; returns the outputs it produced."""
-        started = time.perf_counter()
-        output = self.scheduler.schedule()
-        if output.is_empty and self.scheduler.has_unfinished():
-            self._idle_until(self.scheduler.next_wakeup(), started)
-        result = self.runner.execute(output)
-        update = self.scheduler.update_from_output(output, result)
+        """Schedule, execute, update, render: one step; returns the outputs it produced.
+
+        Steps go to the executor until it holds ``max_steps_in_flight`` (more than one
+        with a pipeline) or the scheduler has nothing more; then the oldest comes back
+        and its result is applied."""
+        started = self.clock.now()
+        executor, scheduler = self.executor, self.scheduler
+        output = None
+        while executor.num_in_flight < executor.max_steps_in_flight:
+            output = scheduler.schedule()
+            if output.is_empty:
+                break
+            executor.submit(output)
+        if not executor.num_in_flight:
+            if scheduler.has_unfinished():
+                self._idle_until(scheduler.next_wakeup(), started)
+            return self._finish_step(started, ExecutedStep(output, None), SchedulerUpdate())
+        executed = executor.collect()
+        update = scheduler.update_from_output(executed.output, executed.result)
+        return self._finish_step(started, executed, update)
+
+    def _finish_step(self, started: float, executed: ExecutedStep, update: SchedulerUpdate) -> list[RequestOutput]:
+        """Render the step's outputs and tell observers what it did."""
         outputs = self.outputs.process(update.changed)
         self.num_steps += 1
         self.num_generated_tokens += update.num_generated_tokens
+        output, result = executed.output, executed.result
+        now = self.clock.now()
         self.registry.hook.servelab_step_end(engine=self, stats=StepStats(
             step_index=output.step_index, num_prefill_tokens=output.num_prefill_tokens,
             num_decode_tokens=output.num_decode_tokens, num_scheduled=len(output.scheduled),
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
             num_preempted=len(output.preempted), num_finished=update.num_finished,
-            num_generated_tokens=update.num_generated_tokens, kv=self.cache.usage,
-            step_time_s=time.perf_counter() - started, prefix_hit_tokens=output.num_prefix_hit_tokens,
-            spec_proposed=result.num_proposed if result else 0, spec_accepted=result.num_accepted if result else 0))
+            num_generated_tokens=update.num_generated_tokens, kv=self.cache.usage, step_time_s=now - started,
+            prefix_hit_tokens=output.num_prefix_hit_tokens, spec_proposed=result.num_proposed if result else 0,
+            spec_accepted=result.num_accepted if result else 0, stage_busy_s=executed.stage_busy_s, clock_s=now))
         return outputs
 
-    @staticmethod
-    def _idle_until(wakeup: float | None, now: float) -> None:
-        """Nothing can run yet (a batching timer): sleep briefly instead of spinning."""
-        time.sleep(min(max(wakeup - now, 0.0), 0.01) if wakeup is not None else 0.001)
+    def _idle_until(self, wakeup: float | None, now: float) -> None:
+        """Nothing can run yet (a batching timer): wait for it briefly instead of spinning
+        (a virtual clock jumps to it)."""
+        if self.clock.is_virtual and wakeup is not None:
+            self.clock.advance_to(wakeup)
+        else:
+            self.clock.sleep(min(max(wakeup - now, 0.0), 0.01) if wakeup is not None else 0.001)
 
     @property
     def max_step_tokens(self) -> int:
@@ -211,9 +238,10 @@ class LLMEngine:
             max_tokens = self.max_step_tokens
         if max_tokens < 0:
             raise ValueError(f"warm_up: max_tokens must be 0 or more, got {max_tokens}")
-        return self.runner.model.warm_up(max_tokens)
+        return self.executor.warm_up(max_tokens)
 
     def shutdown(self) -> None:
-        """Abort everything and tell observers the engine stopped."""
+        """Abort everything, release the executor and tell observers the engine stopped."""
         self.abort_request(list(self.outputs.groups))
+        self.executor.shutdown()
         self.registry.hook.servelab_engine_stopped(engine=self)

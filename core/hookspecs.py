@@ -56,6 +56,18 @@ def servelab_register_eviction_policies() -> list[ComponentSpec]:
 
 
 @hookspec
+def servelab_register_executors() -> list[ComponentSpec]:
+    """Return ``ComponentSpec(kind="executor", ...)`` entries; each class implements
+    ``servelab.core.executor.Executor`` and is built as ``cls(config, ExecutorContext)``."""
+
+
+@hookspec
+def servelab_register_cost_models() -> list[ComponentSpec]:
+    """Return ``ComponentSpec(kind="cost_model", ...)`` entries; each class implements
+    ``servelab.core.cost_model.CostModel`` and is built as ``cls(config, CostModelContext)``."""
+
+
+@hookspec
 def servelab_engine_started(engine: LLMEngine) -> None:
     """Called once when an engine is built and ready."""
 

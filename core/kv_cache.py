@@ -37,12 +37,14 @@ class KVCacheSpec:
 
 @dataclass(frozen=True, slots=True)
 class CacheContext:
-    """What the engine hands a KV cache manager: the model's ``spec`` and the engine's
-    ``registry`` (for the components a cache builds itself, such as its prefix-cache
-    eviction policy)."""
+    """What the engine hands a KV cache manager: what one device stores per token
+    (``spec``), the engine's ``registry`` (for the components a cache builds itself, such
+    as its prefix-cache eviction policy) and ``memory_budget_bytes``, the KV memory the
+    executor can give each device (for a config that sets no size; None: unknown)."""
 
     spec: KVCacheSpec
     registry: Registry
+    memory_budget_bytes: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

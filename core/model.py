@@ -15,9 +15,11 @@ from servelab.core.kv_cache import KVCacheSpec
 
 @dataclass(frozen=True, slots=True)
 class ModelShape:
-    """Sizes the engine needs before building a model: ``num_layers`` attention layers of
-    ``num_heads`` query and ``num_kv_heads`` KV heads of ``head_dim``; ``sliding_window``
-    (None = full attention); ``max_positions`` and ``vocab_size``."""
+    """Sizes the engine (and a cost model) needs before building a model: ``num_layers``
+    decoder layers, each with attention of ``num_heads`` query and ``num_kv_heads`` KV heads
+    of ``head_dim`` and a gated MLP (gate, up, down) of ``intermediate_size`` over
+    ``hidden_size``; ``sliding_window`` (None = full attention); ``max_positions`` and
+    ``vocab_size``; ``tied_embeddings`` when the LM head reuses the embedding matrix."""
 
     num_layers: int
     num_heads: int
@@ -26,6 +28,24 @@ class ModelShape:
     sliding_window: int | None
     max_positions: int
     vocab_size: int
+    hidden_size: int = 0
+    intermediate_size: int = 0
+    tied_embeddings: bool = False
+
+    @property
+    def layer_parameters(self) -> int:
+        """Weights of one decoder layer: the q, k, v and output projections, the gated
+        MLP's three matrices and the two norms."""
+        attention = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        return attention + 3 * self.hidden_size * self.intermediate_size + 2 * self.hidden_size
+
+    @property
+    def num_parameters(self) -> int:
+        """Every weight: the layers, the embedding, the final norm and the LM head (once
+        when tied)."""
+        embedding = self.vocab_size * self.hidden_size
+        head = 0 if self.tied_embeddings else embedding
+        return self.num_layers * self.layer_parameters + embedding + head + self.hidden_size
 
     def attention_spec(self, dtype: torch.dtype, device: torch.device, max_model_len: int) -> AttentionSpec:
         """The attention backend's spec (a window as long as the context is no window)."""
@@ -33,9 +53,39 @@ class ModelShape:
         return AttentionSpec(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, dtype, device,
                              window)
 
-    def kv_cache_spec(self, dtype: torch.dtype, max_model_len: int) -> KVCacheSpec:
-        """What the KV cache stores per token."""
-        return KVCacheSpec(self.num_layers, self.num_kv_heads, self.head_dim, dtype, max_model_len)
+    def kv_cache_spec(self, dtype: torch.dtype, max_model_len: int, tensor_parallel_size: int = 1,
+                      pipeline_parallel_size: int = 1) -> KVCacheSpec:
+        """What one device's KV cache stores per token: the layers of the largest pipeline
+        stage and the KV heads of one tensor-parallel rank (see ``kv_heads_per_rank``)."""
+        layers = -(-self.num_layers // pipeline_parallel_size)
+        return KVCacheSpec(layers, self.kv_heads_per_rank(tensor_parallel_size), self.head_dim, dtype, max_model_len)
+
+    def kv_heads_per_rank(self, tensor_parallel_size: int) -> int:
+        """KV heads each of ``tensor_parallel_size`` ranks holds: an equal share, or one
+        (replicated) when there are fewer KV heads than ranks."""
+        return max(1, self.num_kv_heads // tensor_parallel_size)
+
+    def parallel_problems(self, tensor_parallel_size: int, pipeline_parallel_size: int) -> list[str]:
+        """Why this model cannot be split this way (empty when it can): query heads and
+        the MLP must divide among tensor-parallel ranks, KV heads must divide among them
+        or they among the KV heads, and every pipeline stage needs a layer."""
+        tp, pp = tensor_parallel_size, pipeline_parallel_size
+        problems = []
+        if tp < 1 or pp < 1:
+            problems.append(f"parallel.tensor_parallel_size and pipeline_parallel_size must be >= 1, got {tp} and {pp}")
+            return problems
+        if self.num_heads % tp:
+            problems.append(f"parallel.tensor_parallel_size={tp} does not divide the model's {self.num_heads} "
+                            f"attention heads")
+        if self.num_kv_heads % tp and tp % self.num_kv_heads:
+            problems.append(f"parallel.tensor_parallel_size={tp} and the model's {self.num_kv_heads} KV heads: "
+                            f"neither divides the other, so the KV heads can be neither split nor replicated")
+        if self.intermediate_size and self.intermediate_size % tp:
+            problems.append(f"parallel.tensor_parallel_size={tp} does not divide the MLP's intermediate size "
+                            f"{self.intermediate_size}")
+        if pp > self.num_layers:
+            problems.append(f"parallel.pipeline_parallel_size={pp} exceeds the model's {self.num_layers} layers")
+        return problems
 
 
 class CausalLM(nn.Module, abc.ABC):

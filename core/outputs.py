@@ -38,7 +38,7 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
-    """Timestamps (``time.perf_counter`` seconds) of a request's life.
+    """Timestamps (seconds on the engine's clock) of a request's life.
 
     ``token_times[i]`` is when output token i was produced, so TTFT is
     ``token_times[0] - arrival_time`` and the inter-token gaps are the differences.

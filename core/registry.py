@@ -30,8 +30,10 @@ REGISTER_HOOKS = {
     "decoding": "servelab_register_decoding_strategies",
     "model": "servelab_register_models",
     "eviction": "servelab_register_eviction_policies",
+    "executor": "servelab_register_executors",
+    "cost_model": "servelab_register_cost_models",
 }
-CONFIG_GROUPS = ("cache", "attention", "scheduler", "decoding")
+CONFIG_GROUPS = ("cache", "attention", "scheduler", "decoding", "executor", "cost_model")
 """Kinds that are Hydra config groups (models are picked from ``config.json``; eviction
 policies by name with ``cache.eviction``)."""
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import time
 
 from servelab.core.sampling_params import SamplingParams
 
@@ -43,7 +42,7 @@ class Request:
         sampling_params: SamplingParams,
         eos_token_id: int | None,
         prompt: str | None = None,
-        arrival_time: float | None = None,
+        arrival_time: float = 0.0,
         index: int = 0,
         group_id: str | None = None,
     ):
@@ -58,7 +57,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
-        self.arrival_time = time.perf_counter() if arrival_time is None else arrival_time
+        self.arrival_time = arrival_time
         self.first_scheduled_time: float | None = None
         self.token_times: list[float] = []
         self.finished_time: float | None = None

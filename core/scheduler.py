@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Callable
 from servelab.core.request import Request
 
 if TYPE_CHECKING:
+    from servelab.core.clock import Clock
     from servelab.core.decoding import DecodeResult
     from servelab.core.kv_cache import KVCacheManager
     from servelab.core.stop_checker import StopChecker
@@ -104,7 +105,7 @@ class SchedulerContext:
     decode grant (0 without speculation). ``stop_checker``: appends sampled tokens and
     their logprobs and decides when a request stops. ``on_request_finished``: called once
     per finished or aborted request, after its cache is freed (the decoding strategy drops
-    its per-request state).
+    its per-request state). ``clock``: the engine's time, for timestamps and timers.
     """
 
     cache: KVCacheManager
@@ -112,6 +113,7 @@ class SchedulerContext:
     num_lookahead_tokens: int
     stop_checker: StopChecker
     on_request_finished: Callable[[Request], None]
+    clock: Clock
 
 
 class Scheduler(abc.ABC):
@@ -119,7 +121,9 @@ class Scheduler(abc.ABC):
 
     Built as ``cls(config, SchedulerContext)``; a constructor raises ``ConfigError``
     listing every problem of its config. Policies (static, dynamic, continuous, chunked,
-    ...) differ only in ``schedule``; all emit the same ``SchedulerOutput``.
+    ...) differ only in ``schedule``; all emit the same ``SchedulerOutput``. Steps may be
+    in flight several at a time (a pipeline): ``schedule`` never grants a request whose
+    previous grant has not come back through ``update_from_output``.
     """
 
     @abc.abstractmethod
@@ -166,6 +170,6 @@ class Scheduler(abc.ABC):
         return None
 
     def next_wakeup(self) -> float | None:
-        """For policies that wait on a timer with nothing to run: when to step again
-        (``time.perf_counter`` seconds); None otherwise."""
+        """For policies that wait on a timer with nothing to run: when to step again (on
+        the context's clock); None otherwise."""
         return None

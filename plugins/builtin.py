@@ -54,3 +54,11 @@ def servelab_register_eviction_policies():
     from servelab.plugins.cache import lru
 
     return [lru.SPEC]
+
+
+@hookimpl
+def servelab_register_executors():
+    """model (the forward pass) and simulated (a cost model on a virtual clock)."""
+    from servelab.plugins.executor import model, simulated
+
+    return [model.SPEC, simulated.SPEC]

@@ -13,10 +13,15 @@ def load_hf_model(model_cfg: Any, device_name: str) -> tuple[Any, Any]:
 
     from servelab.core.checkpoint import load_checkpoint, resolve_device, resolve_dtype
 
+    from servelab.core.errors import ConfigError
+
     checkpoint = load_checkpoint(model_cfg)
+    if checkpoint.weights is None:
+        raise ConfigError([f"the model is a shape without weights ({checkpoint.architecture}); a baseline needs "
+                           f"weights: pick a checkpoint or model=toy"])
     device = resolve_device(device_name)
     dtype = resolve_dtype(model_cfg.dtype, checkpoint.hf_config, device)
-    if model_cfg.random_init is None:
+    if model_cfg.shape is None:
         model = AutoModelForCausalLM.from_pretrained(model_cfg.path, dtype=dtype)
     else:
         model = AutoModelForCausalLM.from_config(checkpoint.hf_config, dtype=dtype)

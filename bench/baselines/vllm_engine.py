@@ -46,7 +46,7 @@ class VllmSystem(SteppedSystem):
         from vllm.sampling_params import RequestOutputKind
 
         model_cfg = cfg.model
-        path = model_cfg.path if model_cfg.random_init is None else save_hf_folder(model_cfg, os.path.join(folder, "hf_model"))
+        path = model_cfg.path if model_cfg.shape is None else save_hf_folder(model_cfg, os.path.join(folder, "hf_model"))
         self.space = model_token_space(model_cfg)
         args = {"model": path, "tokenizer": model_cfg.tokenizer or path, "max_model_len": self.space.max_model_len,
                 "seed": cfg.workload.seed, **OmegaConf.to_container(cfg.baseline.engine_args)}

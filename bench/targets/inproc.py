@@ -33,6 +33,8 @@ class ServelabSystem(SteppedSystem):
         from servelab.core.engine import LLMEngine
 
         self.engine = LLMEngine(cfg)
+        self.clock = self.engine.clock
+        self.simulated = self.clock.is_virtual
         self.space = TokenSpace(self.engine.vocab_size, self.engine.max_model_len, self.engine.tokenizer)
         self.workload = cfg.workload
         self.observer: StepObserver | None = None

@@ -14,10 +14,11 @@ from servelab.plugins.cache.sizing import num_blocks_for
 @dataclass
 class ContiguousCacheConfig:
     """``cache=contiguous``: ``num_slots`` request reservations of ``max_model_len`` tokens,
-    or as many as fit ``memory_bytes`` when ``num_slots`` is null."""
+    or as many as fit ``memory_bytes`` when ``num_slots`` is null, or the executor's budget
+    when both are null."""
 
     num_slots: Optional[int] = None
-    memory_bytes: int = 512 * 1024 * 1024
+    memory_bytes: Optional[int] = None
 
 
 class ContiguousKVCacheManager(PagedKVCacheManager):
@@ -30,7 +31,7 @@ class ContiguousKVCacheManager(PagedKVCacheManager):
 
     def __init__(self, config: ContiguousCacheConfig, context: CacheContext):
         block_size = context.spec.max_model_len
-        num_slots = num_blocks_for(config.num_slots, config.memory_bytes, block_size, context.spec,
+        num_slots = num_blocks_for(config.num_slots, config.memory_bytes, block_size, context,
                                    group="cache (contiguous)")
         self._init_pool(config, context, block_size, num_slots)
 

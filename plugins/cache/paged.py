@@ -20,13 +20,14 @@ NOTHING_NEW = Allocation()
 @dataclass
 class PagedCacheConfig:
     """``cache=paged``: ``block_size`` tokens per block; ``num_blocks`` blocks, or as many
-    as fit ``memory_bytes`` when null. ``enable_prefix_caching`` reuses full blocks across
+    as fit ``memory_bytes`` when null, or, when that is null too, the executor's budget
+    (512 MiB on the CPU; the device memory left after the weights in simulation). ``enable_prefix_caching`` reuses full blocks across
     requests, evicting with the registered policy ``eviction``. ``swap_space_bytes`` sizes
     the host pool used by ``scheduler.preemption=swap``."""
 
     block_size: int = 16
     num_blocks: Optional[int] = None
-    memory_bytes: int = 512 * 1024 * 1024
+    memory_bytes: Optional[int] = None
     enable_prefix_caching: bool = False
     eviction: str = "lru"
     swap_space_bytes: int = 0
@@ -38,7 +39,7 @@ class PagedKVCacheManager(KVCacheManager):
     shared partial block copies it (``Allocation.blocks_to_copy``)."""
 
     def __init__(self, config: PagedCacheConfig, context: CacheContext):
-        num_blocks = num_blocks_for(config.num_blocks, config.memory_bytes, config.block_size, context.spec)
+        num_blocks = num_blocks_for(config.num_blocks, config.memory_bytes, config.block_size, context)
         self._init_pool(config, context, config.block_size, num_blocks)
 
     def _init_pool(self, config, context: CacheContext, block_size: int, num_blocks: int) -> None:

@@ -56,6 +56,7 @@ class DraftModel:
                             f"model.max_model_len={max_len}")
         if problems:
             raise ConfigError(problems)
+        self.shape = shape
         self.device, dtype = context.device, context.dtype
         self.attention = registry.build("attention", context.attention_config,
                                         shape.attention_spec(dtype, self.device, max_len))

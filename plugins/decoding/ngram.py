@@ -3,24 +3,27 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from random import Random
 
 import torch
 
 from servelab.core.component import ComponentSpec
 from servelab.core.decoding import DecodeBatch, DecodeResult, DecodingStrategy, Proposal
 from servelab.core.errors import ConfigError
-from servelab.plugins.decoding.speculative_sampling import verify
+from servelab.plugins.decoding.speculative_sampling import simulated_acceptance, speculation_problems, verify
 
 
 @dataclass
 class NgramDecodingConfig:
     """Propose up to ``num_speculative_tokens`` tokens that followed the latest earlier
     occurrence of the sequence's last n tokens, trying n from ``prompt_lookup_max`` down
-    to ``prompt_lookup_min``."""
+    to ``prompt_lookup_min``. ``simulated_acceptance_rate``: under
+    ``executor=simulated``, the probability that the target accepts each draft token."""
 
     num_speculative_tokens: int = 3
     prompt_lookup_max: int = 3
     prompt_lookup_min: int = 1
+    simulated_acceptance_rate: float = 0.5
 
 
 def lookup(tokens: list[int], max_n: int, min_n: int, k: int) -> list[int]:
@@ -39,9 +42,7 @@ class NgramDecoding(DecodingStrategy):
 
     def __init__(self, config: NgramDecodingConfig, context=None):
         super().__init__(config, context)
-        problems = []
-        if config.num_speculative_tokens < 1:
-            problems.append(f"decoding.num_speculative_tokens must be >= 1, got {config.num_speculative_tokens}")
+        problems = speculation_problems(config)
         if not 1 <= config.prompt_lookup_min <= config.prompt_lookup_max:
             problems.append("decoding.prompt_lookup_min must be >= 1 and <= decoding.prompt_lookup_max, got "
                             f"{config.prompt_lookup_min} and {config.prompt_lookup_max}")
@@ -59,6 +60,11 @@ class NgramDecoding(DecodingStrategy):
     def accept(self, logits: torch.Tensor, batch: DecodeBatch, proposal: Proposal | None) -> DecodeResult:
         """The speculative sampling rule with a deterministic (one-hot) drafter."""
         return verify(logits, batch, proposal)
+
+    def simulated_acceptance(self, allowances: tuple[int, ...], random: Random) -> list[int]:
+        """Each draft kept with probability ``simulated_acceptance_rate`` (an n-gram draft
+        costs no forward pass)."""
+        return simulated_acceptance(allowances, self.config.simulated_acceptance_rate, random)
 
 
 SPEC = ComponentSpec("decoding", "ngram", NgramDecoding, NgramDecodingConfig,

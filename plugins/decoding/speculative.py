@@ -3,29 +3,34 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from random import Random
 from typing import Optional
 
 import torch
 
 from servelab.core.component import ComponentSpec
 from servelab.core.decoding import DecodeBatch, DecodeResult, DecodingStrategy, Proposal
+from servelab.core.checkpoint import load_checkpoint
 from servelab.core.errors import ConfigError
 from servelab.core.request import Request
 from servelab.plugins.decoding.draft_model import DraftModel
-from servelab.plugins.decoding.speculative_sampling import verify
+from servelab.plugins.decoding.speculative_sampling import simulated_acceptance, speculation_problems, verify
 
 
 @dataclass
 class SpeculativeDecodingConfig:
     """``draft``: a model preset (``model=<name>``); ``draft_path``: a Hugging Face folder
     instead. ``num_speculative_tokens``: k drafts per request per step. The draft keeps
-    its own paged cache of ``draft_block_size`` blocks in ``draft_memory_bytes``."""
+    its own paged cache of ``draft_block_size`` blocks in ``draft_memory_bytes``.
+    ``simulated_acceptance_rate``: under ``executor=simulated``, the probability that the
+    target accepts each draft token (the draft model's passes are priced, not run)."""
 
     draft: str = "tiny-draft"
     draft_path: Optional[str] = None
     num_speculative_tokens: int = 3
     draft_block_size: int = 16
     draft_memory_bytes: int = 256 * 1024 * 1024
+    simulated_acceptance_rate: float = 0.7
 
 
 class SpeculativeDecoding(DecodingStrategy):
@@ -34,11 +39,18 @@ class SpeculativeDecoding(DecodingStrategy):
 
     def __init__(self, config: SpeculativeDecodingConfig, context=None):
         super().__init__(config, context)
-        if config.num_speculative_tokens < 1:
-            raise ConfigError([f"decoding.num_speculative_tokens must be >= 1, got {config.num_speculative_tokens}"])
+        problems = speculation_problems(config)
+        if problems:
+            raise ConfigError(problems)
         self.num_lookahead_tokens = config.num_speculative_tokens
-        self.draft = DraftModel(self._draft_model_config(), context, config.draft_block_size,
-                                config.draft_memory_bytes)
+        if context.runs_model:
+            self.draft = DraftModel(self._draft_model_config(), context, config.draft_block_size,
+                                    config.draft_memory_bytes)
+            self.draft_model_shape = self.draft.shape
+        else:
+            checkpoint = load_checkpoint(self._draft_model_config())
+            self.draft_model_shape = context.registry.get("model", checkpoint.architecture).cls.shape_of(
+                checkpoint.hf_config)
 
     def _draft_model_config(self):
         from servelab.core.compose import compose_config
@@ -62,7 +74,13 @@ class SpeculativeDecoding(DecodingStrategy):
 
     def on_request_finished(self, request: Request) -> None:
         """Free the request's draft cache."""
-        self.draft.release(request.request_id)
+        if self.context.runs_model:
+            self.draft.release(request.request_id)
+
+    def simulated_acceptance(self, allowances: tuple[int, ...], random: Random) -> list[int]:
+        """Each draft kept with probability ``simulated_acceptance_rate``."""
+        return simulated_acceptance(allowances, self.config.simulated_acceptance_rate, random)
+
 
 
 SPEC = ComponentSpec("decoding", "speculative", SpeculativeDecoding, SpeculativeDecodingConfig,

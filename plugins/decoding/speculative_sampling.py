@@ -10,6 +10,7 @@ iff it equals the target's argmax, which reproduces plain greedy decoding.
 
 from __future__ import annotations
 
+from random import Random
 from typing import Sequence
 
 import torch
@@ -107,3 +108,26 @@ def _logprobs(raw: torch.Tensor, starts: list[int], token_ids: list[list[int]], 
         grouped.append(flat[k:k + len(tokens)])
         k += len(tokens)
     return grouped
+
+
+def simulated_acceptance(allowances: Sequence[int], rate: float, random: Random) -> list[int]:
+    """Drafts kept per request when each is accepted with probability ``rate`` on its own
+    and the first rejection ends the run (``executor=simulated``)."""
+    kept = []
+    for allowance in allowances:
+        count = 0
+        while count < allowance and random.random() < rate:
+            count += 1
+        kept.append(count)
+    return kept
+
+
+def speculation_problems(config) -> list[str]:
+    """What is wrong with a speculative config's ``num_speculative_tokens`` and
+    ``simulated_acceptance_rate``."""
+    problems = []
+    if config.num_speculative_tokens < 1:
+        problems.append(f"decoding.num_speculative_tokens must be >= 1, got {config.num_speculative_tokens}")
+    if not 0.0 <= config.simulated_acceptance_rate <= 1.0:
+        problems.append(f"decoding.simulated_acceptance_rate must be in [0, 1], got {config.simulated_acceptance_rate}")
+    return problems

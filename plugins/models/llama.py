@@ -150,7 +150,8 @@ class LlamaFamilyForCausalLM(CausalLM):
         heads = hf_config.num_attention_heads
         return ModelShape(hf_config.num_hidden_layers, heads, getattr(hf_config, "num_key_value_heads", None) or heads,
                           head_dim_of(hf_config), sliding_window_of(hf_config), hf_config.max_position_embeddings,
-                          hf_config.vocab_size)
+                          hf_config.vocab_size, hf_config.hidden_size, hf_config.intermediate_size,
+                          bool(getattr(hf_config, "tie_word_embeddings", False)))
 
     def __init__(self, hf_config: Any, attention: Any, dtype: torch.dtype, max_positions: int):
         super().__init__(hf_config, attention, dtype, max_positions)

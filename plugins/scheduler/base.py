@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from typing import Any
 
@@ -23,8 +22,9 @@ class QueueScheduler(Scheduler):
     ``num_computed_tokens = 0``; with ``swap`` its blocks move to the host pool (falling
     back to recompute when the pool is full) and come back, oldest first, before any new
     request is admitted. A prompt with ``n > 1`` sequences counts as ``n`` running
-    requests from its admission on. The constructor raises ``ConfigError`` with every
-    problem ``config_problems`` finds.
+    requests from its admission on. A request granted in a step still in flight (a
+    pipeline) sits out until its result comes back, and is never preempted meanwhile.
+    The constructor raises ``ConfigError`` with every problem ``config_problems`` finds.
     """
 
     def __init__(self, config: Any, context: SchedulerContext):
@@ -43,6 +43,7 @@ class QueueScheduler(Scheduler):
         self._swap_in: list[tuple[int, int]] = []
         self._copies: list[tuple[int, int]] = []
         self._prefix_hits = 0
+        self._in_flight: set[str] = set()
 
     @classmethod
     def config_problems(cls, config: Any, context: SchedulerContext) -> list[str]:
@@ -102,7 +103,7 @@ class QueueScheduler(Scheduler):
 
     def _finish(self, request: Request) -> None:
         request.status = RequestStatus.FINISHED
-        request.finished_time = time.perf_counter()
+        request.finished_time = self.context.clock.now()
         self.cache.free(request)
         self.context.on_request_finished(request)
 
@@ -140,7 +141,7 @@ class QueueScheduler(Scheduler):
     # -- building a step -----------------------------------------------------------------
     def _grant(self, request: Request, num_new_tokens: int) -> ScheduledRequest:
         if request.first_scheduled_time is None:
-            request.first_scheduled_time = time.perf_counter()
+            request.first_scheduled_time = self.context.clock.now()
         request.status = RequestStatus.RUNNING
         computed = request.num_computed_tokens
         return ScheduledRequest(request, computed, num_new_tokens, tuple(self.cache.block_table(request)),
@@ -156,8 +157,8 @@ class QueueScheduler(Scheduler):
         is full. Returns (grants, tokens used, preempted ids)."""
         grants: list[ScheduledRequest] = []
         preempted: list[str] = []
-        queue = deque(self.running)
-        kept: list[Request] = []
+        kept: list[Request] = [r for r in self.running if r.request_id in self._in_flight]
+        queue = deque(r for r in self.running if r.request_id not in self._in_flight)
         used = 0
         while queue:
             request = queue.popleft()
@@ -215,20 +216,23 @@ class QueueScheduler(Scheduler):
                                  num_prefix_hit_tokens=self._prefix_hits, step_index=self.step_index)
         self._swap_out, self._swap_in, self._copies = [], [], []
         self._prefix_hits = 0
+        self._in_flight.update(g.request.request_id for g in grants)
         return output
 
     # -- applying a step's result ---------------------------------------------------------
     def update_from_output(self, output: SchedulerOutput, result: DecodeResult | None) -> SchedulerUpdate:
         """Advance token accounting; append each sampling request's tokens with their
         logprobs and speculative counts; finish stopped requests."""
-        now = time.perf_counter()
+        now = self.context.clock.now()
         changed: list[Request] = []
         generated = 0
         index = -1
         stop_checker = self.context.stop_checker
         speculative = self.context.num_lookahead_tokens > 0
+        in_flight = self._in_flight
         for grant in output.scheduled:
             request = grant.request
+            in_flight.discard(request.request_id)
             request.num_computed_tokens = grant.num_computed_tokens + grant.num_new_tokens
             if not grant.samples:
                 continue

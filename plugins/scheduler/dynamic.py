@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 from servelab.core.component import ComponentSpec
@@ -33,11 +32,11 @@ class DynamicScheduler(StaticScheduler):
         """A full batch is waiting, or the oldest request has waited long enough."""
         if len(self.waiting) >= self.config.max_batch_size:
             return True
-        waited_ms = (time.perf_counter() - self.waiting[0].arrival_time) * 1000.0
+        waited_ms = (self.context.clock.now() - self.waiting[0].arrival_time) * 1000.0
         return waited_ms >= self.config.max_wait_ms
 
     def next_wakeup(self) -> float | None:
-        """When the oldest waiting request's timeout expires (perf_counter seconds)."""
+        """When the oldest waiting request's timeout expires (on the context's clock)."""
         if self.running or not self.waiting:
             return None
         return self.waiting[0].arrival_time + self.config.max_wait_ms / 1000.0

@@ -47,7 +47,7 @@ class DecodingConformance(EngineKit):
                                                       ignore_eos=True))
         finished = run_to_completion(engine, between_steps=check_cache)
         assert len(finished) == 2 * len(LENGTHS)
-        for output, result in zip(steps.outputs, steps.results):
+        for output, result in ((e.output, e.result) for e in steps.executed):
             if result is None:
                 continue
             assert len(result.token_ids) == len(output.sampling_requests)

@@ -16,30 +16,30 @@ ENGINE_BASE = ("model.dtype=float32", "device=cpu", "model.max_model_len=128")
 
 @dataclass
 class StepLog:
-    """Every ``SchedulerOutput`` an engine produced and the ``DecodeResult`` (or None) of
-    each, in step order."""
+    """Every ``SchedulerOutput`` an engine's scheduler produced, in order, and every
+    ``ExecutedStep`` (output and result) its executor returned."""
 
     outputs: list[Any] = field(default_factory=list)
-    results: list[Any] = field(default_factory=list)
+    executed: list[Any] = field(default_factory=list)
 
 
 def record_steps(engine: Any) -> StepLog:
-    """Wrap the engine's scheduler and runner so that every step is logged."""
+    """Wrap the engine's scheduler and executor so that every step is logged."""
     log = StepLog()
-    schedule, execute = engine.scheduler.schedule, engine.runner.execute
+    schedule, collect = engine.scheduler.schedule, engine.executor.collect
 
     def logged_schedule():
         output = schedule()
         log.outputs.append(output)
         return output
 
-    def logged_execute(output):
-        result = execute(output)
-        log.results.append(result)
-        return result
+    def logged_collect():
+        executed = collect()
+        log.executed.append(executed)
+        return executed
 
     engine.scheduler.schedule = logged_schedule
-    engine.runner.execute = logged_execute
+    engine.executor.collect = logged_collect
     return log
 
 

@@ -64,7 +64,7 @@ def test_tied_embeddings_match_transformers(tmp_path):
 
     folder = tiny_checkpoint(tmp_path / "llama-tied", "llama", tie_word_embeddings=True)
     assert_engine_matches_transformers(folder)
-    model = LLM(folder, overrides=["model.dtype=float32"]).engine.runner.model
+    model = LLM(folder, overrides=["model.dtype=float32"]).engine.executor.model
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert "lm_head.weight" not in dict(model.named_parameters())
 

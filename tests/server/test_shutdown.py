@@ -37,7 +37,7 @@ def _stream(url: str, body: dict, started: threading.Event) -> list[str]:
 
 def test_sigterm_drains_then_exits_zero(tmp_path):
     server = ServerProcess(tmp_path / "server.log", "server.drain_timeout_s=2",
-                           "model.random_init.max_position_embeddings=4096")
+                           "model.shape.max_position_embeddings=4096")
     try:
         short = {"prompt": "short", "max_tokens": 16, "ignore_eos": True, "stream": True,
                  "stream_options": {"include_usage": True}}

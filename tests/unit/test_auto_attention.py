@@ -21,7 +21,7 @@ def chosen_backend(llm: LLM) -> str:
 def test_auto_is_the_default_and_picks_cpu_on_cpu():
     llm = LLM("toy", overrides=["device=cpu", "cache.memory_bytes=2000000"])
     assert chosen_backend(llm) == "cpu"
-    assert type(llm.engine.runner.attention).__name__ == "CpuAttention"
+    assert type(llm.engine.executor.attention).__name__ == "CpuAttention"
 
 
 def test_auto_falls_back_to_sdpa_without_the_native_ops(monkeypatch):

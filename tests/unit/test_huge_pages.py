@@ -29,7 +29,7 @@ def test_engine_kv_cache_uses_it(llama):
     from servelab import LLM, SamplingParams
 
     llm = LLM(llama, overrides=["model.dtype=float32", "cache.num_blocks=2048"])
-    caches = llm.engine.runner.kv_caches
+    caches = llm.engine.executor.kv_caches
     assert caches[0].numel() * caches[0].element_size() >= HUGE_PAGE_BYTES
     if sys.platform.startswith("linux"):
         assert all(c.data_ptr() % HUGE_PAGE_BYTES == 0 for c in caches)

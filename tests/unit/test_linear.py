@@ -144,7 +144,7 @@ def test_llm_warm_up_compiles_every_bucket_and_generation_is_unchanged(llama):
     llm = LLM(llama, overrides=["model.dtype=float32", "device=cpu"])
     params = SamplingParams(temperature=0.0, max_tokens=6)
     before = llm.generate("hello world", params, use_tqdm=False)[0].outputs[0].token_ids
-    model = llm.engine.runner.model
+    model = llm.engine.executor.model
     shapes = {(m.in_features, m.out_features) for m in model.modules() if isinstance(m, Linear)}
     buckets = {padded_rows(rows) for rows in range(1, 65)}
     assert llm.warm_up(64) == len(shapes) * len(buckets)
@@ -163,7 +163,7 @@ def test_warm_up_defaults_to_the_step_budget_and_packs_every_layer(llama, monkey
 
     llm = LLM(llama, overrides=["model.dtype=float32", "device=cpu", "scheduler=chunked", "scheduler.token_budget=96"])
     assert llm.engine.max_step_tokens == 96
-    model = llm.engine.runner.model
+    model = llm.engine.executor.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     shapes = {(m.in_features, m.out_features) for m in linears}
     buckets = {padded_rows(rows) for rows in range(1, 97)}

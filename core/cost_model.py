@@ -1,0 +1,85 @@
+"""The cost model contract: how long one forward pass of a model takes on some hardware.
+
+``executor=simulated`` asks its cost model the time of every step the real scheduler
+forms and advances a virtual clock by it; no model runs. Cost models are registered
+components (``cost_model=roofline``, ``cost_model=profiled``, ...) built as
+``cls(config, CostModelContext)``.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any
+
+from servelab.core.config import HardwareConfig, ParallelConfig
+from servelab.core.model import ModelShape
+
+
+@dataclass(frozen=True, slots=True)
+class BatchShape:
+    """The work of one forward pass: per request, ``query_lens[i]`` new tokens ending a
+    context of ``context_lens[i]`` tokens (cached + new; a decode has one new token), and
+    ``num_logits_rows`` rows that go through the LM head and sampling."""
+
+    query_lens: tuple[int, ...]
+    context_lens: tuple[int, ...]
+    num_logits_rows: int
+
+    @property
+    def num_tokens(self) -> int:
+        """New tokens in the pass (rows of every linear layer)."""
+        return sum(self.query_lens)
+
+    @property
+    def num_requests(self) -> int:
+        """Requests in the pass."""
+        return len(self.query_lens)
+
+
+@dataclass(frozen=True, slots=True)
+class StepCost:
+    """What one forward pass costs: ``stage_times[s]`` seconds of pipeline stage ``s``
+    (one entry without pipeline parallelism), including its tensor-parallel all-reduces;
+    ``transfer_time`` seconds to send activations from one stage to the next; and a
+    ``breakdown`` of the total by part (``(name, seconds)``, for reports)."""
+
+    stage_times: tuple[float, ...]
+    transfer_time: float = 0.0
+    breakdown: tuple[tuple[str, float], ...] = ()
+
+    @property
+    def total(self) -> float:
+        """Seconds from the first stage's start to the last stage's end, one pass alone."""
+        return sum(self.stage_times) + self.transfer_time * (len(self.stage_times) - 1)
+
+
+@dataclass(frozen=True, slots=True)
+class CostModelContext:
+    """What a cost model is built for: the ``model``'s shape, one device of the
+    ``hardware`` it runs on, the ``parallel`` split, and bytes per weight (``weight_bytes``), per KV cache element
+    (``kv_bytes``) and per activation element (``activation_bytes``)."""
+
+    model: ModelShape
+    hardware: HardwareConfig
+    parallel: ParallelConfig
+    weight_bytes: float = 2.0
+    kv_bytes: float = 2.0
+    activation_bytes: float = 2.0
+
+
+class CostModel(abc.ABC):
+    """Prices forward passes of ``context.model`` on ``context.hardware``.
+
+    Built as ``cls(config, CostModelContext)``; a constructor raises ``ConfigError``
+    listing every problem (a model its tables do not cover, a split that does not divide
+    the heads).
+    """
+
+    def __init__(self, config: Any, context: CostModelContext):
+        self.config = config
+        self.context = context
+
+    @abc.abstractmethod
+    def forward_cost(self, batch: BatchShape) -> StepCost:
+        """The time of one forward pass over ``batch``, logits and sampling included."""

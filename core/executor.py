@@ -1,0 +1,119 @@
+"""The executor contract: the seam between the engine's bookkeeping and the forward pass.
+
+``SchedulerOutput`` in, ``DecodeResult`` (token ids, logprobs, speculative counts) out.
+``executor=model`` runs the model; ``executor=simulated`` prices the step with a cost
+model and lets the clock advance by that time; a parallel executor runs the step on
+several devices. The scheduler, the KV cache manager and the decoding strategy's
+accounting are the same whichever executor runs.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from servelab.core.clock import Clock
+from servelab.core.decoding import DecodeResult
+from servelab.core.model import ModelShape
+from servelab.core.scheduler import SchedulerOutput
+
+if TYPE_CHECKING:
+    from servelab.core.checkpoint import Checkpoint
+    from servelab.core.decoding import DecodingStrategy
+    from servelab.core.kv_cache import KVCacheManager, KVCacheSpec
+    from servelab.core.registry import Registry
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutedStep:
+    """A step back from the executor: the ``output`` it ran, its ``result`` (None when no
+    request sampled) and ``stage_busy_s``, the seconds each pipeline stage computed for it
+    (empty when the executor does not measure stages)."""
+
+    output: SchedulerOutput
+    result: DecodeResult | None
+    stage_busy_s: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutorContext:
+    """What the engine hands an executor.
+
+    ``checkpoint``: the model (config, tokenizer, architecture; weights when it has any);
+    ``shape``: its sizes; ``model_cls``: the registered ``CausalLM`` class; ``dtype`` and
+    ``device``; ``max_model_len``; ``attention_config``: the resolved attention backend's
+    config; ``engine_cfg``: the whole composed config (``hardware``, ``cost_model`` and
+    ``parallel`` nodes included); ``registry``; ``clock``: the engine's time.
+    """
+
+    checkpoint: Checkpoint
+    shape: ModelShape
+    model_cls: type
+    dtype: torch.dtype
+    device: torch.device
+    max_model_len: int
+    attention_config: Any
+    engine_cfg: Any
+    registry: Registry
+    clock: Clock
+
+
+class Executor(abc.ABC):
+    """Runs the steps the scheduler forms.
+
+    Built as ``cls(config, ExecutorContext)`` before the cache (``kv_cache_budget_bytes``
+    sizes it), then ``attach``-ed to the built cache and decoding strategy. Steps go in
+    with ``submit`` and come back, oldest first, from ``collect``; up to
+    ``max_steps_in_flight`` may be in flight at once (the stages of a pipeline), and the
+    engine's scheduler never grants a request whose previous grant is still in flight.
+    Subclasses implement ``execute`` (one step, synchronously) or override
+    ``submit``/``collect`` to overlap steps.
+    """
+
+    max_steps_in_flight: int = 1
+    #: False for executors that run no model (no logits: decoding strategies simulate
+    #: their acceptance and load no weights); the engine then keeps virtual time.
+    runs_model: bool = True
+
+    def __init__(self, config: Any, context: ExecutorContext):
+        self.config = config
+        self.context = context
+        self._submitted: deque[SchedulerOutput] = deque()
+
+    def kv_cache_budget_bytes(self, spec: KVCacheSpec) -> int | None:
+        """Bytes of KV cache each device can hold for ``spec`` (per-device heads and
+        layers), used by a cache config that sets no size; None: no budget known."""
+        return None
+
+    @abc.abstractmethod
+    def attach(self, cache: KVCacheManager, strategy: DecodingStrategy) -> None:
+        """Bind the built cache manager and decoding strategy (allocate KV tensors, ...)."""
+
+    def execute(self, output: SchedulerOutput) -> DecodeResult | None:
+        """Run one step; the tokens of its sampling requests (None if none sample)."""
+        raise NotImplementedError(f"{type(self).__name__} implements neither execute nor submit/collect")
+
+    def submit(self, output: SchedulerOutput) -> None:
+        """Start a step (by default it runs when collected)."""
+        self._submitted.append(output)
+
+    def collect(self) -> ExecutedStep:
+        """Finish the oldest step in flight."""
+        output = self._submitted.popleft()
+        return ExecutedStep(output, self.execute(output))
+
+    @property
+    def num_in_flight(self) -> int:
+        """Steps submitted and not collected."""
+        return len(self._submitted)
+
+    def warm_up(self, max_tokens: int) -> int:
+        """Prepare the kernels of steps up to ``max_tokens`` tokens; how many."""
+        return 0
+
+    def shutdown(self) -> None:
+        """Release devices and worker processes (nothing by default)."""

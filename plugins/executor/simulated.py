@@ -1,0 +1,200 @@
+"""``executor=simulated``: every step priced by a cost model on a virtual clock; no model runs.
+
+The scheduler, the KV cache manager (allocation, prefix caching, copy-on-write, swapping,
+preemption) and the decoding strategy's accounting are the engine's own; only the forward
+pass is replaced by its price. Requests get random tokens, so they end at their
+``max_tokens`` (a benchmark's ``ignore_eos``) or at an EOS drawn with ``eos_probability``;
+speculative strategies keep drafts at their ``simulated_acceptance_rate`` and the draft
+model's passes are priced too. With ``parallel.pipeline_parallel_size`` M, up to M steps
+are in flight, each stage busy for its share of every step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from random import Random
+
+from omegaconf import OmegaConf
+
+from servelab.core.component import ComponentSpec
+from servelab.core.cost_model import BatchShape, CostModel, CostModelContext
+from servelab.core.decoding import DecodeResult, DecodingStrategy, lookahead_allowances
+from servelab.core.errors import ConfigError
+from servelab.core.executor import ExecutedStep, Executor, ExecutorContext
+from servelab.core.kv_cache import KVCacheManager, KVCacheSpec
+from servelab.core.model import ModelShape
+from servelab.core.outputs import Logprob
+from servelab.core.scheduler import SchedulerOutput
+
+
+@dataclass
+class SimulatedExecutorConfig:
+    """``executor=simulated``: ``seed`` of the random tokens, EOS draws and draft
+    acceptance; ``eos_probability``: the chance, per generated token, that a request which
+    does not ignore EOS ends there (0: requests run to ``max_tokens``)."""
+
+    seed: int = 0
+    eos_probability: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class PricedStep:
+    """A step in the simulated pipeline: when it leaves the last stage (``finish``), what
+    it returns, and how long each stage worked on it."""
+
+    finish: float
+    output: SchedulerOutput
+    result: DecodeResult | None
+    stage_busy_s: tuple[float, ...]
+
+
+class SimulatedExecutor(Executor):
+    """Prices each step with the configured cost model and lets the engine's clock reach
+    the time the step ends (a virtual clock jumps; a wall clock sleeps, so a server can
+    pose as the simulated hardware)."""
+
+    runs_model = False
+
+    def __init__(self, config: SimulatedExecutorConfig, context: ExecutorContext):
+        super().__init__(config, context)
+        if not 0.0 <= config.eos_probability <= 1.0:
+            raise ConfigError([f"executor.eos_probability must be in [0, 1], got {config.eos_probability}"])
+        cfg = context.engine_cfg
+        if OmegaConf.is_missing(cfg, "cost_model"):
+            raise ConfigError(["executor=simulated needs a cost model: cost_model=roofline or cost_model=profiled"])
+        self.hardware = OmegaConf.to_object(cfg.hardware)
+        self.parallel = OmegaConf.to_object(cfg.parallel)
+        self.element_bytes = context.dtype.itemsize
+        self.cost_model = self._cost_model(context.shape)
+        self.max_steps_in_flight = self.parallel.pipeline_parallel_size
+        self.random = Random(config.seed)
+        tokenizer = context.checkpoint.tokenizer
+        self.eos_token_id = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+        self.vocab_size = context.shape.vocab_size
+        self.stage_free = [0.0] * self.parallel.pipeline_parallel_size
+        self.draft_cost_model: CostModel | None = None
+        self._pending: deque[PricedStep] = deque()
+
+    def _cost_model(self, shape: ModelShape) -> CostModel:
+        cfg = self.context.engine_cfg
+        bytes_ = self.element_bytes
+        return self.context.registry.build("cost_model", cfg.cost_model, CostModelContext(
+            shape, self.hardware, self.parallel, weight_bytes=bytes_, kv_bytes=bytes_, activation_bytes=bytes_))
+
+    def kv_cache_budget_bytes(self, spec: KVCacheSpec) -> int:
+        """Device memory times ``memory_utilization``, less one device's share of the
+        weights and the activation reserve."""
+        hw, shape = self.hardware, self.context.shape
+        weights = shape.num_parameters * self.element_bytes / self.parallel.num_devices
+        usable = hw.memory_bytes * hw.memory_utilization
+        left = usable - weights - hw.activation_reserve_bytes
+        if left < spec.bytes_per_token * spec.max_model_len:
+            raise ConfigError([
+                f"the model does not fit hardware={hw.name}: {weights / 2**30:.1f} GiB of weights per device "
+                f"({shape.num_parameters / 1e9:.1f}B parameters over {self.parallel.num_devices} device(s)) and "
+                f"{hw.activation_reserve_bytes / 2**30:.1f} GiB of activations leave "
+                f"{max(left, 0) / 2**30:.2f} GiB of the {usable / 2**30:.1f} GiB usable, less than one "
+                f"{spec.max_model_len}-token sequence of KV cache needs; add devices "
+                f"(parallel.tensor_parallel_size) or pick a larger device"])
+        return int(left)
+
+    def attach(self, cache: KVCacheManager, strategy: DecodingStrategy) -> None:
+        """Keep the cache's block size for pricing block moves, and a cost model for the
+        strategy's draft model if it has one."""
+        self.cache = cache
+        self.strategy = strategy
+        if strategy.draft_model_shape is not None:
+            self.draft_cost_model = self._cost_model(strategy.draft_model_shape)
+
+    # -- one step -------------------------------------------------------------------------------
+    def submit(self, output: SchedulerOutput) -> None:
+        """Decide the step's tokens and its place in the pipeline."""
+        result, batch, allowances = self._decide(output)
+        start = max(self.context.clock.now(), self.stage_free[0])
+        start += self._block_moves_time(output) + self._draft_time(output, allowances)
+        stage_times: tuple[float, ...] = (0.0,) * len(self.stage_free)
+        transfer = 0.0
+        if output.scheduled:
+            cost = self.cost_model.forward_cost(batch)
+            stage_times, transfer = cost.stage_times, cost.transfer_time
+        moment = start
+        for stage, busy in enumerate(stage_times):
+            begin = max(moment, self.stage_free[stage])
+            self.stage_free[stage] = begin + busy
+            moment = begin + busy + (transfer if stage + 1 < len(stage_times) else 0.0)
+        self._pending.append(PricedStep(moment, output, result, tuple(stage_times)))
+
+    def collect(self) -> ExecutedStep:
+        """Let the clock reach the end of the oldest step in flight; the step."""
+        step = self._pending.popleft()
+        self.context.clock.advance_to(step.finish)
+        return ExecutedStep(step.output, step.result, step.stage_busy_s)
+
+    @property
+    def num_in_flight(self) -> int:
+        """Steps priced and not collected."""
+        return len(self._pending)
+
+    def _decide(self, output: SchedulerOutput) -> tuple[DecodeResult | None, BatchShape, tuple[int, ...]]:
+        """The step's tokens (drafts kept at the strategy's rate, random ids, EOS at
+        ``eos_probability``) and the forward pass's shape."""
+        sampling = output.sampling_requests
+        speculative = self.strategy.num_lookahead_tokens > 0 and bool(sampling)
+        allowances = lookahead_allowances(output, self.context.max_model_len) if speculative else (0,) * len(sampling)
+        kept = self.strategy.simulated_acceptance(allowances, self.random) if speculative else None
+        drafts = iter(allowances)
+        query_lens, context_lens = [], []
+        for grant in output.scheduled:
+            extra = next(drafts) if grant.samples else 0
+            query_lens.append(grant.num_new_tokens + extra)
+            context_lens.append(grant.num_computed_tokens + grant.num_new_tokens + extra)
+        batch = BatchShape(tuple(query_lens), tuple(context_lens), len(sampling) + sum(allowances))
+        if not sampling:
+            return None, batch, allowances
+        counts = kept if kept is not None else [0] * len(sampling)
+        token_ids = [self._tokens(request, count + 1) for request, count in zip(sampling, counts)]
+        logprobs = None
+        if any(r.sampling_params.logprobs is not None for r in sampling):
+            uniform = -math.log(self.vocab_size)
+            logprobs = [[{t: Logprob(t, uniform, 1)} for t in tokens] for tokens in token_ids]
+        result = DecodeResult(token_ids, logprobs, allowances if kept is not None else None, kept)
+        return result, batch, allowances
+
+    def _tokens(self, request, count: int) -> list[int]:
+        """``count`` random token ids, the first EOS drawn at ``eos_probability`` ending them."""
+        eos = None if request.sampling_params.ignore_eos else self.eos_token_id
+        tokens = []
+        for _ in range(count):
+            if eos is not None and self.random.random() < self.config.eos_probability:
+                tokens.append(eos)
+                break
+            token = self.random.randrange(self.vocab_size)
+            tokens.append(token if token != eos else (token + 1) % self.vocab_size)
+        return tokens
+
+    def _block_moves_time(self, output: SchedulerOutput) -> float:
+        """Swapping over the host link, copy-on-write within device memory."""
+        block_bytes = self.context.shape.kv_cache_spec(
+            self.context.dtype, self.context.max_model_len, self.parallel.tensor_parallel_size,
+            self.parallel.pipeline_parallel_size).bytes_per_token * self.cache.block_size
+        swapped = len(output.blocks_to_swap_out) + len(output.blocks_to_swap_in)
+        return (swapped * block_bytes / self.hardware.host_bandwidth
+                + 2 * len(output.blocks_to_copy) * block_bytes / self.hardware.memory_bandwidth)
+
+    def _draft_time(self, output: SchedulerOutput, allowances: tuple[int, ...]) -> float:
+        """The draft model's passes: one token per drafting request per drafted position."""
+        if self.draft_cost_model is None or not any(allowances):
+            return 0.0
+        contexts = [g.num_computed_tokens + 1 for g in output.scheduled if g.samples]
+        drafting = [(c, a) for c, a in zip(contexts, allowances) if a]
+        seconds = 0.0
+        for position in range(max(a for _, a in drafting)):
+            rows = [c + position for c, a in drafting if a > position]
+            seconds += self.draft_cost_model.forward_cost(BatchShape((1,) * len(rows), tuple(rows), len(rows))).total
+        return seconds
+
+
+SPEC = ComponentSpec("executor", "simulated", SimulatedExecutor, SimulatedExecutorConfig,
+                     "prices every step with a cost model on a virtual clock; the real scheduler and cache, no model")
