@@ -6,7 +6,7 @@ import random
 
 from servelab.core.errors import ConfigError
 
-ARRIVALS = ("all_at_once", "poisson", "gamma")
+ARRIVALS = ("all_at_once", "poisson", "gamma", "trace")
 
 
 def arrival_offsets(kind: str, num_requests: int, rate: float, burstiness: float, rng: random.Random) -> list[float]:
@@ -16,7 +16,7 @@ def arrival_offsets(kind: str, num_requests: int, rate: float, burstiness: float
     ``burstiness`` and the same mean (coefficient of variation ``1 / sqrt(burstiness)``;
     shape 1 is Poisson). ``all_at_once``: every request at 0 (offline throughput).
     """
-    if kind not in ARRIVALS:
+    if kind not in ARRIVALS or kind == "trace":
         raise ConfigError([f"workload.arrival must be one of {', '.join(ARRIVALS)}, got {kind!r}"])
     if kind == "all_at_once":
         return [0.0] * num_requests

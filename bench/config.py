@@ -38,6 +38,9 @@ class WorkloadConfig:
     ``long_prompt_fraction`` of the context, output from ``output_range``). Every prompt
     starts with one of ``num_prefixes`` shared prefixes of ``prefix_len`` tokens (0 = none).
     ``prompts``: random (token ids) | corpus (windows of ``corpus_file``'s tokens).
+    ``arrival: trace`` and ``lengths: trace`` replay the CSV trace at ``path`` (first
+    ``num_requests`` rows; its arrival times as recorded unless ``trace_rate`` rescales
+    them to that mean rate, which rate sweeps and capacity searches set).
     Lengths are clamped to the model's context: outputs to half of it, prompts to the rest.
     """
 
@@ -57,6 +60,8 @@ class WorkloadConfig:
     num_prefixes: int = 1
     prompts: str = "random"
     corpus_file: Optional[str] = None
+    path: Optional[str] = None
+    trace_rate: Optional[float] = None
     temperature: float = 0.0
     ignore_eos: bool = True
 
@@ -74,7 +79,11 @@ class SloConfig:
 @dataclass
 class InprocTargetConfig:
     """``target=inproc``: servelab's ``LLMEngine`` in this process, built from the
-    top-level model/cache/attention/scheduler/decoding groups."""
+    top-level model/cache/attention/scheduler/decoding groups; ``replicas`` engines
+    behind the top-level ``router`` (more than one runs under ``executor=simulated``,
+    each replica on its own virtual clock)."""
+
+    replicas: int = 1
 
 
 @dataclass
@@ -162,10 +171,25 @@ GROUP_OPTIONS = {
 """Options of the bench-only groups whose nodes are dataclasses (no YAML files)."""
 
 
+def register_bench_resolvers() -> None:
+    """Register ``servelab_trace`` (the path of a shipped trace); idempotent. Runs when
+    this module is imported, so a job process of a launcher resolves presets too."""
+    from omegaconf import OmegaConf
+
+    from servelab.bench.trace import shipped_trace
+
+    if not OmegaConf.has_resolver("servelab_trace"):
+        OmegaConf.register_new_resolver("servelab_trace", shipped_trace)
+
+
 def store_bench_schemas() -> None:
     """Put ``bench_schema`` and the target/baseline/mode options into Hydra's ConfigStore."""
+    register_bench_resolvers()
     store = ConfigStore.instance()
     store.store(name="bench_schema", node=BenchConfig)
     for group, options in GROUP_OPTIONS.items():
         for name, node in options.items():
             store.store(group=group, name=name, node=node)
+
+
+register_bench_resolvers()

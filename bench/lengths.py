@@ -7,7 +7,7 @@ import random
 
 from servelab.core.errors import ConfigError
 
-LENGTHS = ("fixed", "uniform", "sharegpt", "long_prompt")
+LENGTHS = ("fixed", "uniform", "sharegpt", "long_prompt", "trace")
 
 
 def _uniform(bounds, name: str, rng: random.Random) -> int:
@@ -26,7 +26,7 @@ def sample_lengths(cfg, max_model_len: int, rng: random.Random) -> list[tuple[in
     """``cfg.num_requests`` (prompt tokens, output tokens) pairs drawn from ``cfg.lengths``,
     before the shared prefix is added and before clamping."""
     kind = cfg.lengths
-    if kind not in LENGTHS:
+    if kind not in LENGTHS or kind == "trace":
         raise ConfigError([f"workload.lengths must be one of {', '.join(LENGTHS)}, got {kind!r}"])
     if kind == "fixed" and (cfg.input_len < 1 or cfg.output_len < 1):
         raise ConfigError([f"workload.input_len and workload.output_len must be >= 1, got {cfg.input_len}, {cfg.output_len}"])

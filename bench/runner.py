@@ -34,9 +34,24 @@ def open_system(cfg: DictConfig, folder: str) -> System:
         from servelab.bench.targets.http import HttpSystem
 
         return HttpSystem(cfg)
+    if cfg.target.replicas != 1:
+        from servelab.bench.targets.cluster import ClusterSystem
+
+        return ClusterSystem(cfg)
     from servelab.bench.targets.inproc import ServelabSystem
 
     return ServelabSystem(cfg)
+
+
+def offered_rate(workload: Any, requests: list, rate: float | None) -> float | None:
+    """Requests per second offered: None when they arrive all at once, the trace's own mean
+    rate for a trace replayed as recorded, else the configured (or searched) rate."""
+    if workload.arrival == "all_at_once":
+        return None
+    if workload.arrival == "trace" and rate is None and workload.trace_rate is None:
+        span = requests[-1].arrival_offset_s if requests else 0.0
+        return (len(requests) - 1) / span if span > 0 else None
+    return rate if rate is not None else (workload.trace_rate if workload.arrival == "trace" else workload.rate)
 
 
 def measure(system: System, cfg: DictConfig, rate: float | None = None, desc: str = "requests") -> dict[str, Any]:
@@ -53,9 +68,9 @@ def measure(system: System, cfg: DictConfig, rate: float | None = None, desc: st
     workload = cfg.workload
     metrics = summarize(records, cfg.slo)
     metrics["system"] = {"name": system.name, **stats}
-    metrics["workload"] = {"arrival": workload.arrival, "rate": None if workload.arrival == "all_at_once" else
-                           (workload.rate if rate is None else rate), "burstiness": workload.burstiness,
-                           "lengths": workload.lengths, "prefix_len": workload.prefix_len, "seed": workload.seed}
+    metrics["workload"] = {"arrival": workload.arrival, "rate": offered_rate(workload, requests, rate),
+                           "burstiness": workload.burstiness, "lengths": workload.lengths,
+                           "prefix_len": workload.prefix_len, "seed": workload.seed}
     metrics["samples"] = {
         "ttft_ms": [1000 * r.ttft for r in records if r.ok],
         "tpot_ms": [1000 * t for r in records if r.ok and (t := r.tpot) is not None],

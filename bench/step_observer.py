@@ -8,7 +8,8 @@ from servelab.core.hookspecs import hookimpl
 
 
 class StepObserver:
-    """Accumulates per-step ``StepStats`` of one engine while registered.
+    """Accumulates per-step ``StepStats`` while registered: of ``engine`` alone when given,
+    else of every engine of the registry (the replicas of a cluster together).
 
     KV waste is time-weighted: each step's snapshot (taken after the step) counts for the
     step's time, so waste = 1 - sum(used_slots * dt) / sum(reserved_slots * dt), the
@@ -17,7 +18,8 @@ class StepObserver:
     busy time the stage sat idle.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, engine: Any = None) -> None:
+        self.engine = engine
         self.num_steps = 0
         self.busy_s = 0.0
         self.reserved_slot_s = 0.0
@@ -36,7 +38,9 @@ class StepObserver:
 
     @hookimpl
     def servelab_step_end(self, engine: Any, stats: Any) -> None:
-        """Fold one step's statistics in."""
+        """Fold one step's statistics in (only ``engine``'s steps, when one was given)."""
+        if self.engine is not None and engine is not self.engine:
+            return
         kv, dt = stats.kv, stats.step_time_s
         self.num_steps += 1
         self.busy_s += dt

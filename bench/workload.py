@@ -9,6 +9,7 @@ from typing import Any
 from servelab.bench.arrivals import arrival_offsets
 from servelab.bench.lengths import clamp_lengths, sample_lengths
 from servelab.bench.prompts import PromptSource
+from servelab.bench.trace import read_trace, trace_offsets
 from servelab.core.errors import ConfigError
 
 
@@ -68,9 +69,16 @@ def build_workload(cfg: Any, space: TokenSpace, rate: float | None = None, prefi
     if problems:
         raise ConfigError(problems)
     seed = cfg.seed
-    offsets = arrival_offsets(cfg.arrival, cfg.num_requests, cfg.rate if rate is None else rate, cfg.burstiness,
-                              random.Random(f"{seed}:arrivals"))
-    pairs = sample_lengths(cfg, space.max_model_len, random.Random(f"{seed}:lengths"))
+    rows = read_trace(cfg.path, cfg.num_requests) if "trace" in (cfg.arrival, cfg.lengths) else []
+    if cfg.arrival == "trace":
+        offsets = trace_offsets(rows, cfg.trace_rate if rate is None else rate)
+    else:
+        offsets = arrival_offsets(cfg.arrival, cfg.num_requests, cfg.rate if rate is None else rate, cfg.burstiness,
+                                  random.Random(f"{seed}:arrivals"))
+    if cfg.lengths == "trace":
+        pairs = [(row.prompt_tokens, row.output_tokens) for row in rows]
+    else:
+        pairs = sample_lengths(cfg, space.max_model_len, random.Random(f"{seed}:lengths"))
     source = PromptSource(cfg.prompts, space.vocab_size, space.tokenizer, cfg.corpus_file, random.Random(f"{seed}:prompts"))
     prefixes = [source.draw(cfg.prefix_len) for _ in range(cfg.num_prefixes)] if cfg.prefix_len > 0 else [[]]
     pick = random.Random(f"{seed}:prefixes")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-KINDS = ("scheduler", "cache", "attention", "decoding", "model", "eviction", "executor", "cost_model")
+KINDS = ("scheduler", "cache", "attention", "decoding", "model", "eviction", "executor", "cost_model", "router")
 """Component kinds; each but ``model`` and ``eviction`` is a Hydra config group of the same name."""
 
 

@@ -123,8 +123,9 @@ class ParallelConfig:
 class EngineConfig:
     """What every servelab app composes to build an ``LLMEngine``: the model, one option
     of each component group (filled from the registry: the four contracts, the
-    ``executor`` and, for ``executor=simulated``, the ``cost_model``), the ``hardware``
-    it is priced on, the ``parallel`` split, on ``device``."""
+    ``executor`` and, for ``executor=simulated``, the ``cost_model``; the ``router`` that
+    spreads requests over replicas), the ``hardware`` it is priced on, the ``parallel``
+    split, on ``device``."""
 
     model: ModelConfig = MISSING
     cache: Any = MISSING
@@ -133,6 +134,7 @@ class EngineConfig:
     decoding: Any = MISSING
     executor: Any = MISSING
     cost_model: Any = MISSING
+    router: Any = MISSING
     hardware: HardwareConfig = MISSING
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: str = "auto"

@@ -68,6 +68,12 @@ def servelab_register_cost_models() -> list[ComponentSpec]:
 
 
 @hookspec
+def servelab_register_routers() -> list[ComponentSpec]:
+    """Return ``ComponentSpec(kind="router", ...)`` entries; each class implements
+    ``servelab.core.router.Router`` and is built as ``cls(config, RouterContext)``."""
+
+
+@hookspec
 def servelab_engine_started(engine: LLMEngine) -> None:
     """Called once when an engine is built and ready."""
 

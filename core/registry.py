@@ -32,8 +32,9 @@ REGISTER_HOOKS = {
     "eviction": "servelab_register_eviction_policies",
     "executor": "servelab_register_executors",
     "cost_model": "servelab_register_cost_models",
+    "router": "servelab_register_routers",
 }
-CONFIG_GROUPS = ("cache", "attention", "scheduler", "decoding", "executor", "cost_model")
+CONFIG_GROUPS = ("cache", "attention", "scheduler", "decoding", "executor", "cost_model", "router")
 """Kinds that are Hydra config groups (models are picked from ``config.json``; eviction
 policies by name with ``cache.eviction``)."""
 

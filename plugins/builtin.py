@@ -62,3 +62,11 @@ def servelab_register_executors():
     from servelab.plugins.executor import model, simulated
 
     return [model.SPEC, simulated.SPEC]
+
+
+@hookimpl
+def servelab_register_routers():
+    """round_robin, least_loaded and prefix_affinity replica routing."""
+    from servelab.plugins.router import least_loaded, prefix_affinity, round_robin
+
+    return [round_robin.SPEC, least_loaded.SPEC, prefix_affinity.SPEC]

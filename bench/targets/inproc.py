@@ -64,7 +64,7 @@ class ServelabSystem(SteppedSystem):
 
     def begin(self) -> None:
         """Register a fresh step observer."""
-        self.observer = StepObserver()
+        self.observer = StepObserver(self.engine)
         self.engine.registry.plugin_manager.register(self.observer)
 
     def end(self) -> dict[str, Any]:

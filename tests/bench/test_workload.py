@@ -122,3 +122,33 @@ def test_warmup_requests_are_short_and_distinct():
     warm = warmup_workload(SPACE, 3)
     assert [r.request_id for r in warm] == ["warmup-0", "warmup-1", "warmup-2"]
     assert all(len(r.prompt_token_ids) == 16 and r.max_tokens == 4 for r in warm)
+
+
+def test_trace_replays_arrivals_and_lengths(tmp_path):
+    from servelab.bench.trace import shipped_trace
+
+    path = tmp_path / "t.csv"
+    path.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n10.0,30,5\n10.5,12,7\n12.0,40,3\n")
+    requests = build_workload(workload(num_requests=3, arrival="trace", lengths="trace", path=str(path)), SPACE)
+    assert [r.arrival_offset_s for r in requests] == [0.0, 0.5, 2.0]
+    assert [(len(r.prompt_token_ids), r.max_tokens) for r in requests] == [(30, 5), (12, 7), (40, 3)]
+    faster = build_workload(workload(num_requests=3, arrival="trace", lengths="trace", path=str(path),
+                                     trace_rate=4.0), SPACE)
+    assert [r.arrival_offset_s for r in faster] == pytest.approx([0.0, 0.125, 0.5])
+    shipped = build_workload(workload(num_requests=100, arrival="trace", lengths="trace",
+                                      path=shipped_trace("conversation")), TokenSpace(32000, 4096, None))
+    assert len(shipped) == 100 and shipped[0].arrival_offset_s == 0.0
+
+
+@pytest.mark.parametrize("path, message", [(None, "workload.path is not set"),
+                                           ("/no/such.csv", "cannot be read")])
+def test_trace_problems_name_the_field(path, message):
+    with pytest.raises(ConfigError, match=message):
+        build_workload(workload(num_requests=3, arrival="trace", lengths="trace", path=path), SPACE)
+
+
+def test_trace_with_too_few_rows_says_so(tmp_path):
+    path = tmp_path / "t.csv"
+    path.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n0,3,3\n")
+    with pytest.raises(ConfigError, match="num_requests=5 but the trace"):
+        build_workload(workload(num_requests=5, arrival="trace", lengths="trace", path=str(path)), SPACE)
