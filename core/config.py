@@ -88,7 +88,12 @@ class HardwareConfig:
     may use (vLLM's ``gpu_memory_utilization``); ``activation_reserve_bytes``, kept per
     device for activations and workspace. ``compute_efficiency`` and
     ``memory_efficiency``: the fractions of peak that the roofline cost model assumes
-    kernels reach (calibrated against measured operator times, docs/simulation.md)."""
+    kernels reach (calibrated against measured operator times, docs/simulation.md).
+    ``interconnect_efficiency``: the fraction of a link's bandwidth a collective or send
+    reaches (calibrated against measured all-reduce times); ``network_bandwidth``: bytes/s
+    each device sends off its node (its share of the node's InfiniBand/Ethernet), used by
+    collectives that span more than ``devices_per_node`` devices and by pipeline sends
+    between nodes."""
 
     name: str = "local"
     peak_flops: float = 1.0e11
@@ -102,6 +107,8 @@ class HardwareConfig:
     activation_reserve_bytes: int = 0
     compute_efficiency: float = 0.7
     memory_efficiency: float = 0.8
+    interconnect_efficiency: float = 0.7
+    network_bandwidth: float = 25.0e9
 
 
 @dataclass

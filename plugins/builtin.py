@@ -70,3 +70,11 @@ def servelab_register_routers():
     from servelab.plugins.router import least_loaded, prefix_affinity, round_robin
 
     return [round_robin.SPEC, least_loaded.SPEC, prefix_affinity.SPEC]
+
+
+@hookimpl
+def servelab_register_cost_models():
+    """roofline (FLOPs and bytes on the hardware's roofline) and profiled (measured tables)."""
+    from servelab.plugins.cost_model import profiled, roofline
+
+    return [roofline.SPEC, profiled.SPEC]

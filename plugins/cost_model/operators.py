@@ -1,0 +1,146 @@
+"""The work of one forward pass, operator by operator: FLOPs and bytes moved on one device.
+
+Shared by ``cost_model=roofline`` (which turns each operator into time on a roofline) and
+``cost_model=profiled`` (which looks the operators up in measured tables and prices the
+rest, attention above all, with the roofline). Names follow the measured tables
+(Vidur's ``mlp.csv``): ``input_layernorm``, ``attn_pre_proj`` (the fused QKV projection),
+``attn_rope``, ``attn_post_proj`` (the output projection), ``post_attention_layernorm``,
+``mlp_up_proj`` (gate and up, fused), ``mlp_act``, ``mlp_down_proj``, ``add`` (the
+residual add; the other one is fused into the post-attention norm, as vLLM does), plus
+``attn_prefill`` and ``attn_decode`` (attention over the KV cache), and per step ``emb``,
+``final_norm``, ``lm_head`` and ``sampling``.
+
+Under tensor parallelism of ``tp`` ranks each rank holds ``num_heads / tp`` query heads,
+``max(1, num_kv_heads / tp)`` KV heads and ``intermediate_size / tp`` MLP columns; norms,
+rotary embedding of the local heads and the residual add run on every rank in full width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from servelab.core.cost_model import BatchShape
+from servelab.core.model import ModelShape
+
+LAYER_OPERATORS = ("input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj", "post_attention_layernorm",
+                   "mlp_up_proj", "mlp_act", "mlp_down_proj", "add")
+"""A decoder layer's operators other than attention, in execution order."""
+
+ATTENTION_OPERATORS = ("attn_prefill", "attn_decode")
+"""Attention over the cache: requests with several new tokens (prefills, chunks,
+speculative verification) and requests with one (decodes) run as two kernels."""
+
+
+@dataclass(frozen=True, slots=True)
+class Operator:
+    """One kernel's work on one device: ``flops`` and ``bytes`` read and written."""
+
+    name: str
+    flops: float
+    bytes: float
+
+
+@dataclass(frozen=True, slots=True)
+class Widths:
+    """What one tensor-parallel rank holds of a layer: ``q_heads``, ``kv_heads`` of
+    ``head_dim``, ``mlp`` columns, ``vocab`` rows of the LM head (of ``full_vocab``); and
+    the element sizes of weights (``wb``), KV cache (``kvb``) and activations (``ab``)."""
+
+    hidden: int
+    full_vocab: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    mlp: int
+    vocab: int
+    wb: float
+    kvb: float
+    ab: float
+
+    @classmethod
+    def of(cls, shape: ModelShape, tp: int, wb: float, kvb: float, ab: float) -> Widths:
+        """The per-rank widths of ``shape`` split over ``tp`` ranks."""
+        return cls(shape.hidden_size, shape.vocab_size, shape.num_heads // tp, shape.kv_heads_per_rank(tp),
+                   shape.head_dim, shape.intermediate_size // tp, -(-shape.vocab_size // tp), wb, kvb, ab)
+
+
+def matmul(name: str, rows: int, inputs: int, outputs: int, w: Widths) -> Operator:
+    """``[rows, inputs] x [inputs, outputs]``: the weight read once, activations in and out."""
+    return Operator(name, 2.0 * rows * inputs * outputs,
+                    inputs * outputs * w.wb + rows * (inputs + outputs) * w.ab)
+
+
+def elementwise(name: str, elements: float, reads: int, writes: int, w: Widths, flops_per_element: float = 1.0,
+                weight_bytes: float = 0.0) -> Operator:
+    """An operator that streams ``elements`` activations ``reads`` times in, ``writes`` out."""
+    return Operator(name, flops_per_element * elements, elements * (reads + writes) * w.ab + weight_bytes)
+
+
+def layer_operators(num_tokens: int, w: Widths) -> list[Operator]:
+    """One decoder layer's operators but attention, for ``num_tokens`` new tokens."""
+    n, h = num_tokens, w.hidden
+    qkv = (w.q_heads + 2 * w.kv_heads) * w.head_dim
+    q_width = w.q_heads * w.head_dim
+    rope_elements = n * (w.q_heads + w.kv_heads) * w.head_dim
+    return [
+        elementwise("input_layernorm", n * h, 1, 1, w, 4.0, h * w.wb),
+        matmul("attn_pre_proj", n, h, qkv, w),
+        elementwise("attn_rope", rope_elements, 1, 1, w, 4.0),
+        matmul("attn_post_proj", n, q_width, h, w),
+        elementwise("post_attention_layernorm", n * h, 2, 2, w, 5.0, h * w.wb),
+        matmul("mlp_up_proj", n, h, 2 * w.mlp, w),
+        elementwise("mlp_act", n * w.mlp, 2, 1, w, 5.0),
+        matmul("mlp_down_proj", n, w.mlp, h, w),
+        elementwise("add", n * h, 2, 1, w),
+    ]
+
+
+def attended_keys(query_len: int, context_len: int, window: int | None) -> int:
+    """Query-key pairs of ``query_len`` new tokens ending a ``context_len``-token context,
+    causal (each new token sees the cached tokens and the new ones before it) and limited
+    to the last ``window`` keys when the model has a sliding window."""
+    first = context_len - query_len + 1  # keys the first new token sees
+    if window is None or window >= context_len:
+        return query_len * first + query_len * (query_len - 1) // 2
+    below = max(0, min(context_len, window) - first + 1)  # new tokens that see fewer than `window` keys
+    below = min(below, query_len)
+    return below * first + below * (below - 1) // 2 + (query_len - below) * window
+
+
+def attention_operators(batch: BatchShape, w: Widths, window: int | None) -> list[Operator]:
+    """Attention of every request over its context (FlashAttention-style: each request's
+    K and V read once, Q in and the output out once), new K and V written into the cache;
+    prefill-like requests (several new tokens) and decodes as two operators."""
+    kv_row = 2 * w.kv_heads * w.head_dim * w.kvb
+    q_row = 2 * w.q_heads * w.head_dim * w.ab
+    flops_per_pair = 4.0 * w.q_heads * w.head_dim
+    operators = []
+    for name, decode in (("attn_prefill", False), ("attn_decode", True)):
+        pairs = read = new = 0
+        for q, c in zip(batch.query_lens, batch.context_lens):
+            if (q == 1) != decode or q == 0:
+                continue
+            pairs += attended_keys(q, c, window)
+            read += min(c, window + q - 1) if window else c
+            new += q
+        if new:
+            operators.append(Operator(name, flops_per_pair * pairs, read * kv_row + new * (kv_row + q_row)))
+    return operators
+
+
+def first_stage_operators(num_tokens: int, w: Widths) -> list[Operator]:
+    """The embedding lookup: one row of the table gathered per token."""
+    return [Operator("emb", 0.0, num_tokens * w.hidden * (w.wb + w.ab))]
+
+
+def last_stage_operators(num_tokens: int, num_logits_rows: int, w: Widths) -> list[Operator]:
+    """The final norm, the LM head over the rows that sample (this rank's vocabulary
+    slice, float32 logits) and sampling over the whole vocabulary (the logits gathered on
+    one rank; softmax and the pick read them twice)."""
+    rows = num_logits_rows
+    if not rows:
+        return [elementwise("final_norm", num_tokens * w.hidden, 1, 1, w, 4.0, w.hidden * w.wb)]
+    head = Operator("lm_head", 2.0 * rows * w.hidden * w.vocab,
+                    w.hidden * w.vocab * w.wb + rows * w.hidden * w.ab + rows * w.vocab * 4)
+    sampling = Operator("sampling", 5.0 * rows * w.full_vocab, 2.0 * rows * w.full_vocab * 4)
+    return [elementwise("final_norm", num_tokens * w.hidden, 1, 1, w, 4.0, w.hidden * w.wb), head, sampling]

@@ -1,0 +1,168 @@
+"""``cost_model=roofline``: every operator of a step priced from its FLOPs and bytes.
+
+An operator takes ``max(flops / (peak_flops x compute_efficiency), bytes /
+(memory_bandwidth x memory_efficiency)) + kernel_overhead_s`` on one device
+(``plugins/cost_model/operators.py`` counts the work). A layer adds attention priced from
+each request's real context, two all-reduces of its activations under tensor parallelism
+(``collectives.py``) and ``layer_overhead_s``; a step adds the embedding on the first
+pipeline stage, the final norm, the LM head and sampling on the last, and
+``step_overhead_s`` of host work. Pipeline stages hold contiguous layer ranges and send
+their activations to the next stage (``StepCost.transfer_time``). The efficiencies are the
+hardware's (``conf/hardware/*.yaml``, calibrated against measured operator times); the
+overheads are this config's. docs/simulation.md has the assumptions and their error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from servelab.core.component import ComponentSpec
+from servelab.core.cost_model import BatchShape, CostModel, CostModelContext, StepCost
+from servelab.core.errors import ConfigError
+from servelab.plugins.cost_model.collectives import (all_gather_time, all_reduce_time, pipeline_crosses_nodes,
+                                                     send_time, stage_layer_counts)
+from servelab.plugins.cost_model.operators import (Operator, Widths, attention_operators, first_stage_operators,
+                                                   last_stage_operators, layer_operators)
+
+
+@dataclass
+class RooflineCostModelConfig:
+    """``cost_model=roofline``: ``kernel_overhead_s``, the fixed time every operator pays
+    beyond its roofline time (launch and tail; 7 us fits the measured A100 and H100
+    operator tables, docs/simulation.md); ``layer_overhead_s``, more per decoder layer;
+    ``step_overhead_s``, host time per step (scheduling, input preparation, output
+    processing) before the first stage starts."""
+
+    kernel_overhead_s: float = 7.0e-6
+    layer_overhead_s: float = 0.0
+    step_overhead_s: float = 0.0
+
+
+class RooflineCostModel(CostModel):
+    """Prices a step operator by operator on ``context.hardware`` (see the module
+    docstring). Subclasses replace ``dense_times`` (a layer's operators but attention),
+    ``all_reduce`` or ``step_overhead`` with measurements."""
+
+    def __init__(self, config: RooflineCostModelConfig, context: CostModelContext):
+        super().__init__(config, context)
+        raise_problems(roofline_problems(config, context))
+        parallel = context.parallel
+        self.tp, self.pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+        self.widths = Widths.of(context.model, self.tp, context.weight_bytes, context.kv_bytes,
+                                context.activation_bytes)
+        self.stage_layers = stage_layer_counts(context.model.num_layers, self.pp)
+        self.crosses_nodes = pipeline_crosses_nodes(self.tp, self.pp, context.hardware)
+        self._dense: dict[int, tuple[tuple[str, float], ...]] = {}
+        self._ends: dict[tuple[int, int], tuple[tuple[tuple[str, float], ...], tuple[tuple[str, float], ...]]] = {}
+
+    # -- operators ----------------------------------------------------------------------------
+    def operator_time(self, operator: Operator) -> float:
+        """Seconds of one operator on one device: its roofline time plus the kernel overhead."""
+        hw = self.context.hardware
+        compute = operator.flops / (hw.peak_flops * hw.compute_efficiency)
+        memory = operator.bytes / (hw.memory_bandwidth * hw.memory_efficiency)
+        return max(compute, memory) + self.config.kernel_overhead_s
+
+    def dense_times(self, num_tokens: int) -> tuple[tuple[str, float], ...]:
+        """(name, seconds) of one layer's operators but attention and all-reduces."""
+        return tuple((op.name, self.operator_time(op)) for op in layer_operators(num_tokens, self.widths))
+
+    def attention_times(self, batch: BatchShape) -> tuple[tuple[str, float], ...]:
+        """(name, seconds) of one layer's attention over the batch's contexts."""
+        return tuple((op.name, self.operator_time(op))
+                     for op in attention_operators(batch, self.widths, self.context.model.sliding_window))
+
+    def all_reduce(self, num_bytes: float) -> float:
+        """Seconds of one all-reduce of ``num_bytes`` among the tensor-parallel ranks."""
+        return all_reduce_time(num_bytes, self.tp, self.context.hardware)
+
+    def first_stage_times(self, num_tokens: int) -> tuple[tuple[str, float], ...]:
+        """(name, seconds) of the first stage's own work: the embedding."""
+        return tuple((op.name, self.operator_time(op)) for op in first_stage_operators(num_tokens, self.widths))
+
+    def last_stage_times(self, num_tokens: int, num_logits_rows: int) -> tuple[tuple[str, float], ...]:
+        """(name, seconds) of the last stage's own work: final norm, LM head, gathering the
+        vocabulary slices of the logits across ranks, sampling."""
+        times = [(op.name, self.operator_time(op)) for op in last_stage_operators(num_tokens, num_logits_rows,
+                                                                                  self.widths)]
+        if num_logits_rows and self.tp > 1:
+            logits = num_logits_rows * self.context.model.vocab_size * 4.0
+            times.insert(2, ("logits_gather", all_gather_time(logits, self.tp, self.context.hardware)))
+        return tuple(times)
+
+    def step_overhead(self, batch: BatchShape) -> float:
+        """Host seconds per step before the first stage runs."""
+        return self.config.step_overhead_s
+
+    # -- one step ------------------------------------------------------------------------------
+    def layer_times(self, batch: BatchShape) -> list[tuple[str, float]]:
+        """(name, seconds) of one decoder layer: its operators, attention, the two
+        all-reduces under tensor parallelism and the layer overhead."""
+        tokens = batch.num_tokens
+        dense = self._dense.get(tokens)
+        if dense is None:
+            dense = self._dense[tokens] = self.dense_times(tokens)
+        times = list(dense)
+        times += self.attention_times(batch)
+        if self.tp > 1:
+            times.append(("all_reduce", 2 * self.all_reduce(tokens * self.widths.hidden * self.widths.ab)))
+        if self.config.layer_overhead_s:
+            times.append(("layer_overhead", self.config.layer_overhead_s))
+        return times
+
+    def forward_cost(self, batch: BatchShape) -> StepCost:
+        """Per-stage seconds of one forward pass, the stage-to-stage transfer, a breakdown."""
+        tokens = batch.num_tokens
+        layer = self.layer_times(batch)
+        per_layer = sum(seconds for _, seconds in layer)
+        key = (tokens, batch.num_logits_rows)
+        ends = self._ends.get(key)
+        if ends is None:
+            ends = self._ends[key] = (self.first_stage_times(tokens),
+                                      self.last_stage_times(tokens, batch.num_logits_rows))
+        first, last = ends
+        overhead = self.step_overhead(batch)
+        stage_times = [count * per_layer for count in self.stage_layers]
+        stage_times[0] += overhead + sum(seconds for _, seconds in first)
+        stage_times[-1] += sum(seconds for _, seconds in last)
+        transfer = 0.0
+        if self.pp > 1:
+            transfer = send_time(tokens * self.widths.hidden * self.widths.ab, self.crosses_nodes,
+                                 self.context.hardware)
+        layers = self.context.model.num_layers
+        breakdown = [("step_overhead", overhead), *first, *((name, seconds * layers) for name, seconds in layer),
+                     *last]
+        if self.pp > 1:
+            breakdown.append(("transfer", transfer * (self.pp - 1)))
+        return StepCost(tuple(stage_times), transfer, tuple(breakdown))
+
+
+def roofline_problems(config: RooflineCostModelConfig, context: CostModelContext) -> list[str]:
+    """What keeps the roofline from pricing this model on this hardware."""
+    problems = []
+    for field in ("kernel_overhead_s", "layer_overhead_s", "step_overhead_s"):
+        if getattr(config, field) < 0:
+            problems.append(f"cost_model.{field} must be >= 0, got {getattr(config, field)}")
+    hw = context.hardware
+    for field in ("compute_efficiency", "memory_efficiency", "interconnect_efficiency"):
+        value = getattr(hw, field)
+        if not 0.0 < value <= 1.0:
+            problems.append(f"hardware.{field} must be in (0, 1], got {value} (hardware={hw.name})")
+    for field in ("peak_flops", "memory_bandwidth", "interconnect_bandwidth", "network_bandwidth"):
+        if getattr(hw, field) <= 0:
+            problems.append(f"hardware.{field} must be > 0, got {getattr(hw, field)} (hardware={hw.name})")
+    shape = context.model
+    if shape.hidden_size <= 0 or shape.intermediate_size <= 0:
+        problems.append(f"a cost model needs the model's hidden_size and intermediate_size (got "
+                        f"{shape.hidden_size} and {shape.intermediate_size})")
+    return problems
+
+
+def raise_problems(problems: list[str]) -> None:
+    """Raise one ``ConfigError`` with every problem, if any."""
+    if problems:
+        raise ConfigError(problems)
+
+
+SPEC = ComponentSpec("cost_model", "roofline", RooflineCostModel, RooflineCostModelConfig,
+                     "FLOPs and bytes of every operator on the hardware's roofline (default)")
