@@ -26,7 +26,7 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
     from hydra.core.hydra_config import HydraConfig
 
     from servelab.bench.capacity import measure_capacity
-    from servelab.bench.config import CapacityModeConfig
+    from servelab.bench.config import CapacityModeConfig, ProfileModeConfig
     from servelab.bench.report import summary_table
     from servelab.bench.runner import measure, open_system
 
@@ -36,6 +36,14 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
         torch.set_num_threads(cfg.torch_threads)
     folder = Path(HydraConfig.get().runtime.output_dir)
     (folder / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    if OmegaConf.get_type(cfg.mode) is ProfileModeConfig:
+        from servelab.bench.profile import profile
+
+        command = "servelab-bench " + " ".join(job_info(cfg)["overrides"])
+        metrics = {"job": job_info(cfg), **profile(cfg, folder, command)}
+        (folder / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+        print(json.dumps({k: metrics[k] for k in ("table", "points", "fit", "scalars", "engine_overhead_s")}, indent=1))
+        return metrics
     started = time.perf_counter()
     system = open_system(cfg, str(folder))
     try:

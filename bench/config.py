@@ -143,6 +143,35 @@ class CapacityModeConfig:
 
 
 @dataclass
+class ProfileModeConfig:
+    """``mode=profile``: time this machine's real forward pass over a grid of steps and
+    write a step table for ``cost_model=profiled`` (bench/profile.py, docs/simulation.md).
+    Prefills of ``token_grid`` tokens (several prompts past the context); decodes of
+    ``batch_sizes`` requests at ``context_fractions`` of the context; prefill chunks of
+    ``chunk_sizes`` tokens over ``cached_fractions`` of the context; ``prompt_counts`` prompts
+    of ``prompt_lengths`` tokens at once; ``mixed_batch_sizes`` decodes with one chunk; and
+    ``holdout_steps`` random steps kept out of the fit to check it. Each step is timed
+    ``repeats`` times; then ``overhead_rounds`` rounds of ``overhead_requests`` real requests
+    measure the engine's time outside the executor. ``out``: also write the table there."""
+
+    repeats: int = 9
+    token_grid: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512,
+                                                           768, 1024, 1536, 2048])
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 48, 64, 96, 128])
+    context_fractions: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 1.0])
+    chunk_sizes: list[int] = field(default_factory=lambda: [16, 64, 128, 256])
+    cached_fractions: list[float] = field(default_factory=lambda: [0.125, 0.25, 0.5])
+    prompt_counts: list[int] = field(default_factory=lambda: [2, 4, 8])
+    prompt_lengths: list[int] = field(default_factory=lambda: [32, 128])
+    mixed_batch_sizes: list[int] = field(default_factory=lambda: [4, 16, 64])
+    holdout_steps: int = 24
+    overhead_requests: int = 128
+    overhead_rounds: int = 2
+    seed: int = 0
+    out: Optional[str] = None
+
+
+@dataclass
 class BenchConfig(EngineConfig):
     """The ``servelab-bench`` app: the engine's groups at the top level (so the composed
     config builds an ``LLMEngine``) plus what to measure and how.
@@ -166,7 +195,7 @@ class BenchConfig(EngineConfig):
 GROUP_OPTIONS = {
     "target": {"inproc": InprocTargetConfig, "http": HttpTargetConfig},
     "baseline": {"none": NoBaselineConfig, "transformers": TransformersBaselineConfig, "vllm": VllmBaselineConfig},
-    "mode": {"run": RunModeConfig, "capacity": CapacityModeConfig},
+    "mode": {"run": RunModeConfig, "capacity": CapacityModeConfig, "profile": ProfileModeConfig},
 }
 """Options of the bench-only groups whose nodes are dataclasses (no YAML files)."""
 
