@@ -62,12 +62,27 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
 
 
 def run(cfg: DictConfig) -> None:
-    """Hydra task: ``bench(cfg)``; configuration and request errors exit with status 2."""
+    """Hydra task: ``bench(cfg)``. A single run exits with status 2 on configuration and
+    request errors. A sweep job (``-m``) records any error in its folder's ``error.json``
+    and returns, wherever the launcher ran it, so the other jobs and the sweep report go
+    on; the report names the failed jobs and the sweep exits with status 1."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from servelab.bench.job_failure import record_failure
     from servelab.core.errors import ConfigError, InvalidRequestError
 
     try:
         bench(cfg)
-    except (ConfigError, InvalidRequestError) as exc:
+    except Exception as exc:
+        hydra_cfg = HydraConfig.get()
+        if hydra_cfg.mode == RunMode.MULTIRUN:
+            path = record_failure(Path(hydra_cfg.runtime.output_dir), job_info(cfg), exc)
+            print(f"servelab-bench: job {hydra_cfg.job.num} failed: {type(exc).__name__}: {exc} ({path})",
+                  file=sys.stderr)
+            return
+        if not isinstance(exc, (ConfigError, InvalidRequestError)):
+            raise
         print(f"servelab-bench: error: {exc}", file=sys.stderr)
         sys.exit(2)
 
