@@ -115,10 +115,17 @@ class HardwareConfig:
 class ParallelConfig:
     """How one engine splits its model over devices: ``tensor_parallel_size`` devices per
     stage (attention heads and MLP columns split, two all-reduces per layer) and
-    ``pipeline_parallel_size`` stages of consecutive layers."""
+    ``pipeline_parallel_size`` stages of consecutive layers. With ``executor=model`` the
+    ranks are processes joined by ``torch.distributed``: ``backend`` auto (NCCL on CUDA,
+    gloo on the CPU), gloo or nccl; ``init_method`` spawn (the engine starts its workers
+    on this node) or env (``torchrun`` started every rank; docs/parallel.md);
+    ``threads``: compute threads per rank (default: this machine's cores shared out)."""
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    backend: str = "auto"
+    init_method: str = "spawn"
+    threads: Optional[int] = None
 
     @property
     def num_devices(self) -> int:

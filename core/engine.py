@@ -71,14 +71,14 @@ class LLMEngine:
             cfg.attention, attention_spec, registry)
         parallel = cfg.parallel
         problems = shape.parallel_problems(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
-        executor = build_collecting(problems, lambda: registry.build("executor", cfg.executor, ExecutorContext(
-            checkpoint, shape, model_cls, self.dtype, self.device, self.max_model_len, cfg.attention, cfg, registry,
-            self.clock)))
+        executor = None if problems else build_collecting(problems, lambda: registry.build(
+            "executor", cfg.executor, ExecutorContext(checkpoint, shape, model_cls, self.dtype, self.device,
+                                                      self.max_model_len, cfg.attention, cfg, registry, self.clock)))
         kv_spec = shape.kv_cache_spec(self.dtype, self.max_model_len, parallel.tensor_parallel_size,
                                       parallel.pipeline_parallel_size)
         budget = build_collecting(problems, lambda: executor.kv_cache_budget_bytes(kv_spec)) if executor else None
         cache = build_collecting(problems, lambda: registry.build(
-            "cache", cfg.cache, CacheContext(kv_spec, registry, budget)))
+            "cache", cfg.cache, CacheContext(kv_spec, registry, budget))) if executor else None
         strategy = build_collecting(problems, lambda: registry.build("decoding", cfg.decoding, DecodingContext(
             registry, self.device, self.dtype, self.vocab_size, self.max_model_len, self.tokenizer, cfg.attention,
             executor_cls.runs_model)))
@@ -90,6 +90,8 @@ class LLMEngine:
                 strategy.on_request_finished, self.clock)))
         problems += validate(self.max_model_len, shape.max_positions, cache)
         if problems:
+            if executor is not None:
+                executor.shutdown()
             raise ConfigError(problems)
         self.cache, self.strategy, self.scheduler, self.executor = cache, strategy, scheduler, executor
         executor.attach(cache, strategy)

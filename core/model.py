@@ -47,11 +47,13 @@ class ModelShape:
         head = 0 if self.tied_embeddings else embedding
         return self.num_layers * self.layer_parameters + embedding + head + self.hidden_size
 
-    def attention_spec(self, dtype: torch.dtype, device: torch.device, max_model_len: int) -> AttentionSpec:
-        """The attention backend's spec (a window as long as the context is no window)."""
+    def attention_spec(self, dtype: torch.dtype, device: torch.device, max_model_len: int,
+                       tensor_parallel_size: int = 1) -> AttentionSpec:
+        """The attention backend's spec on one of ``tensor_parallel_size`` ranks (a window as
+        long as the context is no window)."""
         window = self.sliding_window if self.sliding_window and self.sliding_window < max_model_len else None
-        return AttentionSpec(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, dtype, device,
-                             window)
+        return AttentionSpec(self.num_heads // tensor_parallel_size, self.kv_heads_per_rank(tensor_parallel_size),
+                             self.head_dim, self.head_dim ** -0.5, dtype, device, window)
 
     def kv_cache_spec(self, dtype: torch.dtype, max_model_len: int, tensor_parallel_size: int = 1,
                       pipeline_parallel_size: int = 1) -> KVCacheSpec:
@@ -88,12 +90,78 @@ class ModelShape:
         return problems
 
 
+@dataclass(frozen=True, slots=True)
+class ModelParallel:
+    """Where one model instance sits in a tensor x pipeline split.
+
+    ``tp_rank`` of ``tp_size`` ranks that split every layer of its stage Megatron-style
+    (``tp_group``: their ``torch.distributed`` group, None alone); ``pp_rank`` of
+    ``pp_size`` pipeline stages, each holding consecutive layers. Alone, the collectives
+    are no-ops.
+    """
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    tp_group: Any = None
+
+    @property
+    def is_first_stage(self) -> bool:
+        """True on the stage that embeds the tokens."""
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """True on the stage with the final norm and the LM head."""
+        return self.pp_rank == self.pp_size - 1
+
+    def layer_range(self, num_layers: int) -> range:
+        """This stage's layers: consecutive, as even as possible, earlier stages taking one
+        more when they do not divide."""
+        per, extra = divmod(num_layers, self.pp_size)
+        start = self.pp_rank * per + min(self.pp_rank, extra)
+        return range(start, start + per + (self.pp_rank < extra))
+
+    def split(self, size: int) -> range:
+        """This rank's share of ``size`` rows split evenly (``size`` divides by ``tp_size``)."""
+        share = size // self.tp_size
+        return range(self.tp_rank * share, (self.tp_rank + 1) * share)
+
+    def padded_split(self, size: int) -> range:
+        """This rank's share of ``size`` rows in chunks of ceil(size / ``tp_size``) (the last
+        rank's may run past ``size``: a vocabulary that does not divide)."""
+        share = -(-size // self.tp_size)
+        return range(self.tp_rank * share, (self.tp_rank + 1) * share)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of ``x`` over the stage's tensor-parallel ranks (in place)."""
+        if self.tp_size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(x, group=self.tp_group)
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``x`` concatenated along the last dimension, in rank order."""
+        if self.tp_size == 1:
+            return x
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(x) for _ in range(self.tp_size)]
+        dist.all_gather(parts, x.contiguous(), group=self.tp_group)
+        return torch.cat(parts, dim=-1)
+
+
 class CausalLM(nn.Module, abc.ABC):
     """A decoder-only language model over a flat batch of new tokens.
 
     Implementations are registered under the architecture names of ``config.json``
-    (``LlamaForCausalLM``, ...). Each attention layer calls
-    ``attention.forward(q, k, v, kv_caches[layer], attn_meta, layer)``.
+    (``LlamaForCausalLM``, ...) and built as ``cls(hf_config, attention, dtype,
+    max_positions, parallel)``: ``parallel`` (a ``ModelParallel``) says which share of the
+    heads, MLP columns, vocabulary and layers this instance holds. Each attention layer
+    calls ``attention.forward(q, k, v, kv_caches[layer], attn_meta, layer)`` with its
+    index among this instance's layers.
     """
 
     @classmethod
@@ -102,21 +170,27 @@ class CausalLM(nn.Module, abc.ABC):
         """The model's sizes, read from its Hugging Face config."""
 
     @abc.abstractmethod
-    def __init__(self, hf_config: Any, attention: Any, dtype: torch.dtype, max_positions: int):
+    def __init__(self, hf_config: Any, attention: Any, dtype: torch.dtype, max_positions: int,
+                 parallel: ModelParallel = ModelParallel()):
         super().__init__()
 
     @abc.abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (Hugging Face names) into the parameters."""
+        """Copy checkpoint tensors (Hugging Face names) into the parameters, keeping this
+        instance's share of each."""
 
     @abc.abstractmethod
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_meta: Any) -> torch.Tensor:
-        """input_ids, positions: [T]. Returns the final hidden states [T, hidden]."""
+                attn_meta: Any, carried: tuple[torch.Tensor, ...] | None = None) -> Any:
+        """input_ids, positions: [T]. The first pipeline stage reads ``input_ids``, a later
+        one ``carried`` (what the stage before returned); every stage but the last
+        returns the tensors to send on (a tuple), the last the final hidden states
+        [T, hidden]."""
 
     @abc.abstractmethod
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, hidden] -> logits [N, vocab] in float32."""
+        """hidden: [N, hidden] -> logits [N, vocab] in float32 (on the last stage; every
+        tensor-parallel rank takes part and gets the whole vocabulary)."""
 
     def warm_up(self, max_tokens: int) -> int:
         """Prepare whatever kernels steps of up to ``max_tokens`` tokens will need (compiled

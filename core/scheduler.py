@@ -47,7 +47,9 @@ class SchedulerOutput:
     ``num_decode_tokens``: the step's tokens split by kind (a decode grant is one token of
     a request with nothing else left to compute). ``blocks_to_swap_out`` /
     ``blocks_to_swap_in``: (device, host) / (host, device) block pairs to move before the
-    step; ``blocks_to_copy``: (source, destination) device blocks (copy-on-write).
+    step; ``blocks_to_copy``: (source, destination) device blocks (copy-on-write). An
+    executor applies them swap-ins first, then swap-outs, then copies: a host block a
+    swap-in frees may be taken by a swap-out of the same step.
     ``preempted``: ids preempted while building this step. ``num_lookahead_tokens``:
     speculative slots reserved after each decode grant. ``num_prefix_hit_tokens``: prompt
     tokens of the requests admitted this step that the prefix cache already held.

@@ -41,6 +41,8 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reader: threading.Thread | None = None
         self._stopping = False
+        self.on_failed: Callable[[str], None] | None = None
+        """Called once, on the event loop, when the engine fails (the server shuts down)."""
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -182,8 +184,8 @@ class AsyncEngine:
             stream.put(output)
 
     def _on_failed(self, reason: str) -> None:
-        """The engine loop failed or its process died: fail every request, stay up for
-        /health to report it."""
+        """The engine loop failed or its process died: fail every request, then tell
+        ``on_failed``."""
         if self.dead is not None:
             return
         log.error("the engine failed: %s", reason)
@@ -193,3 +195,5 @@ class AsyncEngine:
             if not future.done():
                 future.set_exception(error)
         self.abort_all(error)
+        if self.on_failed is not None:
+            self.on_failed(reason)

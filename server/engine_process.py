@@ -19,6 +19,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from servelab.core.errors import ConfigError
+from servelab.kernels.libc import die_with_parent
 from servelab.server.messages import EngineConfigError, EngineInfo, EngineReady
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ class EngineProcess:
 
         context = multiprocessing.get_context("spawn")
         server_end, engine_end = context.Pipe()
-        process = context.Process(target=_engine_main, name="servelab-engine", daemon=True,
+        process = context.Process(target=_engine_main, name="servelab-engine", daemon=False,
                                   args=(resolved(cfg), engine_end, threads or default_engine_threads(), warmup_tokens))
         process.start()
         engine_end.close()
@@ -100,6 +101,7 @@ def _engine_main(cfg: DictConfig, conn: Any, threads: int, warmup_tokens: int | 
     # The server process decides when the engine stops; a Ctrl-C reaches the whole group.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    die_with_parent(signal.SIGKILL)  # a server killed outright takes its engine (and workers) along
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
     import torch
 

@@ -38,10 +38,11 @@ class APIError(Exception):
 
 
 class EngineDeadError(APIError):
-    """500: the engine loop failed; the server cannot generate any more."""
+    """503: the engine failed (its loop raised, its process or a parallel worker died);
+    the server cannot generate any more and is shutting down."""
 
     def __init__(self, message: str):
-        super().__init__(500, message, "server_error", code="engine_dead")
+        super().__init__(503, message, "server_error", code="engine_dead")
 
 
 class RequestAbortedError(APIError):

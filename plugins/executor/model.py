@@ -1,40 +1,71 @@
-"""``executor=model``: runs the model's forward pass for every step (the default)."""
+"""``executor=model``: runs the model's forward pass for every step (the default), on one
+device or, with ``parallel.tensor_parallel_size`` / ``pipeline_parallel_size``, on
+several processes joined by ``torch.distributed`` (``plugins/executor/distributed.py``)."""
 
 from __future__ import annotations
 
+import atexit
+import time
+from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from servelab.core.batch_builder import build_step_inputs
 from servelab.core.component import ComponentSpec
-from servelab.core.decoding import DecodeBatch, DecodeResult, DecodingStrategy, lookahead_allowances
+from servelab.core.decoding import DecodeBatch, DecodingStrategy, lookahead_allowances
 from servelab.core.errors import ConfigError
-from servelab.core.executor import Executor, ExecutorContext
+from servelab.core.executor import ExecutedStep, Executor, ExecutorContext
 from servelab.core.kv_cache import KVCacheManager, KVCacheSpec
+from servelab.core.model import ModelParallel
 from servelab.core.scheduler import SchedulerOutput
 from servelab.kernels.heap_retention import retain_freed_heap_memory
-from servelab.kernels.huge_pages import huge_page_zeros
+from servelab.plugins.executor.distributed import (ATTACH, STOP, WARM_UP, ModelShard, Topology, backend_for,
+                                                   default_threads, describe_dead, drive_torchrun, free_port,
+                                                   join_group, local_world_size, pack_moves, pack_step,
+                                                   send_header, spawn_workers, torchrun_problems)
 
 CPU_KV_CACHE_BYTES = 512 * 1024 * 1024
 """What a cache that sets no size gets on the CPU."""
+INIT_METHODS = ("spawn", "env")
+DEATH_REPORT_WAIT_S = 2.0
+"""How long a failed collective waits for the dead worker's exit status, to name it."""
 
 
 @dataclass
 class ModelExecutorConfig:
-    """``executor=model``: no options."""
+    """``executor=model``: no options (the split is the top-level ``parallel`` node)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PendingStep:
+    """A submitted step: finished already (``result``, ``stage_busy_s``: one stage), or
+    waiting for the last stage's logits (``batch``, ``proposal``, ``num_logits``)."""
+
+    output: SchedulerOutput
+    finished: bool
+    result: Any = None
+    stage_busy_s: tuple[float, ...] = ()
+    batch: DecodeBatch | None = None
+    proposal: Any = None
+    num_logits: int = 0
 
 
 class ModelExecutor(Executor):
-    """Owns the model, its attention backend and the per-layer KV cache tensors: builds
-    each step's flat batch, runs the forward pass and lets the decoding strategy choose
-    the tokens. Models without weights (shape presets) are refused."""
+    """Owns this rank's share of the model, its attention backend and KV cache tensors
+    (``shard``), and on several devices the worker processes: builds each step's flat
+    batch, sends it to the workers, runs the forward pass and lets the decoding strategy
+    choose the tokens from the gathered logits. Models without weights (shape presets)
+    are refused."""
 
     def __init__(self, config: ModelExecutorConfig, context: ExecutorContext):
         super().__init__(config, context)
-        registry, checkpoint = context.registry, context.checkpoint
-        spec = context.shape.attention_spec(context.dtype, context.device, context.max_model_len)
+        registry, checkpoint, parallel_cfg = context.registry, context.checkpoint, context.engine_cfg.parallel
+        topology = Topology(parallel_cfg.tensor_parallel_size, parallel_cfg.pipeline_parallel_size)
+        spec = context.shape.attention_spec(context.dtype, context.device, context.max_model_len, topology.tp)
         backend = registry.spec_for_config("attention", context.attention_config)
         problems = [f"attention={backend.name}: {reason}" for reason in
                     backend.cls.unsupported_reasons(OmegaConf.to_object(context.attention_config), spec)]
@@ -42,16 +73,51 @@ class ModelExecutor(Executor):
             problems.append(f"the model ({checkpoint.architecture} shape, {context.shape.num_parameters / 1e9:.1f}B "
                             f"parameters) has no weights: executor=model runs checkpoints; use executor=simulated "
                             f"to simulate it")
+        if parallel_cfg.init_method not in INIT_METHODS:
+            problems.append(f"parallel.init_method must be one of {', '.join(INIT_METHODS)}, "
+                            f"got {parallel_cfg.init_method!r}")
         if problems:
             raise ConfigError(problems)
         self.device = context.device
         self.max_model_len = context.max_model_len
-        self.attention = registry.build("attention", context.attention_config, spec)
-        model = context.model_cls(checkpoint.hf_config, self.attention, context.dtype, context.max_model_len)
-        model.load_weights(checkpoint.weights())
-        self.model = model.to(self.device).eval()
-        self.kv_caches: list[torch.Tensor] = []
-        self.host_caches: list[torch.Tensor] = []
+        self.topology = topology
+        self.workers: list[Any] = []
+        parallel = ModelParallel()
+        try:
+            if topology.world_size > 1:
+                parallel = self._start_workers(parallel_cfg)
+            self.shard = ModelShard.load(registry, checkpoint, context.model_cls, context.shape,
+                                         context.attention_config, context.dtype, self.device, self.max_model_len,
+                                         parallel)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.model, self.attention = self.shard.model, self.shard.attention
+        self.max_steps_in_flight = topology.pp
+        self._pending: deque[PendingStep] = deque()
+        self._sends: list[Any] = []
+
+    def _start_workers(self, parallel_cfg: Any) -> ModelParallel:
+        """Spawn ranks 1.. (or find them started by torchrun) and join the group as rank 0."""
+        from servelab.core.config import resolved
+
+        topology = self.topology
+        backend = backend_for(self.device, parallel_cfg.backend)
+        cfg = resolved(self.context.engine_cfg)
+        if parallel_cfg.init_method == "env":
+            problems = torchrun_problems(topology)
+            if problems:
+                raise ConfigError(problems)
+            torch.set_num_threads(parallel_cfg.threads or default_threads(local_world_size(topology.world_size)))
+            groups = drive_torchrun(topology, backend, cfg)
+        else:
+            threads = parallel_cfg.threads or default_threads(topology.world_size)
+            torch.set_num_threads(threads)
+            init_method = f"tcp://127.0.0.1:{free_port()}"
+            self.workers = spawn_workers(cfg, topology, init_method, backend, threads)
+            groups = join_group(topology, 0, init_method, backend)
+        atexit.register(self.shutdown)  # workers started by torchrun wait for a stop message
+        return topology.parallel(0, groups)
 
     def kv_cache_budget_bytes(self, spec: KVCacheSpec) -> int | None:
         """``CPU_KV_CACHE_BYTES`` on the CPU; on a GPU the free device memory times
@@ -62,44 +128,36 @@ class ModelExecutor(Executor):
         return int(free * self.context.engine_cfg.hardware.memory_utilization)
 
     def attach(self, cache: KVCacheManager, strategy: DecodingStrategy) -> None:
-        """Allocate the KV cache tensors in the attention backend's layout (and the host
-        pool's, for swapping)."""
+        """Allocate every rank's KV cache tensors (and host pools, for swapping)."""
         self.cache = cache
         self.strategy = strategy
-        dtype, layers = self.context.dtype, self.context.shape.num_layers
         if self.device.type == "cpu":
             retain_freed_heap_memory()
-        shape = self.attention.kv_cache_shape(cache.num_blocks, cache.block_size)
-        self.kv_caches = [huge_page_zeros(shape, dtype, self.device) for _ in range(layers)]
-        host_blocks = cache.num_host_blocks
-        host_shape = self.attention.kv_cache_shape(host_blocks, cache.block_size)
-        self.host_caches = [torch.zeros(host_shape, dtype=dtype, pin_memory=self.device.type == "cuda")
-                            for _ in range(layers if host_blocks else 0)]
+        sizes = (cache.num_blocks, cache.block_size, cache.num_host_blocks)
+        self._to_workers(lambda: send_header(ATTACH, self._worker_ranks, sizes))
+        self.shard.allocate(*sizes)
 
-    def _copy(self, sources: list[torch.Tensor], destinations: list[torch.Tensor], pairs) -> None:
-        """Copy blocks ``pairs`` (source, destination) from each source to each destination
-        layer, along the attention backend's ``kv_cache_block_axis``."""
-        if not pairs:
-            return
-        axis = self.attention.kv_cache_block_axis
-        for source, destination in zip(sources, destinations):
-            src = torch.tensor([s for s, _ in pairs], device=source.device)
-            dst = torch.tensor([d for _, d in pairs], device=destination.device)
-            blocks = source.index_select(axis, src).to(destination.device, non_blocking=True)
-            destination.index_copy_(axis, dst, blocks)
+    @property
+    def kv_caches(self) -> list[torch.Tensor]:
+        """This rank's per-layer KV cache tensors."""
+        return self.shard.kv_caches
 
-    def move_blocks(self, output: SchedulerOutput) -> None:
-        """Swap out, copy-on-write, then swap in, before the step's forward pass."""
-        self._copy(self.kv_caches, self.host_caches, output.blocks_to_swap_out)
-        self._copy(self.kv_caches, self.kv_caches, output.blocks_to_copy)
-        self._copy(self.host_caches, self.kv_caches, output.blocks_to_swap_in)
+    @property
+    def _worker_ranks(self) -> range:
+        return range(1, self.topology.world_size)
 
+    # -- steps ------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput) -> DecodeResult | None:
-        """Run the step; returns the tokens of the requests that sample (None if none do)."""
-        self.move_blocks(output)
+    def submit(self, output: SchedulerOutput) -> None:
+        """Move blocks, draft, build the flat batch, send it to the workers and run this
+        rank's stage; the step's tokens come from ``collect``."""
+        moves = (output.blocks_to_swap_out, output.blocks_to_copy, output.blocks_to_swap_in)
+        if any(moves):
+            self._broadcast(*pack_moves(moves))
+            self.shard.move_blocks(moves)
         if not output.scheduled:
-            return None
+            self._pending.append(PendingStep(output, finished=True))
+            return
         sampling = output.sampling_requests
         proposal = None
         if sampling and self.strategy.num_lookahead_tokens:
@@ -107,18 +165,105 @@ class ModelExecutor(Executor):
             proposal = self.strategy.propose(DecodeBatch(sampling, allowance, output))
         drafts = proposal.draft_token_ids if proposal is not None else ()
         inputs = build_step_inputs(output.scheduled, drafts, self.cache.block_size, self.device)
-        meta = self.attention.build_metadata(inputs.layout)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
-        if not sampling:
-            return None
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        if self.topology.world_size > 1:
+            self._broadcast(*pack_step(inputs))
+        started = time.perf_counter()
+        hidden = self._guarded(lambda: self.shard.forward(inputs.input_ids, inputs.positions, inputs.layout, None))
         counts = tuple(len(d) for d in drafts) if drafts else (0,) * len(sampling)
-        return self.strategy.accept(logits, DecodeBatch(sampling, counts, output), proposal)
+        batch = DecodeBatch(sampling, counts, output) if sampling else None
+        if self.topology.pp == 1:
+            result = None
+            if sampling:
+                logits = self._guarded(lambda: self.model.compute_logits(hidden[inputs.logits_indices]))
+                result = self.strategy.accept(logits, batch, proposal)
+            self._pending.append(PendingStep(output, True, result, (time.perf_counter() - started,)))
+            return
+        stage_times = torch.zeros(self.topology.pp, dtype=torch.float64)
+        stage_times[0] = time.perf_counter() - started
+        carried = [t.contiguous() for t in (*hidden, stage_times)]
+        self._to_workers(lambda: self._sends.extend((dist.isend(t, self.topology.next_rank(0)), t) for t in carried))
+        self._pending.append(PendingStep(output, False, batch=batch, proposal=proposal,
+                                         num_logits=inputs.logits_indices.numel()))
+
+    def collect(self) -> ExecutedStep:
+        """The oldest step: finished at submit (one stage), or finished by the logits and
+        the stages' busy times the last stage sends back."""
+        step = self._pending.popleft()
+        if step.finished:
+            return ExecutedStep(step.output, step.result, step.stage_busy_s)
+        root = self.topology.last_stage_root
+        logits = None
+        if step.num_logits:
+            logits = torch.empty(step.num_logits, self.context.shape.vocab_size, dtype=torch.float32)
+            self._to_workers(lambda: dist.recv(logits, root))
+        stage_times = torch.zeros(self.topology.pp, dtype=torch.float64)
+        self._to_workers(lambda: dist.recv(stage_times, root))
+        result = None if logits is None else self.strategy.accept(logits, step.batch, step.proposal)
+        return ExecutedStep(step.output, result, tuple(stage_times.tolist()))
+
+    @property
+    def num_in_flight(self) -> int:
+        """Steps submitted and not collected."""
+        return len(self._pending)
+
+    def _broadcast(self, header: torch.Tensor, payload: torch.Tensor) -> None:
+        """Send a header and its payload to every worker without waiting for them to
+        receive (a pipeline stage may still be busy with an earlier step, whose logits it
+        can only hand over once this rank collects them); the sends of the step before
+        (received by now: the engine keeps at most ``pp`` steps in flight) are completed
+        first. ``_sends`` keeps (handle, tensor) pairs so the tensors outlive the sends."""
+        def send():
+            for handle, _ in self._sends:
+                handle.wait()
+            self._sends = [(dist.isend(tensor, rank), tensor) for rank in self._worker_ranks
+                           for tensor in (header, payload)]
+        self._to_workers(send)
+
+    def _to_workers(self, operation: Any) -> Any:
+        """Run a send or receive to the workers (nothing alone), ``_guarded``."""
+        if self.topology.world_size == 1:
+            return None
+        return self._guarded(operation)
+
+    def _guarded(self, operation: Any) -> Any:
+        """Run ``operation`` (anything that talks to the other ranks, a forward pass with
+        its all-reduces included); if a worker process has died, raise at once naming it."""
+        if self.topology.world_size == 1:
+            return operation()
+        dead = describe_dead(self.workers)
+        if dead:
+            raise RuntimeError(f"a parallel worker exited: {dead}")
+        try:
+            return operation()
+        except RuntimeError as exc:
+            deadline = time.monotonic() + DEATH_REPORT_WAIT_S
+            while not describe_dead(self.workers) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            dead = describe_dead(self.workers) or "a rank of the group"
+            raise RuntimeError(f"a parallel worker exited: {dead} ({exc})") from exc
 
     def warm_up(self, max_tokens: int) -> int:
-        """The model's kernels for steps of up to ``max_tokens`` tokens (CPU matmuls)."""
+        """Every rank's kernels for steps of up to ``max_tokens`` tokens (CPU matmuls)."""
+        self._to_workers(lambda: send_header(WARM_UP, self._worker_ranks, (max_tokens,)))
         return self.model.warm_up(max_tokens)
+
+    def shutdown(self) -> None:
+        """Stop the workers and leave the group (also at interpreter exit; once is enough)."""
+        if self.topology.world_size == 1:
+            return
+        atexit.unregister(self.shutdown)
+        if dist.is_initialized():
+            try:
+                self._to_workers(lambda: send_header(STOP, self._worker_ranks))
+            except RuntimeError:
+                pass
+        for worker in self.workers:
+            worker.join(30)
+            if worker.is_alive():
+                worker.kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 SPEC = ComponentSpec("executor", "model", ModelExecutor, ModelExecutorConfig,
-                     "runs the model's forward pass for every step (default)")
+                     "runs the model's forward pass for every step, on one device or several (default)")

@@ -4,6 +4,14 @@ Differences between the members are read from the checkpoint's config: Qwen2 has
 biases, Qwen3 normalises q and k per head and may set ``head_dim`` explicitly, Mistral
 may use a sliding window, and any of them may tie the embeddings. q/k/v and gate/up
 projections are fused into one matmul each.
+
+Tensor parallelism (Megatron-style) splits each rank's query heads, KV heads (or
+replicates a KV head among the ranks that share it when there are fewer KV heads than
+ranks), gate/up columns and vocabulary rows; the output and down projections take the
+matching input columns and sum over the ranks with one all-reduce each; the embedding
+sums the rows each rank holds; the LM head's logits are gathered. Pipeline parallelism
+gives each stage consecutive layers; the first embeds, the last normalises and computes
+logits, and the residual stream travels between stages.
 """
 
 from __future__ import annotations
@@ -15,7 +23,7 @@ from torch import nn
 
 from servelab.core.component import ComponentSpec
 from servelab.core.errors import ConfigError
-from servelab.core.model import CausalLM, ModelShape
+from servelab.core.model import CausalLM, ModelParallel, ModelShape
 from servelab.kernels.onednn_linear import Linear, linear_input, warm_up_linears
 from servelab.plugins.models.layers import RMSNorm, RotaryEmbedding, use_native
 
@@ -39,13 +47,21 @@ def sliding_window_of(hf_config: Any) -> int | None:
 
 
 class DecoderAttention(nn.Module):
-    """Fused qkv projection, optional per-head q/k norm, rotary embedding, backend attention."""
+    """Fused qkv projection, optional per-head q/k norm, rotary embedding, backend attention;
+    this rank's heads under tensor parallelism (``heads``, ``kv_heads``: the global head
+    indices it holds)."""
 
-    def __init__(self, hf_config: Any, layer_index: int, attention: Any, rotary: RotaryEmbedding):
+    def __init__(self, hf_config: Any, layer_index: int, attention: Any, rotary: RotaryEmbedding,
+                 parallel: ModelParallel):
         super().__init__()
-        self.num_heads = hf_config.num_attention_heads
-        self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
+        total_heads = hf_config.num_attention_heads
+        total_kv = getattr(hf_config, "num_key_value_heads", None) or total_heads
         self.head_dim = head_dim_of(hf_config)
+        self.heads = parallel.split(total_heads)
+        first_kv = self.heads.start * total_kv // total_heads
+        self.kv_heads = range(first_kv, first_kv + max(1, total_kv // parallel.tp_size))
+        self.num_heads, self.num_kv_heads = len(self.heads), len(self.kv_heads)
+        self.parallel = parallel
         qkv_bias = bool(getattr(hf_config, "attention_bias", False)) or hf_config.model_type == "qwen2"
         o_bias = bool(getattr(hf_config, "attention_bias", False))
         self.q_size = self.num_heads * self.head_dim
@@ -64,6 +80,11 @@ class DecoderAttention(nn.Module):
         """Row sizes of the fused projection's shards."""
         return (self.q_size, self.kv_size, self.kv_size)
 
+    def rows(self, source: str) -> range:
+        """The rows of checkpoint weight ``source`` (q/k/v_proj) this rank holds."""
+        heads = self.heads if source == "q_proj" else self.kv_heads
+        return range(heads.start * self.head_dim, heads.stop * self.head_dim)
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: Any) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
         tokens = x.shape[0]
@@ -75,16 +96,19 @@ class DecoderAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         out = self.attention.forward(q, k, v, kv_cache, meta, self.layer_index)
-        return self.o_proj(out.reshape(tokens, self.q_size))
+        return self.parallel.all_reduce(self.o_proj(out.reshape(tokens, self.q_size)))
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU feed-forward with fused gate/up projection."""
+    """SwiGLU feed-forward with fused gate/up projection; this rank's ``columns`` of the
+    intermediate size under tensor parallelism."""
 
-    def __init__(self, hf_config: Any):
+    def __init__(self, hf_config: Any, parallel: ModelParallel):
         super().__init__()
         bias = bool(getattr(hf_config, "mlp_bias", False))
-        self.intermediate = hf_config.intermediate_size
+        self.columns = parallel.split(hf_config.intermediate_size)
+        self.intermediate = len(self.columns)
+        self.parallel = parallel
         self.gate_up_proj = Linear(hf_config.hidden_size, 2 * self.intermediate, bias=bias)
         self.down_proj = Linear(self.intermediate, hf_config.hidden_size, bias=bias)
         from transformers.activations import ACT2FN
@@ -96,26 +120,31 @@ class GatedMLP(nn.Module):
         """Row sizes of the fused projection's shards."""
         return (self.intermediate, self.intermediate)
 
+    def rows(self, source: str) -> range:
+        """The rows of checkpoint weight ``source`` (gate/up_proj) this rank holds."""
+        return self.columns
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
         gate_up = self.gate_up_proj(x)
         if self.fused_silu and use_native(gate_up):
             hidden = linear_input(gate_up.shape[0], self.intermediate, gate_up)
             torch.ops.servelab_cpu.silu_and_mul(hidden, gate_up)
-            return self.down_proj(hidden)
+            return self.parallel.all_reduce(self.down_proj(hidden))
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.parallel.all_reduce(self.down_proj(self.act(gate) * up))
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks with residual connections."""
 
-    def __init__(self, hf_config: Any, layer_index: int, attention: Any, rotary: RotaryEmbedding):
+    def __init__(self, hf_config: Any, layer_index: int, attention: Any, rotary: RotaryEmbedding,
+                 parallel: ModelParallel):
         super().__init__()
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
-        self.self_attn = DecoderAttention(hf_config, layer_index, attention, rotary)
+        self.self_attn = DecoderAttention(hf_config, layer_index, attention, rotary, parallel)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
-        self.mlp = GatedMLP(hf_config)
+        self.mlp = GatedMLP(hf_config, parallel)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 kv_cache: torch.Tensor, meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,15 +159,39 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-class DecoderModel(nn.Module):
-    """Embedding, decoder layers, final norm (Hugging Face's ``model.`` prefix)."""
+class VocabEmbedding(nn.Module):
+    """The token embedding over this rank's ``vocab`` rows: tokens of other ranks embed to
+    zeros and the ranks' rows are summed."""
 
-    def __init__(self, hf_config: Any, attention: Any, rotary: RotaryEmbedding):
+    def __init__(self, vocab_size: int, hidden_size: int, parallel: ModelParallel):
         super().__init__()
-        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(hf_config, i, attention, rotary)
-                                    for i in range(hf_config.num_hidden_layers))
-        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self.vocab = parallel.padded_split(vocab_size)
+        self.parallel = parallel
+        self.weight = nn.Parameter(torch.empty(len(self.vocab), hidden_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: [T] -> [T, hidden]."""
+        if self.parallel.tp_size == 1:
+            return nn.functional.embedding(input_ids, self.weight)
+        outside = (input_ids < self.vocab.start) | (input_ids >= self.vocab.stop)
+        local = (input_ids - self.vocab.start).masked_fill(outside, 0)
+        return self.parallel.all_reduce(nn.functional.embedding(local, self.weight).masked_fill(outside[:, None], 0))
+
+
+class DecoderModel(nn.Module):
+    """Embedding (first stage), this stage's decoder layers, final norm (last stage), under
+    Hugging Face's ``model.`` prefix; ``layer_indices`` are the layers' global indices."""
+
+    def __init__(self, hf_config: Any, attention: Any, rotary: RotaryEmbedding, parallel: ModelParallel):
+        super().__init__()
+        self.layer_indices = parallel.layer_range(hf_config.num_hidden_layers)
+        tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if parallel.is_first_stage or (tied and parallel.is_last_stage):
+            self.embed_tokens = VocabEmbedding(hf_config.vocab_size, hf_config.hidden_size, parallel)
+        self.layers = nn.ModuleList(DecoderLayer(hf_config, local, attention, rotary, parallel)
+                                    for local, _ in enumerate(self.layer_indices))
+        if parallel.is_last_stage:
+            self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
 
 
 class LlamaFamilyForCausalLM(CausalLM):
@@ -153,20 +206,26 @@ class LlamaFamilyForCausalLM(CausalLM):
                           hf_config.vocab_size, hf_config.hidden_size, hf_config.intermediate_size,
                           bool(getattr(hf_config, "tie_word_embeddings", False)))
 
-    def __init__(self, hf_config: Any, attention: Any, dtype: torch.dtype, max_positions: int):
-        super().__init__(hf_config, attention, dtype, max_positions)
+    def __init__(self, hf_config: Any, attention: Any, dtype: torch.dtype, max_positions: int,
+                 parallel: ModelParallel = ModelParallel()):
+        super().__init__(hf_config, attention, dtype, max_positions, parallel)
         self.hf_config = hf_config
+        self.parallel = parallel
+        self.vocab_size = hf_config.vocab_size
         self.rotary = RotaryEmbedding(hf_config, head_dim_of(hf_config), max_positions, dtype)
-        self.model = DecoderModel(hf_config, attention, self.rotary)
+        self.model = DecoderModel(hf_config, attention, self.rotary, parallel)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
-        if self.tie_word_embeddings:  # one parameter, named model.embed_tokens.weight; still packed
-            self.lm_head.weight = self.model.embed_tokens.weight
+        if parallel.is_last_stage:
+            vocab = parallel.padded_split(hf_config.vocab_size)
+            self.lm_head = Linear(hf_config.hidden_size, len(vocab), bias=False)
+            if self.tie_word_embeddings:  # one parameter, named model.embed_tokens.weight; still packed
+                self.lm_head.weight = self.model.embed_tokens.weight
         self.to(dtype)
         self.rotary.to(dtype)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face tensors in, fusing q/k/v and gate/up; every parameter must be set."""
+        """Copy Hugging Face tensors in, fusing q/k/v and gate/up and keeping this rank's
+        share and this stage's layers; every parameter must be set."""
         params = dict(self.named_parameters())
         pending = {name: 1 for name in params}
         for name in params:
@@ -174,10 +233,18 @@ class LlamaFamilyForCausalLM(CausalLM):
                 pending[name] = 3
             elif name.endswith(("gate_up_proj.weight", "gate_up_proj.bias")):
                 pending[name] = 2
+        layers = self.model.layer_indices
         with torch.no_grad():
             for name, tensor in weights:
                 if "rotary_emb" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
                     continue
+                if name.startswith("model.layers."):
+                    index = int(name.split(".")[2])
+                    if index not in layers:
+                        continue
+                    name = name.replace(f"model.layers.{index}.", f"model.layers.{index - layers.start}.", 1)
+                elif name not in params and name.startswith(("model.embed_tokens.", "model.norm.", "lm_head.")):
+                    continue  # held by another pipeline stage
                 self._load_one(params, pending, name, tensor)
         missing = sorted(n for n, count in pending.items() if count > 0)
         if missing:
@@ -191,28 +258,57 @@ class LlamaFamilyForCausalLM(CausalLM):
                 module = self.get_submodule(".".join(parts[:-2]))
                 sizes = module.shard_sizes(target)
                 start = sum(sizes[:shard])
-                params[target_name][start:start + sizes[shard]].copy_(tensor)
+                rows = module.rows(source)
+                params[target_name][start:start + sizes[shard]].copy_(tensor[rows.start:rows.stop])
                 pending[target_name] -= 1
                 return
         if name not in params:
             raise ConfigError([f"checkpoint weight {name!r} has no place in {type(self).__name__}"])
+        tensor = self._share(name, tensor, params[name])
         if params[name].shape != tensor.shape:
             raise ConfigError([f"checkpoint weight {name!r} has shape {tuple(tensor.shape)}, "
                                f"expected {tuple(params[name].shape)}"])
         params[name].copy_(tensor)
         pending[name] -= 1
 
+    def _share(self, name: str, tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+        """This rank's part of an unfused weight: vocabulary rows of the embedding and LM
+        head (zero rows past the vocabulary), input columns of the output and down
+        projections, their biases on rank 0 only (the all-reduce adds them once)."""
+        parallel = self.parallel
+        if parallel.tp_size == 1:
+            return tensor
+        if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            vocab = parallel.padded_split(self.vocab_size)
+            part = torch.zeros_like(param)
+            rows = tensor[vocab.start:min(vocab.stop, self.vocab_size)]
+            part[:len(rows)] = rows
+            return part
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            columns = param.shape[1]
+            return tensor[:, parallel.tp_rank * columns:(parallel.tp_rank + 1) * columns]
+        if name.endswith(("o_proj.bias", "down_proj.bias")):
+            return tensor if parallel.tp_rank == 0 else torch.zeros_like(tensor)
+        return tensor
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_meta: Any) -> torch.Tensor:
-        """input_ids, positions: [T] -> hidden states [T, hidden]."""
-        x, residual = self.model.embed_tokens(input_ids), None
+                attn_meta: Any, carried: tuple[torch.Tensor, ...] | None = None) -> Any:
+        """input_ids, positions: [T] -> hidden states [T, hidden] on the last stage, else the
+        (output, residual) pair the next stage carries on with."""
+        if carried is None:
+            x, residual = self.model.embed_tokens(input_ids), None
+        else:
+            x, residual = carried
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x, residual = layer(x, residual, positions, kv_cache, attn_meta)
+        if not self.parallel.is_last_stage:
+            return x, residual
         return self.model.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, hidden] -> float32 logits [N, vocab]."""
-        return self.lm_head(hidden).float()
+        """hidden: [N, hidden] -> float32 logits [N, vocab] (this rank's vocabulary rows,
+        gathered from every tensor-parallel rank)."""
+        return self.parallel.all_gather(self.lm_head(hidden).float())[:, :self.vocab_size]
 
     def warm_up(self, max_tokens: int) -> int:
         """Compile the prepacked CPU matmuls for every row bucket up to ``max_tokens``."""

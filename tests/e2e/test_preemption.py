@@ -30,3 +30,17 @@ def test_contiguous_cache_queues_when_full(llama):
                                 "cache.num_slots=2"])
     assert_engine_matches_transformers(llama, llm=llm)
     assert llm.engine.cache.num_free_blocks == 2
+
+
+def test_swap_in_and_out_in_one_step_keep_output_identical(llama):
+    """Speculation, swapping and prefix caching on a small cache: steps that swap one
+    request in and another out reuse host blocks within the step (once a wrong output:
+    the swap-out overwrote the host blocks before the swap-in read them)."""
+    llm = LLM(llama, overrides=["model.dtype=float32", "device=cpu", "cache.block_size=4", "cache.num_blocks=40",
+                                "model.max_model_len=128", "decoding=ngram", "cache.swap_space_bytes=1000000",
+                                "scheduler.preemption=swap", "cache.enable_prefix_caching=true"])
+    steps = []
+    schedule = llm.engine.scheduler.schedule
+    llm.engine.scheduler.schedule = lambda: steps.append(schedule()) or steps[-1]
+    assert_engine_matches_transformers(llama, llm=llm)
+    assert any(o.blocks_to_swap_in and o.blocks_to_swap_out for o in steps)

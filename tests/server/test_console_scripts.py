@@ -26,11 +26,32 @@ def complete(url: str) -> dict:
     return response.json()
 
 
-def test_every_model_preset_is_tested():
+def shipped_presets() -> dict[str, dict]:
+    """Every file in conf/model, by name, as loaded."""
     import servelab.conf
+    from omegaconf import OmegaConf
 
-    shipped = {p.stem for p in (Path(servelab.conf.__file__).parent / "model").glob("*.yaml")}
-    assert shipped == set(PRESETS)
+    folder = Path(servelab.conf.__file__).parent / "model"
+    return {p.stem: OmegaConf.to_container(OmegaConf.load(p)) for p in folder.glob("*.yaml")}
+
+
+def simulation_only(preset: dict) -> bool:
+    """A shape without weights: only ``executor=simulated`` runs it (tests/sim covers those)."""
+    shape = preset.get("shape") or {}
+    return bool(shape) and not shape.get("random_weights")
+
+
+def test_every_servable_model_preset_is_tested():
+    servable = {name for name, preset in shipped_presets().items() if not simulation_only(preset)}
+    assert servable == set(PRESETS)
+
+
+def test_simulation_presets_refuse_to_serve_with_a_clear_error():
+    name = next(name for name, preset in sorted(shipped_presets().items()) if simulation_only(preset))
+    result = subprocess.run([console_script("servelab"), f"model={name}"], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode != 0
+    assert "has no weights" in result.stderr and "executor=simulated" in result.stderr
 
 
 @pytest.mark.parametrize("preset", [p for p in PRESETS if p != "tiny"])

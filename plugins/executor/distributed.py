@@ -1,0 +1,369 @@
+"""``executor=model`` over several processes with ``torch.distributed`` (gloo on CPU, NCCL
+on CUDA): tensor parallelism within a pipeline stage, pipeline stages in sequence.
+
+Global rank ``pp_rank * tp + tp_rank``; rank 0 is the driver (the engine's process: the
+scheduler, the cache manager and the decoding strategy run there alone). Every step the
+driver sends each worker one int64 header and one int64 payload (the flat batch: token
+ids, positions, query starts, context lengths, block table, slots, logits rows, block
+moves), not Python objects. A stage sends its (output, residual) pair to the same
+tensor rank of the next stage, with the stages' busy seconds; the last stage's rank 0
+sends the gathered logits back to the driver. On one node the driver spawns the workers
+(``torch.multiprocessing``); across nodes ``torchrun`` starts every rank
+(``parallel.init_method=env``) and ranks above 0 run ``serve_as_worker``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from servelab.core.attention import BatchLayout
+from servelab.core.model import ModelParallel
+
+log = logging.getLogger(__name__)
+
+STEP, MOVES, ATTACH, WARM_UP, STOP = 1, 2, 3, 4, 5
+HEADER_SIZE = 12
+GROUP_TIMEOUT = timedelta(minutes=10)
+"""How long a rank waits for the others: joining, and any one message."""
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """``tp`` tensor ranks per stage, ``pp`` stages; ranks numbered ``stage * tp + tp_rank``."""
+
+    tp: int
+    pp: int
+
+    @property
+    def world_size(self) -> int:
+        """Processes in all."""
+        return self.tp * self.pp
+
+    def parallel(self, rank: int, groups: list[Any]) -> ModelParallel:
+        """The ``ModelParallel`` of ``rank`` (``groups``: each stage's tensor group)."""
+        stage, tp_rank = divmod(rank, self.tp)
+        return ModelParallel(tp_rank, self.tp, stage, self.pp, groups[stage] if self.tp > 1 else None)
+
+    def next_rank(self, rank: int) -> int:
+        """The same tensor rank of the next stage."""
+        return rank + self.tp
+
+    @property
+    def last_stage_root(self) -> int:
+        """Tensor rank 0 of the last stage, which sends the logits to the driver."""
+        return (self.pp - 1) * self.tp
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """What a spawned worker needs: the resolved engine config, its rank, the topology and
+    how to join the group."""
+
+    cfg: Any
+    rank: int
+    topology: Topology
+    init_method: str
+    backend: str
+    threads: int
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (the group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def backend_for(device: torch.device, requested: str) -> str:
+    """``parallel.backend``: auto is NCCL on CUDA, gloo on the CPU."""
+    if requested == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    return requested
+
+
+def join_group(topology: Topology, rank: int, init_method: str, backend: str) -> list[Any]:
+    """Join the world (a spawned worker or its driver) and create the stage groups."""
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=topology.world_size,
+                            timeout=GROUP_TIMEOUT)
+    return stage_groups(topology)
+
+
+def stage_groups(topology: Topology) -> list[Any]:
+    """Every stage's tensor group, by stage (all ranks create all groups, in the same order)."""
+    return [dist.new_group(list(range(stage * topology.tp, (stage + 1) * topology.tp)))
+            for stage in range(topology.pp)] if topology.tp > 1 else [None] * topology.pp
+
+
+def torchrun_problems(topology: Topology) -> list[str]:
+    """Why this process cannot drive a ``torchrun`` world of ``topology`` (empty if it can):
+    it must be rank 0 of exactly ``tp x pp`` processes."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return ["parallel.init_method=env needs the torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR): "
+                "start every rank with torchrun -m servelab.launch (docs/parallel.md)"]
+    problems = []
+    if int(os.environ["WORLD_SIZE"]) != topology.world_size:
+        problems.append(f"torchrun started {os.environ['WORLD_SIZE']} processes but parallel.tensor_parallel_size "
+                        f"x pipeline_parallel_size = {topology.tp} x {topology.pp} = {topology.world_size}")
+    if int(os.environ["RANK"]) != 0:
+        problems.append(f"the engine runs on rank 0 only, this process is rank {os.environ['RANK']}")
+    return problems
+
+
+def drive_torchrun(topology: Topology, backend: str, cfg: Any) -> list[Any]:
+    """Rank 0 of a ``torchrun`` world: join it, hand every worker the resolved engine
+    config (pickled, as a spawned worker gets it), then create the stage groups."""
+    dist.init_process_group(backend, init_method="env://", timeout=GROUP_TIMEOUT)
+    dist.broadcast_object_list([cfg], src=0)
+    return stage_groups(topology)
+
+
+def local_world_size(world_size: int) -> int:
+    """Ranks on this node: ``torchrun``'s ``LOCAL_WORLD_SIZE``, else the whole world."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+
+
+# -- the step message ---------------------------------------------------------------------------
+def pack_step(inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The header and payload of a step's ``StepInputs``."""
+    layout = inputs.layout
+    table = layout.block_table
+    header = torch.zeros(HEADER_SIZE, dtype=torch.int64)
+    header[:8] = torch.tensor([STEP, inputs.input_ids.numel(), layout.num_requests, table.shape[1],
+                               inputs.logits_indices.numel(), layout.max_query_len, layout.max_seq_len,
+                               layout.block_size])
+    parts = [inputs.input_ids, inputs.positions, layout.query_start_loc, layout.seq_lens, table.reshape(-1),
+             layout.slot_mapping, inputs.logits_indices]
+    return header, torch.cat([p.to("cpu", torch.int64) for p in parts])
+
+
+def step_payload_size(header: torch.Tensor) -> int:
+    """Elements of the payload that follows a step header."""
+    tokens, requests, max_blocks, logits = header[1:5].tolist()
+    return 3 * tokens + requests * (2 + max_blocks) + 1 + logits
+
+
+def unpack_step(header: torch.Tensor, payload: torch.Tensor, device: torch.device) -> tuple:
+    """The worker's side of ``pack_step``: (input_ids, positions, layout, logits rows)."""
+    tokens, requests, max_blocks, logits, max_query, max_seq, block_size = header[1:8].tolist()
+    ids, positions, starts, seq_lens, table, slots, rows = payload.split(
+        [tokens, tokens, requests + 1, requests, requests * max_blocks, tokens, logits])
+    layout = BatchLayout(starts.to(device, torch.int32), seq_lens.to(device, torch.int32),
+                         table.reshape(requests, max_blocks).to(device, torch.int32), slots.to(device), block_size,
+                         max_query, max_seq, tuple(starts.diff().tolist()), tuple(seq_lens.tolist()))
+    return ids.to(device), positions.to(device), layout, rows.to(device)
+
+
+def pack_moves(moves: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """The header and payload of a step's block moves (swap out, copy, swap in pairs)."""
+    header = torch.zeros(HEADER_SIZE, dtype=torch.int64)
+    header[:4] = torch.tensor([MOVES, *(len(p) for p in moves)])
+    return header, torch.tensor([x for pairs in moves for pair in pairs for x in pair], dtype=torch.int64)
+
+
+def unpack_moves(header: torch.Tensor, payload: torch.Tensor) -> tuple:
+    """The worker's side of ``pack_moves``."""
+    counts = header[1:4].tolist()
+    return tuple(tuple(map(tuple, part.reshape(-1, 2).tolist())) for part in payload.split([2 * c for c in counts]))
+
+
+def send_header(kind: int, ranks: range, values: tuple[int, ...] = ()) -> None:
+    """A control message (attach, warm-up, stop) to every worker."""
+    header = torch.zeros(HEADER_SIZE, dtype=torch.int64)
+    header[0] = kind
+    header[1:1 + len(values)] = torch.tensor(values, dtype=torch.int64)
+    for rank in ranks:
+        dist.send(header, rank)
+
+
+# -- the worker -----------------------------------------------------------------------------------
+def serve_as_worker(spec: WorkerSpec) -> None:
+    """A spawned worker's life: join the group, then ``run_worker``."""
+    from servelab.kernels.libc import die_with_parent
+
+    die_with_parent()
+    torch.set_num_threads(spec.threads)
+    groups = join_group(spec.topology, spec.rank, spec.init_method, spec.backend)
+    run_worker(spec.cfg, spec.topology, spec.rank, groups)
+
+
+def serve_torchrun_worker(backend: str) -> None:
+    """A ``torchrun`` rank above 0: join the world, receive the engine config from rank 0,
+    then ``run_worker``."""
+    dist.init_process_group(backend, init_method="env://", timeout=GROUP_TIMEOUT)
+    received: list[Any] = [None]
+    dist.broadcast_object_list(received, src=0)
+    cfg = received[0]
+    topology = Topology(cfg.parallel.tensor_parallel_size, cfg.parallel.pipeline_parallel_size)
+    torch.set_num_threads(cfg.parallel.threads or default_threads(local_world_size(topology.world_size)))
+    run_worker(cfg, topology, dist.get_rank(), stage_groups(topology))
+
+
+def run_worker(cfg: Any, topology: Topology, rank: int, groups: list[Any]) -> None:
+    """Build this rank's shard of the model, then run whatever the driver sends until it
+    says stop; leave the group."""
+    shard = ModelShard.build(cfg, topology.parallel(rank, groups), rank)
+    header = torch.zeros(HEADER_SIZE, dtype=torch.int64)
+    try:
+        while True:
+            dist.recv(header, 0)
+            kind = int(header[0])
+            if kind == STOP:
+                break
+            if kind == ATTACH:
+                shard.allocate(*header[1:4].tolist())
+            elif kind == WARM_UP:
+                shard.model.warm_up(int(header[1]))
+            elif kind == MOVES:
+                payload = torch.empty(2 * int(header[1:4].sum()), dtype=torch.int64)
+                dist.recv(payload, 0)
+                shard.move_blocks(unpack_moves(header, payload))
+            elif kind == STEP:
+                payload = torch.empty(step_payload_size(header), dtype=torch.int64)
+                dist.recv(payload, 0)
+                shard.step(topology, rank, *unpack_step(header, payload, shard.device))
+    finally:
+        dist.destroy_process_group()
+
+
+class ModelShard:
+    """One rank's model, attention backend and KV cache tensors."""
+
+    def __init__(self, model: Any, attention: Any, dtype: torch.dtype, device: torch.device, parallel: ModelParallel):
+        self.model = model
+        self.attention = attention
+        self.dtype = dtype
+        self.device = device
+        self.parallel = parallel
+        self.kv_caches: list[torch.Tensor] = []
+        self.host_caches: list[torch.Tensor] = []
+
+    @classmethod
+    def build(cls, cfg: Any, parallel: ModelParallel, rank: int) -> "ModelShard":
+        """Load rank ``rank``'s share of the configured model (what the driver builds for
+        itself), on its own GPU when there are GPUs."""
+        from servelab.core.checkpoint import load_checkpoint, resolve_device, resolve_dtype
+        from servelab.core.registry import get_registry
+
+        registry = get_registry()
+        checkpoint = load_checkpoint(cfg.model)
+        device = resolve_device(cfg.device)
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+            torch.cuda.set_device(device)
+        dtype = resolve_dtype(cfg.model.dtype, checkpoint.hf_config, device)
+        model_cls = registry.get("model", checkpoint.architecture).cls
+        shape = model_cls.shape_of(checkpoint.hf_config)
+        max_len = cfg.model.max_model_len or shape.max_positions
+        return cls.load(registry, checkpoint, model_cls, shape, cfg.attention, dtype, device, max_len, parallel)
+
+    @classmethod
+    def load(cls, registry: Any, checkpoint: Any, model_cls: type, shape: Any, attention_config: Any,
+             dtype: torch.dtype, device: torch.device, max_len: int, parallel: ModelParallel) -> "ModelShard":
+        """The shard from an already read checkpoint."""
+        spec = shape.attention_spec(dtype, device, max_len, parallel.tp_size)
+        attention = registry.build("attention", attention_config, spec)
+        model = model_cls(checkpoint.hf_config, attention, dtype, max_len, parallel)
+        model.load_weights(checkpoint.weights())
+        return cls(model.to(device).eval(), attention, dtype, device, parallel)
+
+    def allocate(self, num_blocks: int, block_size: int, host_blocks: int) -> None:
+        """KV tensors for this stage's layers (and the host pool's, for swapping)."""
+        from servelab.kernels.huge_pages import huge_page_zeros
+
+        layers = len(self.model.model.layers)
+        shape = self.attention.kv_cache_shape(num_blocks, block_size)
+        self.kv_caches = [huge_page_zeros(shape, self.dtype, self.device) for _ in range(layers)]
+        host = self.attention.kv_cache_shape(host_blocks, block_size)
+        self.host_caches = [torch.zeros(host, dtype=self.dtype) for _ in range(layers if host_blocks else 0)]
+
+    def move_blocks(self, moves: tuple) -> None:
+        """Swap in, swap out, then copy-on-write. Swapping in first reads every host block
+        before a swap-out of the same step may reuse it (the cache frees a swapped-in
+        request's host blocks at once); a swap-in's device blocks were taken before any
+        swap-out of the step released its own, and copies write fresh blocks last."""
+        swap_out, copy, swap_in = moves
+        copy_blocks(self.attention, self.host_caches, self.kv_caches, swap_in)
+        copy_blocks(self.attention, self.kv_caches, self.host_caches, swap_out)
+        copy_blocks(self.attention, self.kv_caches, self.kv_caches, copy)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: BatchLayout,
+                carried: tuple | None) -> Any:
+        """This stage's layers over the step."""
+        meta = self.attention.build_metadata(layout)
+        return self.model(input_ids, positions, self.kv_caches, meta, carried)
+
+    @torch.inference_mode()
+    def step(self, topology: Topology, rank: int, input_ids: torch.Tensor, positions: torch.Tensor,
+             layout: BatchLayout, rows: torch.Tensor) -> None:
+        """A worker's part of one step: receive from the stage before, compute, send on."""
+        stage_times = torch.zeros(topology.pp, dtype=torch.float64)
+        carried = None
+        parallel = self.parallel
+        if not parallel.is_first_stage:
+            hidden = self.model.hf_config.hidden_size
+            carried = (torch.empty(input_ids.numel(), hidden, dtype=self.dtype, device=self.device),
+                       torch.empty(input_ids.numel(), hidden, dtype=self.dtype, device=self.device))
+            for tensor in (*carried, stage_times):
+                dist.recv(tensor, rank - topology.tp)
+        started = time.perf_counter()
+        out = self.forward(input_ids, positions, layout, carried)
+        if parallel.is_last_stage:
+            logits = self.model.compute_logits(out[rows]) if rows.numel() else None
+            stage_times[parallel.pp_rank] = time.perf_counter() - started
+            if parallel.tp_rank == 0 and rank != 0:
+                if logits is not None:
+                    dist.send(logits.contiguous(), 0)
+                dist.send(stage_times, 0)
+            return
+        stage_times[parallel.pp_rank] = time.perf_counter() - started
+        for tensor in (*out, stage_times):
+            dist.send(tensor.contiguous(), topology.next_rank(rank))
+
+
+def copy_blocks(attention: Any, sources: list[torch.Tensor], destinations: list[torch.Tensor], pairs) -> None:
+    """Copy blocks ``pairs`` (source, destination) from each source to each destination
+    layer, along the attention backend's ``kv_cache_block_axis``."""
+    if not pairs:
+        return
+    axis = attention.kv_cache_block_axis
+    for source, destination in zip(sources, destinations):
+        src = torch.tensor([s for s, _ in pairs], device=source.device)
+        dst = torch.tensor([d for _, d in pairs], device=destination.device)
+        blocks = source.index_select(axis, src).to(destination.device, non_blocking=True)
+        destination.index_copy_(axis, dst, blocks)
+
+
+def spawn_workers(cfg: Any, topology: Topology, init_method: str, backend: str, threads: int) -> list[Any]:
+    """Start ranks 1.. of ``topology`` as spawned processes of this one."""
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    workers = []
+    for rank in range(1, topology.world_size):
+        process = context.Process(target=serve_as_worker, name=f"servelab-worker-{rank}", daemon=True,
+                                  args=(WorkerSpec(cfg, rank, topology, init_method, backend, threads),))
+        process.start()
+        workers.append(process)
+    return workers
+
+
+def describe_dead(workers: list[Any]) -> str | None:
+    """Which spawned workers have exited, if any."""
+    dead = [f"rank {w.name.rsplit('-', 1)[1]} (pid {w.pid}, exit code {w.exitcode})" for w in workers
+            if not w.is_alive()]
+    return ", ".join(dead) or None
+
+
+def default_threads(world_size: int) -> int:
+    """Compute threads per rank: the cores this process may use, shared out."""
+    return max(1, len(os.sched_getaffinity(0)) // world_size)

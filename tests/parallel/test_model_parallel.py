@@ -1,0 +1,92 @@
+"""executor=model over several processes (gloo on the CPU): greedy output equal to
+transformers (hence to one device), clear errors for splits that cannot work, and a
+worker that dies failing the engine at once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch.distributed as dist
+
+from servelab import ConfigError, LLM, SamplingParams
+from servelab.testing import assert_engine_matches_transformers, mixed_prompts, tiny_checkpoint
+
+BASE = ["model.dtype=float32", "device=cpu"]
+PAGED = "cache.block_size=4"
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, str]:
+    """Tiny checkpoints: Llama (2 KV heads), Qwen2 (tied embeddings, q/k/v biases), and a
+    Llama with one KV head (replicated across two ranks)."""
+    root = tmp_path_factory.mktemp("parallel")
+    return {"llama": tiny_checkpoint(root / "llama", "llama"), "qwen2": tiny_checkpoint(root / "qwen2", "qwen2"),
+            "mqa": tiny_checkpoint(root / "mqa", "llama", num_key_value_heads=1),
+            "draft": tiny_checkpoint(root / "draft", "llama", seed=5)}
+
+
+def matches(folder: str, *overrides: str, prompts=None) -> None:
+    """Greedy tokens equal transformers' through an engine with ``overrides``; the engine
+    (and its workers) shut down afterwards."""
+    llm = LLM(folder, overrides=[*BASE, *overrides])
+    try:
+        assert_engine_matches_transformers(folder, prompts=prompts, llm=llm)
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("model, overrides", [
+    ("llama", ["parallel.tensor_parallel_size=2", PAGED]),
+    ("qwen2", ["parallel.tensor_parallel_size=2", PAGED, "scheduler=chunked", "scheduler.token_budget=16"]),
+    ("mqa", ["parallel.tensor_parallel_size=2", PAGED]),
+    ("llama", ["parallel.pipeline_parallel_size=2", PAGED, "scheduler=chunked", "scheduler.token_budget=16"]),
+    ("llama", ["parallel.tensor_parallel_size=2", "scheduler=static", "cache=contiguous"]),
+    ("llama", ["parallel.tensor_parallel_size=2", PAGED, "decoding=ngram", "cache.num_blocks=40", "model.max_model_len=128",
+               "cache.swap_space_bytes=1000000", "scheduler.preemption=swap", "cache.enable_prefix_caching=true"]),
+], ids=["tp2", "tp2-tied-bias-chunked", "tp2-replicated-kv", "pp2-chunked", "tp2-static-contiguous",
+        "tp2-ngram-swap-prefix"])
+def test_greedy_output_equals_one_device(models, model, overrides):
+    matches(models[model], *overrides)
+
+
+def test_tensor_and_pipeline_together_with_a_draft_model(models):
+    matches(models["qwen2"], "parallel.tensor_parallel_size=2", "parallel.pipeline_parallel_size=2")
+    matches(models["llama"], "parallel.tensor_parallel_size=2", "decoding=speculative",
+            f"decoding.draft_path={models['draft']}")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["parallel.tensor_parallel_size=3"], "tensor_parallel_size=3 does not divide the model's 4 attention heads"),
+    (["parallel.tensor_parallel_size=4"], "neither divides the other"),
+    (["parallel.pipeline_parallel_size=3"], "pipeline_parallel_size=3 exceeds the model's 2 layers"),
+    (["parallel.tensor_parallel_size=2", "parallel.init_method=ssh"], "parallel.init_method must be one of"),
+    (["parallel.tensor_parallel_size=2", "model.max_model_len=100000"], "exceeds the model's max_position"),
+])
+def test_splits_that_cannot_work_name_the_numbers(models, overrides, message):
+    folder = models["mqa"] if "tensor_parallel_size=4" in overrides[0] else models["llama"]
+    if "tensor_parallel_size=4" in overrides[0]:
+        folder = tiny_checkpoint(os.path.join(os.path.dirname(folder), "kv3"), "llama", num_attention_heads=12,
+                                 num_key_value_heads=3, hidden_size=96)
+    with pytest.raises(ConfigError, match=message):
+        LLM(folder, overrides=[*BASE, *overrides])
+    assert not dist.is_initialized(), "a refused engine left its process group (and workers) behind"
+
+
+def test_a_dead_worker_fails_the_engine_at_once(models):
+    llm = LLM(models["llama"], overrides=[*BASE, "parallel.tensor_parallel_size=2"])
+    engine = llm.engine
+    (worker,) = engine.executor.workers
+    engine.add_request(mixed_prompts(257, (20,))[0], SamplingParams(max_tokens=200, ignore_eos=True))
+    engine.step()
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.join(10)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"a parallel worker exited: rank 1 \(pid \d+, exit code -9\)"):
+        for _ in range(100):
+            engine.step()
+    assert time.monotonic() - started < 10
+    engine.shutdown()
+    assert not worker.is_alive()
