@@ -15,19 +15,28 @@ GRACEFUL_SHUTDOWN_TIMEOUT_S = 5
 
 def serve(cfg: DictConfig) -> None:
     """Start the engine process from ``cfg`` and serve it on ``server.host:server.port``
-    until SIGTERM/SIGINT; configuration errors exit with status 2."""
+    until SIGTERM/SIGINT (``server.backend=ray``: replicas on Ray Serve, ``ray_app``);
+    configuration errors exit with status 2."""
     import uvicorn
 
     from servelab.core.errors import ConfigError
     from servelab.server.app import ServerState, create_app
     from servelab.server.async_engine import AsyncEngine
-    from servelab.server.config import served_model_name
+    from servelab.server.config import server_problems, served_model_name
     from servelab.server.draining_server import DrainingServer
     from servelab.server.engine_process import EngineProcess
     from servelab.server.metrics import ServerMetrics
 
     server_cfg = cfg.server
     try:
+        problems = server_problems(server_cfg)
+        if problems:
+            raise ConfigError(problems)
+        if server_cfg.backend == "ray":
+            from servelab.server.ray_app import serve_on_ray
+
+            serve_on_ray(cfg, served_model_name(cfg))
+            return
         process = EngineProcess.launch(cfg, server_cfg.engine_threads, server_cfg.warmup_tokens)
     except ConfigError as exc:
         print(f"servelab-serve: error: {exc}", file=sys.stderr)

@@ -25,6 +25,12 @@ class ServerConfig:
     ``warmup_tokens``: before listening, it packs the weights and compiles the CPU matmul
     kernels of steps up to this many tokens (default: the scheduler's step budget, which
     covers every step; 0: skip; larger steps compile on first use).
+
+    ``backend``: ``local`` (one engine process behind this process's HTTP server) or
+    ``ray`` (``replicas`` engine replicas behind Ray Serve's HTTP proxy, docs/parallel.md);
+    on ``ray``, ``routing`` is ``ray`` (Ray Serve's own choice) or ``router`` (the
+    ``router=`` plugin, e.g. ``router=prefix_affinity``), and each replica reserves
+    ``replica_cpus`` CPUs and ``replica_gpus`` GPUs of the cluster.
     """
 
     host: str = "127.0.0.1"
@@ -36,6 +42,32 @@ class ServerConfig:
     access_log: bool = True
     engine_threads: Optional[int] = None
     warmup_tokens: Optional[int] = None
+    backend: str = "local"
+    replicas: int = 1
+    routing: str = "ray"
+    replica_cpus: float = 1.0
+    replica_gpus: float = 0.0
+
+
+BACKENDS = ("local", "ray")
+ROUTINGS = ("ray", "router")
+
+
+def server_problems(server: ServerConfig) -> list[str]:
+    """Every problem of the ``server`` node's backend settings, each naming its field."""
+    problems = []
+    if server.backend not in BACKENDS:
+        problems.append(f"server.backend must be one of {', '.join(BACKENDS)}, got {server.backend!r}")
+    if server.replicas < 1:
+        problems.append(f"server.replicas must be >= 1, got {server.replicas}")
+    elif server.replicas > 1 and server.backend == "local":
+        problems.append(f"server.replicas={server.replicas} needs server.backend=ray (backend local serves one engine)")
+    if server.routing not in ROUTINGS:
+        problems.append(f"server.routing must be one of {', '.join(ROUTINGS)}, got {server.routing!r}")
+    if server.replica_cpus < 0 or server.replica_gpus < 0:
+        problems.append(f"server.replica_cpus and server.replica_gpus must be >= 0, got {server.replica_cpus} "
+                        f"and {server.replica_gpus}")
+    return problems
 
 
 @dataclass
