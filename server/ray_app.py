@@ -33,6 +33,9 @@ engine process to stop."""
 ROUTING_STATS_PERIOD_S = 1.0
 """How often each replica reports its load to a servelab router (``server.routing=router``)."""
 
+CONFIG_ERROR_PHRASE = "invalid servelab configuration:"
+"""How a ``ConfigError`` begins (``servelab.core.errors``)."""
+
 UNBLOCKED_PREFIX_TOKENS = 16
 """The prefix unit a servelab router gets for a cache without blocks (``cache=contiguous``)."""
 
@@ -82,6 +85,29 @@ def build_app(cfg: DictConfig, model_name: str) -> Any:
     return ingress.bind(replicas, plain)
 
 
+def config_problems(message: str) -> list[str]:
+    """The problems of the first ``ConfigError`` quoted in ``message`` (a traceback)."""
+    start = message.find(CONFIG_ERROR_PHRASE)
+    if start < 0:
+        return []
+    problems = []
+    for line in message[start + len(CONFIG_ERROR_PHRASE):].strip().splitlines():
+        if not line.strip().startswith("- "):
+            break
+        problems.append(line.strip()[2:])
+    return problems
+
+
+def deploy_failures() -> list[str]:
+    """Why the application's deployments failed, as Ray Serve recorded it: the problems
+    of a replica's ``ConfigError`` (the engine refused its configuration)."""
+    from ray import serve
+
+    application = serve.status().applications.get(APP_NAME)
+    deployments = application.deployments.values() if application else ()
+    return [problem for d in deployments for problem in config_problems(d.message or "")]
+
+
 def serve_on_ray(cfg: DictConfig, model_name: str) -> None:
     """Deploy ``build_app`` on the Ray cluster, with Ray Serve's HTTP proxy on
     ``server.host:server.port``; serve until SIGTERM/SIGINT, then shut down. Raises
@@ -99,7 +125,7 @@ def serve_on_ray(cfg: DictConfig, model_name: str) -> None:
         try:
             serve.run(app, name=APP_NAME, route_prefix="/")
         except RuntimeError as exc:
-            raise ConfigError([f"the Ray Serve application failed to deploy: {exc}"]) from exc
+            raise ConfigError([f"the Ray Serve application failed to deploy: {exc}", *deploy_failures()]) from exc
         log.info("serving %d replicas on http://%s:%d", cfg.server.replicas, cfg.server.host, cfg.server.port)
         stop.wait()
         log.info("stopping: the replicas drain (up to %.1fs)", cfg.server.drain_timeout_s)

@@ -43,6 +43,16 @@ def test_serve_exits_2_naming_the_field():
     assert "server.replicas must be >= 1, got 0" in result.stderr
 
 
+def test_a_replicas_config_error_is_read_from_its_traceback():
+    from servelab.core.errors import ConfigError
+    from servelab.server.ray_app import config_problems
+
+    error = ConfigError(["cache.block_size must be >= 1, got 0", "scheduler.max_num_seqs must be >= 1, got 0"])
+    message = f"Traceback (most recent call last):\n  File \"x.py\"\nservelab.core.errors.ConfigError: {error}\n"
+    assert config_problems(message) == error.problems
+    assert config_problems("RuntimeError: boom") == []
+
+
 def test_replicas_metrics_carry_a_replica_label():
     first, second = ServerMetrics(), ServerMetrics()
     first.generation_tokens.inc(3)
