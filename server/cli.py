@@ -16,7 +16,7 @@ GRACEFUL_SHUTDOWN_TIMEOUT_S = 5
 def serve(cfg: DictConfig) -> None:
     """Start the engine process from ``cfg`` and serve it on ``server.host:server.port``
     until SIGTERM/SIGINT (``server.backend=ray``: replicas on Ray Serve, ``ray_app``);
-    configuration errors exit with status 2."""
+    configuration errors exit with status 2, an engine failure with 1."""
     import uvicorn
 
     from servelab.core.errors import ConfigError
@@ -46,7 +46,10 @@ def serve(cfg: DictConfig) -> None:
     config = uvicorn.Config(create_app(state), host=server_cfg.host, port=server_cfg.port,
                             log_level=server_cfg.log_level, access_log=server_cfg.access_log, lifespan="on",
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_TIMEOUT_S)
-    DrainingServer(config, state).run()
+    server = DrainingServer(config, state)
+    server.run()
+    if server.exit_code:
+        sys.exit(server.exit_code)
 
 
 def main() -> None:
