@@ -21,7 +21,8 @@ from servelab.plugins.decoding.speculative_sampling import simulated_acceptance,
 class SpeculativeDecodingConfig:
     """``draft``: a model preset (``model=<name>``); ``draft_path``: a Hugging Face folder
     instead. ``num_speculative_tokens``: k drafts per request per step. The draft keeps
-    its own paged cache of ``draft_block_size`` blocks in ``draft_memory_bytes``.
+    its own paged cache of ``draft_block_size`` blocks in ``draft_memory_bytes``; k = 0
+    drafts nothing (the target alone: a k sweep's baseline).
     ``simulated_acceptance_rate``: under ``executor=simulated``, the probability that the
     target accepts each draft token (the draft model's passes are priced, not run)."""
 

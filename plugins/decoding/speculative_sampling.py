@@ -126,8 +126,8 @@ def speculation_problems(config) -> list[str]:
     """What is wrong with a speculative config's ``num_speculative_tokens`` and
     ``simulated_acceptance_rate``."""
     problems = []
-    if config.num_speculative_tokens < 1:
-        problems.append(f"decoding.num_speculative_tokens must be >= 1, got {config.num_speculative_tokens}")
+    if config.num_speculative_tokens < 0:
+        problems.append(f"decoding.num_speculative_tokens must be >= 0, got {config.num_speculative_tokens}")
     if not 0.0 <= config.simulated_acceptance_rate <= 1.0:
         problems.append(f"decoding.simulated_acceptance_rate must be in [0, 1], got {config.simulated_acceptance_rate}")
     return problems

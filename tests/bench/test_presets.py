@@ -22,7 +22,7 @@ def sweep_overrides(name: str) -> list[list[str]]:
 
 
 def test_the_four_presets_exist():
-    assert PRESETS == ["batching", "chunk_size", "kv_waste", "spec_k"]
+    assert PRESETS == ["batching", "chunk_size", "kv_waste", "spec_decode_theory", "spec_k"]
     assert sweep_overrides("batching")[0] == ["scheduler=static", "workload.rate=8"]
     assert {job[0] for job in sweep_overrides("batching")} == {
         "scheduler=static", "scheduler=dynamic", "scheduler=continuous", "scheduler=chunked"}
