@@ -52,8 +52,10 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
     finally:
         system.close()
     samples = metrics.pop("samples")
-    metrics = {"job": job_info(cfg), "simulated": system.simulated, "wall_time_s": time.perf_counter() - started,
-               **metrics}
+    wall_time = time.perf_counter() - started
+    metrics = {"job": job_info(cfg), "simulated": system.simulated, "wall_time_s": wall_time, **metrics}
+    if system.simulated:
+        metrics["simulated_seconds_per_wall_second"] = metrics["duration_s"] / wall_time
     (folder / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     (folder / "samples.json").write_text(json.dumps(samples) + "\n")
     print(summary_table(metrics))

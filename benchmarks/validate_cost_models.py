@@ -12,6 +12,9 @@ batch-1 step times of both cost models against published latencies::
 
     python benchmarks/validate_cost_models.py calibrate
     python benchmarks/validate_cost_models.py report > docs/results/simulation/gpu_validation.md
+
+``cpu FOLDER`` tabulates real ``servelab-bench`` runs on this CPU against the same runs
+simulated with ``cost_model=profiled`` (docs/results/simulation.md has the commands).
 """
 
 from __future__ import annotations
@@ -223,13 +226,48 @@ def end_to_end_report() -> None:
         print(f"- {key}: {text}")
 
 
+CPU_METRICS = (("TTFT P50 ms", "ttft_ms", "p50"), ("TTFT P90 ms", "ttft_ms", "p90"), ("TPOT P50 ms", "tpot_ms", "p50"),
+               ("TPOT P99 ms", "tpot_ms", "p99"), ("output tok/s", "output_throughput", None))
+
+
+def cpu_report(folder: str) -> None:
+    """Real vs simulated runs: ``folder/<case>/real-*/metrics.json`` (repeats of a real
+    run) and ``folder/<case>/sim-*/metrics.json`` (the same command with executor=simulated
+    cost_model=profiled hardware=local, each with the table profiled just before the real
+    run of the same round): per case and metric, the medians and their error."""
+    import json
+    from pathlib import Path
+
+    def value(metrics: dict, key: str, stat: str | None) -> float:
+        return metrics[key] if stat is None else metrics[key][stat]
+
+    print("| case | metric | real runs | real median | simulated runs | simulated median | error |")
+    print("|---|---|---|---|---|---|---|")
+    errors_seen = []
+    for case in sorted(p for p in Path(folder).iterdir() if list(p.glob("sim*/metrics.json"))):
+        reals = [json.loads(p.read_text()) for p in sorted(case.glob("real-*/metrics.json"))]
+        sims = [json.loads(p.read_text()) for p in sorted(case.glob("sim*/metrics.json"))]
+        for label, key, stat in CPU_METRICS:
+            runs, simulated = [value(m, key, stat) for m in reals], [value(m, key, stat) for m in sims]
+            error = statistics.median(simulated) / statistics.median(runs) - 1
+            errors_seen.append(abs(error))
+            print(f"| {case.name} | {label} | {', '.join(f'{r:.1f}' for r in runs)} | {statistics.median(runs):.1f} | "
+                  f"{', '.join(f'{r:.1f}' for r in simulated)} | {statistics.median(simulated):.1f} | {pct(error)} |")
+    within = sum(e <= 0.15 for e in errors_seen)
+    print(f"\n{within} of {len(errors_seen)} within 15%; median |error| {100 * statistics.median(errors_seen):.1f}%, "
+          f"worst {100 * max(errors_seen):.1f}%")
+
+
 def main() -> None:
-    """``calibrate`` or ``report``."""
+    """``calibrate``, ``report`` or ``cpu FOLDER``."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=("calibrate", "report"))
+    parser.add_argument("what", choices=("calibrate", "report", "cpu"))
+    parser.add_argument("folder", nargs="?", help="cpu: the folder of real and simulated runs")
     args = parser.parse_args()
     if args.what == "calibrate":
         calibrate()
+    elif args.what == "cpu":
+        cpu_report(args.folder)
     else:
         operator_report()
         collective_report()

@@ -19,6 +19,7 @@ what the tables cover.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -32,6 +33,17 @@ from servelab.plugins.cost_model.step_table import StepTableModel
 from servelab.plugins.cost_model.table import CostTable, load_table, shipped_tables
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8": 1}
+
+log = logging.getLogger(__name__)
+
+
+def this_cpu() -> str | None:
+    """This machine's CPU model (``/proc/cpuinfo``), None where unknown."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), None)
+    except OSError:
+        return None
 
 
 @dataclass
@@ -136,6 +148,10 @@ class ProfiledCostModel(RooflineCostModel):
             if problems:
                 raise ConfigError(problems)
             self.steps = StepTableModel(self.table, context.model.sliding_window)
+            measured_on = self.table.meta.get("machine", {}).get("cpu")
+            if measured_on and this_cpu() and measured_on != this_cpu():
+                log.warning("cost table %s was measured on %s, this machine is %s: its times are that machine's",
+                            self.table.path, measured_on, this_cpu())
             return
         tp = self.tp
         self.series = {op: self.table.find(op, tensor_parallel_size=tp) for op in ("emb", *LAYER_OPERATORS)}

@@ -24,6 +24,9 @@ from servelab.plugins.cost_model.collectives import (all_gather_time, all_reduce
 from servelab.plugins.cost_model.operators import (Operator, Widths, attention_operators, first_stage_operators,
                                                    last_stage_operators, layer_operators)
 
+CACHE_LIMIT = 1 << 16
+"""Priced token counts (and token, logits-row pairs) kept before the caches start over."""
+
 
 @dataclass
 class RooflineCostModelConfig:
@@ -101,6 +104,8 @@ class RooflineCostModel(CostModel):
         tokens = batch.num_tokens
         dense = self._dense.get(tokens)
         if dense is None:
+            if len(self._dense) > CACHE_LIMIT:
+                self._dense.clear()
             dense = self._dense[tokens] = self.dense_times(tokens)
         times = list(dense)
         times += self.attention_times(batch)
@@ -118,6 +123,8 @@ class RooflineCostModel(CostModel):
         key = (tokens, batch.num_logits_rows)
         ends = self._ends.get(key)
         if ends is None:
+            if len(self._ends) > CACHE_LIMIT:
+                self._ends.clear()
             ends = self._ends[key] = (self.first_stage_times(tokens),
                                       self.last_stage_times(tokens, batch.num_logits_rows))
         first, last = ends

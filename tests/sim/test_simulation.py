@@ -1,0 +1,156 @@
+"""executor=simulated: the engine's own scheduler and cache on a virtual clock, deterministic,
+with the same block accounting as the real executor, and clear errors for what cannot run."""
+
+from __future__ import annotations
+
+import pytest
+
+from servelab import ConfigError, LLM, SamplingParams
+from servelab.core.compose import compose_config
+from servelab.core.engine import LLMEngine
+from servelab.testing import mixed_prompts
+
+SIMULATED = ["executor=simulated", "cost_model=roofline"]
+LLAMA_7B = ["model=llama-2-7b", "hardware=a100-80gb", *SIMULATED]
+
+
+def bench(tmp_path, *overrides: str) -> dict:
+    """``servelab-bench`` in this process (Hydra app) with ``overrides``; its metrics."""
+    import json
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", "from servelab.bench.cli import main; main()", "use_tqdm=false",
+                             f"hydra.run.dir={tmp_path}", *overrides], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return json.loads((tmp_path / "metrics.json").read_text())
+
+
+def test_virtual_time_runs_are_deterministic(tmp_path):
+    args = [*LLAMA_7B, "workload=sharegpt", "workload.num_requests=64", "workload.rate=8"]
+    first, second = bench(tmp_path / "a", *args), bench(tmp_path / "b", *args)
+    assert first["simulated"] is True and first["num_completed"] == 64
+    for key in ("duration_s", "ttft_ms", "tpot_ms", "itl_ms", "output_throughput", "preemptions"):
+        assert first[key] == second[key], key
+    assert first["simulated_seconds_per_wall_second"] == pytest.approx(first["duration_s"] / first["wall_time_s"])
+
+
+def schedule_trace(overrides: list[str], prompts: list[list[int]]) -> list[tuple]:
+    """Every step's grants (request, computed, new, blocks), preemptions and prefix hits,
+    all requests added before the first step."""
+    llm = LLM("toy", overrides=overrides)
+    engine = llm.engine
+    steps = []
+    schedule = engine.scheduler.schedule
+
+    def recording():
+        output = schedule()
+        steps.append((tuple((g.request.request_id, g.num_computed_tokens, g.num_new_tokens, g.block_ids)
+                            for g in output.scheduled), output.preempted, output.num_prefix_hit_tokens,
+                      output.blocks_to_copy))
+        return output
+
+    engine.scheduler.schedule = recording
+    for prompt in prompts:
+        engine.add_request(prompt, SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.0))
+    while engine.has_unfinished_requests():
+        engine.step()
+    return steps
+
+
+@pytest.mark.parametrize("scheduler", ["continuous", "chunked"])
+def test_block_accounting_equals_the_real_executor(scheduler):
+    """Same admissions, chunks, preemptions, prefix hits and block tables step by step."""
+    shared = mixed_prompts(257, lengths=(24,), seed=7)[0]
+    prompts = [shared + p for p in mixed_prompts(257, lengths=(5, 30, 12, 40, 3, 22, 17, 35), seed=1)]
+    base = ["model.dtype=float32", "device=cpu", f"scheduler={scheduler}", "cache.block_size=4", "cache.num_blocks=40",
+            "cache.enable_prefix_caching=true", "model.max_model_len=128"]
+    if scheduler == "chunked":
+        base.append("scheduler.token_budget=32")
+    real = schedule_trace(base, prompts)
+    simulated = schedule_trace([*base, *SIMULATED], prompts)
+    assert real == simulated
+    assert any(preempted for _, preempted, _, _ in real) and any(hits for _, _, hits, _ in real)
+
+
+def test_simulation_keeps_virtual_time_and_reports_steps():
+    llm = LLM(overrides=[*LLAMA_7B])
+    engine = llm.engine
+    assert engine.clock.is_virtual and engine.clock.now() == 0.0
+    (output,) = llm.generate([[1] * 100], SamplingParams(max_tokens=50, ignore_eos=True), use_tqdm=False)
+    metrics = output.metrics
+    assert len(output.outputs[0].token_ids) == 50
+    assert 0 < metrics.ttft < 1 and 0 < metrics.tpot < 0.1   # a 7B model on an A100
+    assert engine.clock.now() == pytest.approx(metrics.token_times[-1])
+
+
+def test_simulated_speculation_keeps_drafts_at_the_configured_rate():
+    llm = LLM(overrides=[*LLAMA_7B, "decoding=ngram", "decoding.num_speculative_tokens=4",
+                         "decoding.simulated_acceptance_rate=0.6"])
+    outputs = llm.generate([[1] * 50] * 32, SamplingParams(max_tokens=200, ignore_eos=True), use_tqdm=False)
+    proposed = sum(o.metrics.spec_proposed_tokens for o in outputs)
+    accepted = sum(o.metrics.spec_accepted_tokens for o in outputs)
+    # each draft kept with probability 0.6 until the first rejection:
+    # E[kept of 4] / 4 = (0.6 + 0.6**2 + 0.6**3 + 0.6**4) / 4 = 0.3264
+    assert accepted / proposed == pytest.approx(0.3264, abs=0.03)
+    assert all(len(o.outputs[0].token_ids) == 200 for o in outputs)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model=llama-2-70b", "hardware=a100-40gb"], "does not fit hardware=a100-40gb"),
+    (["model=llama-2-7b", "hardware=a100-80gb", "parallel.tensor_parallel_size=3"],
+     "tensor_parallel_size=3 does not divide the model's 32 attention heads"),
+    (["model=falcon-180b", "hardware=a100-80gb", "parallel.pipeline_parallel_size=100"],
+     "pipeline_parallel_size=100 exceeds the model's 80 layers"),
+])
+def test_configurations_that_cannot_run_name_the_reason(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        LLMEngine(compose_config([*overrides, *SIMULATED]))
+
+
+def test_the_model_executor_refuses_a_shape_without_weights():
+    with pytest.raises(ConfigError, match="has no weights: executor=model runs checkpoints"):
+        LLMEngine(compose_config(["model=llama-2-7b"]))
+
+
+def test_every_shape_preset_simulates():
+    for preset, hardware, tp in [("llama-2-7b", "a100-80gb", 1), ("llama-2-70b", "a100-80gb", 4),
+                                 ("llama-3-8b", "h100-80gb", 1), ("llama-3-70b", "h100-80gb", 4),
+                                 ("mistral-7b", "a100-80gb", 1), ("yi-34b", "a100-80gb", 2),
+                                 ("qwen2.5-7b", "l40s", 1), ("opt-13b", "a100-80gb", 1),
+                                 ("gpt-3-175b", "a100-80gb", 8), ("falcon-180b", "h200", 4)]:
+        llm = LLM(overrides=[f"model={preset}", f"hardware={hardware}", f"parallel.tensor_parallel_size={tp}",
+                             *SIMULATED])
+        (output,) = llm.generate([[1] * 64], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+        assert len(output.outputs[0].token_ids) == 4, preset
+        assert llm.engine.cache.num_blocks > 1000, (preset, llm.engine.cache.num_blocks)
+
+
+def test_pipeline_stages_overlap_steps_and_report_bubbles(tmp_path):
+    metrics = bench(tmp_path, "model=llama-2-70b", "hardware=a100-80gb", "parallel.tensor_parallel_size=4",
+                    "parallel.pipeline_parallel_size=2", *SIMULATED, "workload=sharegpt",
+                    "workload.num_requests=64", "workload.rate=4")
+    stages = metrics["system"]["stage_busy_s"]
+    assert len(stages) == 2 and all(busy > 0 for busy in stages)
+    assert all(0 <= f < 1 for f in metrics["system"]["stage_bubble_fraction"])
+    assert metrics["num_completed"] == 64
+
+
+def test_replicas_behind_a_prefix_affinity_router_share_prefixes(tmp_path):
+    common = [*LLAMA_7B, "workload=shared_prefix", "workload.num_requests=48", "workload.arrival=poisson",
+              "workload.rate=16", "cache.enable_prefix_caching=true", "target.replicas=3"]
+    affinity = bench(tmp_path / "affinity", *common, "router=prefix_affinity")
+    spread = bench(tmp_path / "spread", *common, "router=round_robin")
+    assert affinity["num_completed"] == spread["num_completed"] == 48
+    assert sum(r["routed"] for r in affinity["system"]["replicas"]) == 48
+    assert affinity["prefix_cache_hit_rate"] > spread["prefix_cache_hit_rate"]
+
+
+def test_replicas_need_simulation():
+    from servelab.bench.config import store_bench_schemas
+    from servelab.bench.runner import open_system
+
+    store_bench_schemas()
+    cfg = compose_config(["model=toy", "target.replicas=2"], config_name="bench")
+    with pytest.raises(ConfigError, match="runs under executor=simulated"):
+        open_system(cfg, "/tmp")
