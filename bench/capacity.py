@@ -1,5 +1,7 @@
-"""Capacity: the highest request rate whose P99 time between tokens meets the SLO
-(Sarathi-Serve's definition), found by a bounded bisection."""
+"""Capacity: the highest request rate whose P99 time between tokens meets the SLO, and
+whose median scheduling delay meets its own when one is set (Sarathi-Serve's definition),
+or whose normalized latency does (PagedAttention's sustained rate), found by a bounded
+bisection."""
 
 from __future__ import annotations
 
@@ -8,17 +10,23 @@ from typing import Any, Callable
 
 from servelab.core.errors import ConfigError
 
+OBJECTIVES = {"tbt_p99_ms": ("itl_ms", "p99"), "scheduling_delay_p50_ms": ("scheduling_delay_ms", "p50"),
+              "normalized_latency_ms": ("normalized_latency_ms",)}
+"""Capacity objectives (``slo.<name>``) and the metric each bounds."""
 
-def search_capacity(measure: Callable[[float], float], slo_ms: float, rate_low: float, rate_high: float,
-                    max_iterations: int, tolerance: float) -> dict[str, Any]:
+
+def search_capacity(measure: Callable[[float], dict[str, float]], objectives: dict[str, float], rate_low: float,
+                    rate_high: float, max_iterations: int, tolerance: float) -> dict[str, Any]:
     """Bisect the rate in [``rate_low``, ``rate_high``] requests/s.
 
-    ``measure(rate)`` runs the workload at ``rate`` and returns its P99 TBT in ms (NaN
-    fails). The ends are tried first: if ``rate_low`` already misses the SLO the capacity
-    is 0 (below the range); if ``rate_high`` meets it, ``rate_high`` is a lower bound.
-    Otherwise the geometric midpoint of the bracket is tried until ``max_iterations`` runs
-    were made or high/low - 1 < ``tolerance``. Returns ``capacity_rps`` (the highest rate
-    that met the SLO), the final bracket, whether the search hit a range end, and every trial.
+    ``measure(rate)`` runs the workload at ``rate`` and returns the value (ms) of every
+    objective named in ``objectives`` (objective name -> limit); a rate meets the SLO when
+    every value is at most its limit (NaN fails). The ends are tried first: if
+    ``rate_low`` already misses the SLO the capacity is 0 (below the range); if
+    ``rate_high`` meets it, ``rate_high`` is a lower bound. Otherwise the geometric
+    midpoint of the bracket is tried until ``max_iterations`` runs were made or
+    high/low - 1 < ``tolerance``. Returns ``capacity_rps`` (the highest rate that met the
+    SLO), the final bracket, whether the search hit a range end, and every trial.
     """
     if not 0 < rate_low < rate_high:
         raise ConfigError([f"mode.rate_low and mode.rate_high must satisfy 0 < low < high, got {rate_low}, {rate_high}"])
@@ -27,9 +35,9 @@ def search_capacity(measure: Callable[[float], float], slo_ms: float, rate_low: 
     trials: list[dict[str, Any]] = []
 
     def meets(rate: float) -> bool:
-        p99 = measure(rate)
-        ok = not math.isnan(p99) and p99 <= slo_ms
-        trials.append({"rate": rate, "tbt_p99_ms": p99, "meets_slo": ok})
+        values = measure(rate)
+        ok = all(not math.isnan(values[name]) and values[name] <= limit for name, limit in objectives.items())
+        trials.append({"rate": rate, **values, "meets_slo": ok})
         return ok
 
     if not meets(rate_low):
@@ -47,31 +55,35 @@ def search_capacity(measure: Callable[[float], float], slo_ms: float, rate_low: 
 
 
 def measure_capacity(system: Any, cfg: Any) -> dict[str, Any]:
-    """``mode=capacity``: search the rate with ``cfg.mode``'s bounds and
-    ``cfg.slo.tbt_p99_ms``; returns the metrics of the run at the capacity (or at
-    ``rate_low`` when even that misses) plus ``capacity`` (the search result). Arrivals
-    are Poisson at the rate tried (gamma when ``workload.arrival=gamma``)."""
+    """``mode=capacity``: search the rate with ``cfg.mode``'s bounds against every
+    objective of ``OBJECTIVES`` set in ``cfg.slo`` (at least one); returns the
+    metrics of the run at the capacity (or at ``rate_low`` when even that misses) plus
+    ``capacity`` (the objectives and the search result). Arrivals are Poisson at the rate
+    tried (gamma when ``workload.arrival=gamma``)."""
     import copy
 
+    from servelab.bench.report import metric_value
     from servelab.bench.runner import measure
 
-    slo_ms = cfg.slo.tbt_p99_ms
-    if slo_ms is None:
-        raise ConfigError(["mode=capacity needs slo.tbt_p99_ms (the P99 time-between-tokens objective, ms)"])
+    objectives = {name: cfg.slo[name] for name in OBJECTIVES if cfg.slo[name] is not None}
+    if not objectives:
+        raise ConfigError(["mode=capacity needs slo.tbt_p99_ms (the P99 time-between-tokens objective, ms) or "
+                           "slo.normalized_latency_ms (the mean end-to-end latency per output token, ms)"])
     cfg = copy.deepcopy(cfg)
     if cfg.workload.arrival == "all_at_once":
         cfg.workload.arrival = "poisson"
     runs: dict[float, dict[str, Any]] = {}
 
-    def p99_tbt(rate: float) -> float:
+    def values(rate: float) -> dict[str, float]:
         runs[rate] = measure(system, cfg, rate=rate, desc=f"rate {rate:.3g}/s")
-        p99 = runs[rate]["itl_ms"]["p99"]
-        print(f"capacity: {rate:.3g} req/s -> P99 TBT {p99 if p99 is None else round(p99, 2)} ms "
-              f"(SLO {slo_ms} ms)", flush=True)
-        return math.nan if p99 is None else p99
+        found = {name: metric_value(runs[rate], *OBJECTIVES[name]) for name in objectives}
+        found = {name: math.nan if value is None else value for name, value in found.items()}
+        print(f"capacity: {rate:.3g} req/s -> " + ", ".join(
+            f"{name} {value:.4g} (SLO {objectives[name]})" for name, value in found.items()), flush=True)
+        return found
 
     mode = cfg.mode
-    found = search_capacity(p99_tbt, slo_ms, mode.rate_low, mode.rate_high, mode.max_iterations, mode.tolerance)
+    found = search_capacity(values, objectives, mode.rate_low, mode.rate_high, mode.max_iterations, mode.tolerance)
     metrics = runs[found["capacity_rps"] or mode.rate_low]
-    metrics["capacity"] = {"slo_tbt_p99_ms": slo_ms, **found}
+    metrics["capacity"] = {**{f"slo_{name}": cfg.slo[name] for name in OBJECTIVES}, **found}
     return metrics

@@ -69,11 +69,16 @@ class WorkloadConfig:
 @dataclass
 class SloConfig:
     """Latency objectives in milliseconds (null = no objective). ``ttft_ms`` and
-    ``tpot_ms`` define goodput; ``tbt_p99_ms`` is the capacity search's target."""
+    ``tpot_ms`` define goodput; ``tbt_p99_ms`` is the capacity search's target, and
+    ``scheduling_delay_p50_ms`` its second one when set (Sarathi-Serve: median arrival to
+    first scheduled at most 2000 ms); ``normalized_latency_ms`` bounds the mean of E2E /
+    output tokens instead of or beside ``tbt_p99_ms`` (PagedAttention's sustained rate)."""
 
     ttft_ms: Optional[float] = None
     tpot_ms: Optional[float] = None
     tbt_p99_ms: Optional[float] = None
+    scheduling_delay_p50_ms: Optional[float] = None
+    normalized_latency_ms: Optional[float] = None
 
 
 @dataclass
@@ -132,9 +137,10 @@ class RunModeConfig:
 @dataclass
 class CapacityModeConfig:
     """``mode=capacity``: the highest Poisson rate (requests/s) in [``rate_low``,
-    ``rate_high``] whose P99 time between tokens meets ``slo.tbt_p99_ms``; geometric
-    bisection of at most ``max_iterations`` runs, stopping when the bracket's
-    high/low - 1 falls below ``tolerance``."""
+    ``rate_high``] that meets every objective set of ``slo.tbt_p99_ms``,
+    ``slo.scheduling_delay_p50_ms`` and ``slo.normalized_latency_ms``; geometric bisection
+    of at most ``max_iterations`` runs, stopping when the bracket's high/low - 1 falls
+    below ``tolerance``."""
 
     rate_low: float = 1.0
     rate_high: float = 64.0

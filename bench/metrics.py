@@ -2,7 +2,7 @@
 
 Definitions (docs/bench.md): TTFT = first token - arrival; TPOT = (E2E - TTFT) /
 (output tokens - 1); ITL/TBT = every gap between consecutive token arrivals; E2E = last
-token - arrival; goodput = completed requests per second meeting every SLO set.
+token - arrival; normalized latency = the mean of E2E / output tokens (PagedAttention); goodput = completed requests per second meeting every SLO set.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ class RequestRecord:
     when output arrived, one entry per token in process or per streamed chunk over HTTP
     (a chunk may carry several tokens), so ``num_output_tokens`` is counted separately.
     ``error`` is set, and the timings empty, when the request failed. The counters
-    after ``num_output_tokens`` are None when the system does not report them.
+    after ``num_output_tokens`` are None when the system does not report them;
+    ``scheduled_time`` is when the system first scheduled the request (same clock).
     """
 
     request_id: str
@@ -35,6 +36,7 @@ class RequestRecord:
     spec_proposed: int | None = None
     spec_accepted: int | None = None
     error: str | None = None
+    scheduled_time: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -45,6 +47,12 @@ class RequestRecord:
     def ttft(self) -> float:
         """Time to first token, seconds."""
         return self.token_times[0] - self.arrival_time
+
+    @property
+    def scheduling_delay(self) -> float | None:
+        """Arrival to first scheduled (Sarathi-Serve's scheduling delay), seconds; None when
+        the system does not report it."""
+        return None if self.scheduled_time is None else self.scheduled_time - self.arrival_time
 
     @property
     def e2e(self) -> float:
@@ -135,6 +143,9 @@ def summarize(records: Sequence[RequestRecord], slo: Any) -> dict[str, Any]:
         "tpot_ms": distribution_ms([t for r in done if (t := r.tpot) is not None]),
         "itl_ms": distribution_ms(itls),
         "e2e_ms": distribution_ms([r.e2e for r in done]),
+        "scheduling_delay_ms": distribution_ms([d for r in done if (d := r.scheduling_delay) is not None]),
+        "normalized_latency_ms": (1000 * sum(r.e2e / r.num_output_tokens for r in done if r.num_output_tokens)
+                                  / len(done)) if done else None,
         "goodput": rate(good),
         "slo_attainment": good / len(done) if done else None,
         "preemptions": _total([r.num_preemptions for r in done]),

@@ -20,7 +20,8 @@ def record_from_output(output: Any) -> RequestRecord:
         request_id=output.request_id, arrival_time=metrics.arrival_time, token_times=tuple(metrics.token_times),
         num_prompt_tokens=len(output.prompt_token_ids), num_output_tokens=len(output.outputs[0].token_ids),
         num_cached_prompt_tokens=metrics.num_cached_prompt_tokens, num_preemptions=metrics.num_preemptions,
-        spec_proposed=metrics.spec_proposed_tokens, spec_accepted=metrics.spec_accepted_tokens)
+        spec_proposed=metrics.spec_proposed_tokens, spec_accepted=metrics.spec_accepted_tokens,
+        scheduled_time=metrics.first_scheduled_time)
 
 
 class ServelabSystem(SteppedSystem):

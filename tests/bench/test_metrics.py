@@ -59,6 +59,20 @@ def test_summary_of_a_timeline():
     assert m["goodput"] == pytest.approx(m["request_throughput"]) and m["slo_attainment"] == 1.0
 
 
+def test_scheduling_delay_when_reported():
+    delayed = [record("a", 0.0, [0.5], scheduled_time=0.25), record("b", 1.0, [2.0], scheduled_time=1.75), C]
+    assert delayed[0].scheduling_delay == pytest.approx(0.25) and C.scheduling_delay is None
+    m = summarize(delayed, SloConfig())
+    assert m["scheduling_delay_ms"]["p50"] == pytest.approx(500) and m["scheduling_delay_ms"]["mean"] == pytest.approx(500)
+    assert summarize([A, B], SloConfig())["scheduling_delay_ms"]["p50"] is None
+
+
+def test_normalized_latency_is_the_mean_latency_per_output_token():
+    # a: 400 ms / 3 tokens, b: 350 ms / 2, c: 500 ms / 1
+    assert summarize([A, B, C], SloConfig())["normalized_latency_ms"] == pytest.approx((400 / 3 + 175 + 500) / 3)
+    assert summarize([], SloConfig())["normalized_latency_ms"] is None
+
+
 def test_goodput_counts_requests_meeting_every_slo():
     # TTFT <= 350 ms drops c; TPOT <= 120 ms drops a (150 ms); b meets both.
     m = summarize([A, B, C], SloConfig(ttft_ms=350, tpot_ms=120))

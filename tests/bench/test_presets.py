@@ -21,8 +21,8 @@ def sweep_overrides(name: str) -> list[list[str]]:
     return [list(job) for job in itertools.product(*axes)]
 
 
-def test_the_four_presets_exist():
-    assert PRESETS == ["batching", "chunk_size", "kv_waste", "spec_decode_theory", "spec_k"]
+def test_the_presets_exist():
+    assert {"batching", "chunk_size", "kv_waste", "sarathi_capacity", "spec_decode_theory", "spec_k"} <= set(PRESETS)
     assert sweep_overrides("batching")[0] == ["scheduler=static", "workload.rate=8"]
     assert {job[0] for job in sweep_overrides("batching")} == {
         "scheduler=static", "scheduler=dynamic", "scheduler=continuous", "scheduler=chunked"}

@@ -52,6 +52,7 @@ def test_capacity_mode_runs_a_bounded_search(bench_config, tmp_path):
     capacity = metrics["capacity"]
     assert capacity["capacity_rps"] == 40 and capacity["limited_by"] == "rate_high"
     assert [t["rate"] for t in capacity["trials"]] == [20, 40]
+    assert metrics["scheduling_delay_ms"]["p50"] >= 0
     assert metrics["workload"]["arrival"] == "poisson" and metrics["workload"]["rate"] == 40
     with pytest.raises(ConfigError, match="slo.tbt_p99_ms"):
         measure_capacity(system, bench_config("mode=capacity"))
