@@ -22,7 +22,8 @@ def sweep_overrides(name: str) -> list[list[str]]:
 
 
 def test_the_presets_exist():
-    assert {"batching", "chunk_size", "kv_waste", "sarathi_capacity", "spec_decode_theory", "spec_k"} <= set(PRESETS)
+    assert {"batching", "chunk_size", "kv_waste", "orca_iteration_level", "sarathi_capacity", "spec_decode_theory",
+            "spec_k", "vllm_paper"} <= set(PRESETS)
     assert sweep_overrides("batching")[0] == ["scheduler=static", "workload.rate=8"]
     assert {job[0] for job in sweep_overrides("batching")} == {
         "scheduler=static", "scheduler=dynamic", "scheduler=continuous", "scheduler=chunked"}
