@@ -26,6 +26,13 @@ class ServerConfig:
     kernels of steps up to this many tokens (default: the scheduler's step budget, which
     covers every step; 0: skip; larger steps compile on first use).
 
+    Backpressure (docs/server.md): ``max_queued_requests`` bounds the engine requests
+    (one per prompt of an API call) the server holds accepted and not finished, waiting
+    or running; past it, new completion calls get 429 with ``Retry-After`` (null:
+    unbounded). ``request_timeout_s``: a call still running this many seconds after it
+    was accepted is aborted in the engine, which frees its KV blocks, and answered 504
+    (a stream ends with an error event); null: no limit.
+
     ``backend``: ``local`` (one engine process behind this process's HTTP server) or
     ``ray`` (``replicas`` engine replicas behind Ray Serve's HTTP proxy, docs/parallel.md);
     on ``ray``, ``routing`` is ``ray`` (Ray Serve's own choice) or ``router`` (the
@@ -42,6 +49,8 @@ class ServerConfig:
     access_log: bool = True
     engine_threads: Optional[int] = None
     warmup_tokens: Optional[int] = None
+    max_queued_requests: Optional[int] = 256
+    request_timeout_s: Optional[float] = None
     backend: str = "local"
     replicas: int = 1
     routing: str = "ray"
@@ -54,7 +63,8 @@ ROUTINGS = ("ray", "router")
 
 
 def server_problems(server: ServerConfig) -> list[str]:
-    """Every problem of the ``server`` node's backend settings, each naming its field."""
+    """Every problem of the ``server`` node's backend and backpressure settings, each
+    naming its field."""
     problems = []
     if server.backend not in BACKENDS:
         problems.append(f"server.backend must be one of {', '.join(BACKENDS)}, got {server.backend!r}")
@@ -67,6 +77,12 @@ def server_problems(server: ServerConfig) -> list[str]:
     if server.replica_cpus < 0 or server.replica_gpus < 0:
         problems.append(f"server.replica_cpus and server.replica_gpus must be >= 0, got {server.replica_cpus} "
                         f"and {server.replica_gpus}")
+    limit = server.max_queued_requests
+    if limit is not None and limit < 1:
+        problems.append(f"server.max_queued_requests must be at least 1 (or null for no limit), got {limit}")
+    timeout = server.request_timeout_s
+    if timeout is not None and not timeout > 0:
+        problems.append(f"server.request_timeout_s must be more than 0 seconds (or null for no limit), got {timeout}")
     return problems
 
 
