@@ -86,9 +86,9 @@ class AsyncEngine:
         """Requests added and not finished yet."""
         return len(self._streams)
 
-    def open_stream(self) -> OutputStream:
-        """A new stream to add one API call's prompts to."""
-        return OutputStream(self)
+    def open_stream(self, on_close: Callable[[], None] | None = None) -> OutputStream:
+        """A new stream to add one API call's prompts to; ``on_close`` runs once when it closes."""
+        return OutputStream(self, on_close)
 
     async def call(self, fn: Callable[[EngineInfo], T]) -> T:
         """``fn(engine info)``: tokenizer work and limits, answered here without a trip to
