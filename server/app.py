@@ -15,11 +15,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from servelab.core.errors import InvalidRequestError
 from servelab.server.async_engine import AsyncEngine
+from servelab.server.backpressure import RESPONSES, Backpressure
 from servelab.server.chat import create_chat_completion
 from servelab.server.chat_template import render_chat
 from servelab.server.completions import create_completion
 from servelab.server.config import ServerConfig
 from servelab.server.errors import APIError, RequestAbortedError, install_error_handlers, shutting_down
+from servelab.server.output_stream import OutputStream
 from servelab.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 log = logging.getLogger(__name__)
@@ -27,14 +29,21 @@ log = logging.getLogger(__name__)
 
 class ServerState:
     """What the handlers share: the engine, the server settings, the served model name,
-    and whether the server is draining (then new requests get 503)."""
+    the backpressure on the engine, and whether the server is draining (then new
+    requests get 503)."""
 
     def __init__(self, engine: AsyncEngine, config: ServerConfig, model_name: str):
         self.engine = engine
         self.config = config
         self.model_name = model_name
+        self.backpressure = Backpressure(config.max_queued_requests, config.request_timeout_s, engine.metrics)
         self.draining = False
         self.created = int(time.time())
+
+    def open_stream(self, num_requests: int) -> OutputStream:
+        """The output stream of an API call of ``num_requests`` engine requests; 429 when
+        the server holds ``server.max_queued_requests`` (``Backpressure``)."""
+        return self.backpressure.open_stream(self.engine, num_requests)
 
     def check_model(self, name: str | None) -> None:
         """404 unless ``name`` is the served model (or omitted)."""
@@ -74,13 +83,13 @@ def authorized(request: Request) -> None:
 guarded = APIRouter(dependencies=[Depends(accepting), Depends(authorized)])
 
 
-@guarded.post("/v1/completions")
+@guarded.post("/v1/completions", responses=RESPONSES)
 async def completions(body: CompletionRequest, request: Request):
     """Text completion (OpenAI ``/v1/completions``)."""
     return await create_completion(body, request, _state(request))
 
 
-@guarded.post("/v1/chat/completions")
+@guarded.post("/v1/chat/completions", responses=RESPONSES)
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     """Chat completion (OpenAI ``/v1/chat/completions``)."""
     return await create_chat_completion(body, request, _state(request))

@@ -79,7 +79,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     arrival = time.perf_counter()
     prompt = await state.engine.call(lambda engine: render_chat(engine.tokenizer, body.messages,
                                                                 body.add_generation_prompt))
-    stream = state.engine.open_stream()
+    stream = state.open_stream(1)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     try:
         prompt_tokens = await stream.add(prompt, params, request_id, arrival)

@@ -88,7 +88,7 @@ async def create_completion(body: CompletionRequest, request: Request, state: "S
     params = body.sampling_params()
     prompts = body.prompts()
     arrival = time.perf_counter()
-    stream = state.engine.open_stream()
+    stream = state.open_stream(len(prompts))
     request_ids = [f"cmpl-{uuid.uuid4().hex}" for _ in prompts]
     try:
         prompt_tokens = 0

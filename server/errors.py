@@ -7,6 +7,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from servelab.core.errors import InvalidRequestError
@@ -16,17 +17,33 @@ log = logging.getLogger(__name__)
 CONTEXT_LENGTH_PHRASE = "maximum context length"
 
 
+class ErrorDetail(BaseModel):
+    """The inside of an OpenAI error body (for the OpenAPI schema)."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    """An OpenAI error body, ``{"error": {...}}`` (for the OpenAPI schema)."""
+
+    error: ErrorDetail
+
+
 class APIError(Exception):
-    """An error the server answers with ``status`` and an OpenAI error body."""
+    """An error the server answers with ``status``, an OpenAI error body and ``headers``."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers
 
     def body(self) -> dict:
         """The JSON body: ``{"error": {...}}``."""
@@ -34,7 +51,7 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         """This error as an HTTP response."""
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 class EngineDeadError(APIError):
@@ -50,6 +67,25 @@ class RequestAbortedError(APIError):
 
     def __init__(self, message: str = "request aborted: the server is shutting down"):
         super().__init__(503, message, "server_error", code="service_unavailable")
+
+
+class QueueFullError(APIError):
+    """429: the server already holds ``server.max_queued_requests`` requests; the client
+    may retry after ``retry_after_s`` seconds (the ``Retry-After`` header). Type and code
+    are those of OpenAI's request-rate limits."""
+
+    def __init__(self, limit: int, retry_after_s: int):
+        super().__init__(429, f"the server holds its limit of {limit} queued requests "
+                         f"(server.max_queued_requests={limit}); retry after {retry_after_s} s",
+                         "requests", code="rate_limit_exceeded", headers={"Retry-After": str(retry_after_s)})
+
+
+class RequestTimeoutError(APIError):
+    """504: the request ran longer than ``server.request_timeout_s`` and was aborted."""
+
+    def __init__(self, timeout_s: float):
+        super().__init__(504, f"request timed out: it ran longer than server.request_timeout_s={timeout_s:g} "
+                         "seconds and was aborted", "server_error", code="request_timeout")
 
 
 def shutting_down() -> APIError:

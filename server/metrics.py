@@ -19,6 +19,8 @@ class ServerMetrics:
     Request latencies are observed when a request finishes (``record_finished``), gauges
     after every engine-loop iteration (``set_gauges``), token and preemption counters
     from each step's ``StepStats`` (``observe_step``); the engine process reports both.
+    The server's backpressure counts calls it rejected (``rejected``) or timed out
+    (``timed_out``).
     Counters for prefix cache hits and speculative decoding exist only when the engine
     uses those features.
     """
@@ -43,6 +45,10 @@ class ServerMetrics:
         self.preemptions = Counter("servelab:num_preemptions", "Sequences preempted.", registry=r)
         self.success = Counter("servelab:request_success", "Finished sequences by finish reason "
                                "(stop, length, abort).", ["finished_reason"], registry=r)
+        self.rejected = Counter("servelab:num_requests_rejected", "API calls answered 429 because the server "
+                                "held server.max_queued_requests requests.", registry=r)
+        self.timed_out = Counter("servelab:num_requests_timed_out", "API calls aborted after "
+                                 "server.request_timeout_s.", registry=r)
         self.prefix_hits = self.spec_proposed = self.spec_accepted = None
         if prefix_caching:
             self.prefix_hits = Counter("servelab:prefix_cache_hit_tokens", "Prompt tokens found in the "
