@@ -7,7 +7,9 @@ executor: requests with random prompt tokens get blocks from ``engine.cache``, a
 prefills up to the scheduler's step budget, decode batches at several context lengths,
 prefill chunks over a cached context, several prompts in one step, decodes mixed with a
 chunk, and random held-out steps; every step is timed ``repeats`` times in shuffled
-rounds (a noisy machine then slows all points alike) and its median kept. Then real
+rounds (a noisy machine then slows all points alike) and its median kept; the spread of
+the repeats around their medians is recorded (``meta.dispersion``) for
+``cost_model.jitter``. Then real
 requests run through the engine step by step to measure its host time outside the
 executor (scheduling, stop checks, output rendering). ``step_table.py`` fits the step
 model and the table is written to the job folder (``profile.json``) and ``mode.out``.
@@ -179,8 +181,8 @@ def profile(cfg: DictConfig, folder: Path, command: str) -> dict[str, Any]:
     from servelab.core.cost_model import BatchShape
     from servelab.core.errors import ConfigError
     from servelab.core.sampling_params import SamplingParams
-    from servelab.plugins.cost_model.step_table import (StepTableModel, build_step_series, fit_step_model,
-                                                        relative_errors)
+    from servelab.plugins.cost_model.step_table import (StepTableModel, build_step_series, dispersion_quantiles,
+                                                        fit_step_model, relative_errors)
     from servelab.plugins.cost_model.table import CostTable, save_table
 
     mode = cfg.mode
@@ -222,6 +224,8 @@ def profile(cfg: DictConfig, folder: Path, command: str) -> dict[str, Any]:
                        "scheduler": engine.registry.spec_for_config("scheduler", engine.cfg.scheduler).name,
                        "max_model_len": engine.max_model_len, "max_step_tokens": engine.max_step_tokens,
                        "repeats": mode.repeats},
+            "dispersion": {"step_time_over_median": dispersion_quantiles(times) if mode.repeats > 1 else [],
+                           "samples": len(plan) * mode.repeats},
             "measurements": [{"role": role, "steps": [list(x) for x in _runs(step)], "seconds": round(m, 6),
                               "min": round(min(t), 6), "max": round(max(t), 6)}
                              for (role, step), m, t in zip(plan, medians, times)]}

@@ -10,7 +10,9 @@ Two kinds of table drive it:
   table of the hardware (the DGX measurements) when it has the split, else the roofline's
   ring formula; pipeline sends are the roofline's.
 - ``steps`` (a machine measured by ``servelab-bench mode=profile``): the whole step and
-  the engine's host time around it (``step_table.py``).
+  the engine's host time around it (``step_table.py``). With ``jitter`` (the default)
+  and a table that records its dispersion, each step's time is multiplied by a factor
+  drawn (seeded by ``seed``) from the spread the profile measured across repeats.
 
 With ``table`` unset the shipped table for the configured hardware and model is used; a
 model, split, dtype or hardware no table covers is refused with a ``ConfigError`` naming
@@ -29,7 +31,7 @@ from servelab.core.cost_model import BatchShape, CostModelContext, StepCost
 from servelab.core.errors import ConfigError
 from servelab.plugins.cost_model.operators import LAYER_OPERATORS
 from servelab.plugins.cost_model.roofline import RooflineCostModel, RooflineCostModelConfig
-from servelab.plugins.cost_model.step_table import StepTableModel
+from servelab.plugins.cost_model.step_table import StepJitter, StepTableModel
 from servelab.plugins.cost_model.table import CostTable, load_table, shipped_tables
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8": 1}
@@ -51,10 +53,14 @@ class ProfiledCostModelConfig(RooflineCostModelConfig):
     """``cost_model=profiled``: ``table``, a table file (a path, or the name of a shipped
     one; null: the shipped table that covers the hardware and model); ``collectives``, an
     all-reduce table the same way (null: the shipped one of the hardware, if any). The
-    roofline's fields price what an operator table lacks."""
+    roofline's fields price what an operator table lacks. ``jitter``: draw each step's
+    time from a step table's measured dispersion (``meta.dispersion``) rather than using its
+    median; ``seed`` seeds those draws."""
 
     table: Optional[str] = None
     collectives: Optional[str] = None
+    jitter: bool = True
+    seed: int = 0
 
 
 def _resolve(name: str) -> Path:
@@ -143,6 +149,7 @@ class ProfiledCostModel(RooflineCostModel):
         self.table = select_table(config, context)
         self.steps: StepTableModel | None = None
         self.collective = None
+        self.jitter: StepJitter | None = None
         if self.table.kind == "steps":
             problems = StepTableModel.problems(self.table)
             if problems:
@@ -152,6 +159,12 @@ class ProfiledCostModel(RooflineCostModel):
             if measured_on and this_cpu() and measured_on != this_cpu():
                 log.warning("cost table %s was measured on %s, this machine is %s: its times are that machine's",
                             self.table.path, measured_on, this_cpu())
+            quantiles = self.table.meta.get("dispersion", {}).get("step_time_over_median")
+            if config.jitter and quantiles:
+                try:
+                    self.jitter = StepJitter(quantiles, config.seed)
+                except ValueError as error:
+                    raise ConfigError([f"cost table {self.table.path}: meta.dispersion: {error}"]) from None
             return
         tp = self.tp
         self.series = {op: self.table.find(op, tensor_parallel_size=tp) for op in ("emb", *LAYER_OPERATORS)}
@@ -181,13 +194,17 @@ class ProfiledCostModel(RooflineCostModel):
 
     def forward_cost(self, batch: BatchShape) -> StepCost:
         """Operator tables: the roofline's composition with measured operators; step
-        tables: the measured step plus the engine's host time (on the one stage)."""
+        tables: the measured step plus the engine's host time (on the one stage), times
+        a drawn factor with ``jitter`` (its share is the ``jitter`` part)."""
         if self.steps is None:
             return super().forward_cost(batch)
-        parts = self.steps.forward_time(batch)
-        overhead = self.steps.engine_overhead(batch) + self.config.step_overhead_s
-        total = sum(seconds for _, seconds in parts) + overhead
-        return StepCost((total,), 0.0, (*parts, ("engine_overhead", overhead)))
+        parts = (*self.steps.forward_time(batch),
+                 ("engine_overhead", self.steps.engine_overhead(batch) + self.config.step_overhead_s))
+        total = sum(seconds for _, seconds in parts)
+        if self.jitter is not None:
+            extra = total * (self.jitter.factor() - 1)
+            parts, total = (*parts, ("jitter", extra)), total + extra
+        return StepCost((total,), 0.0, parts)
 
 
 SPEC = ComponentSpec("cost_model", "profiled", ProfiledCostModel, ProfiledCostModelConfig,

@@ -11,7 +11,7 @@ from servelab.bench.config import ProfileModeConfig, store_bench_schemas
 from servelab.core.compose import compose_config
 from servelab.plugins.cost_model.table import load_table
 
-TINY_GRID = ["mode=profile", "mode.repeats=1", "mode.token_grid=[1,4,16,48]", "mode.batch_sizes=[1,3]",
+TINY_GRID = ["mode=profile", "mode.repeats=2", "mode.token_grid=[1,4,16,48]", "mode.batch_sizes=[1,3]",
              "mode.context_fractions=[0.0,1.0]", "mode.chunk_sizes=[8]", "mode.cached_fractions=[0.25]",
              "mode.prompt_counts=[2]", "mode.prompt_lengths=[8]", "mode.mixed_batch_sizes=[2]",
              "mode.holdout_steps=2", "mode.overhead_requests=3", "mode.overhead_rounds=1"]
@@ -36,6 +36,8 @@ def test_profile_writes_a_table_the_profiled_model_simulates_with(tmp_path):
     assert {"fit", "holdout"} == set(table.meta["fit"]) and table.meta["fit"]["holdout"]["points"] >= 1
     assert [s.name for s in table.series][0] == "linear" and table.find("engine_overhead") is not None
     assert load_table(tmp_path / "copy.json").series == table.series
+    spread = table.meta["dispersion"]["step_time_over_median"]
+    assert len(spread) == 101 and spread == sorted(spread) and spread[0] <= 1 <= spread[-1]
     llm = LLM("toy", overrides=["executor=simulated", "cost_model=profiled", f"cost_model.table={metrics['table']}",
                                 "model.max_model_len=64", "model.dtype=float32", "cache.memory_bytes=2000000"])
     out = llm.generate([[1, 2, 3]], use_tqdm=False)[0]
