@@ -56,6 +56,15 @@ def capacity_cell(row: dict[str, Any] | None) -> str:
     return value
 
 
+def bubble_cell(row: dict[str, Any] | None) -> str:
+    """Mean share of the busy time each pipeline stage sat idle, at the capacity found
+    (``-`` without pipeline parallelism)."""
+    fractions = [f for f in (row or {}).get("system", {}).get("stage_bubble_fraction", []) if f is not None]
+    if len(fractions) < 2:
+        return "-"
+    return f"{100 * sum(fractions) / len(fractions):.1f}%"
+
+
 def ratio(numerator: dict[str, Any] | None, denominator: dict[str, Any] | None) -> float | None:
     """Capacity ratio of two runs; None when either is missing or zero."""
     if numerator is None or denominator is None or not denominator["capacity"]["capacity_rps"]:
@@ -69,22 +78,26 @@ class SarathiReport(PaperReport):
     title = "Serving capacity against Sarathi-Serve"
 
     def table(self, rows: list[dict[str, Any]]) -> str:
-        """Per model and SLO: each system's capacity, the ratios, and the paper's gain."""
+        """Per model and SLO: each system's capacity, the ratios, the paper's gain and, with
+        pipeline stages, each system's pipeline bubble at its capacity."""
         header = ["model", "SLO", "P99 TBT SLO ms", "sched. delay P50 SLO ms", "Sarathi req/s", "vLLM req/s",
-                  "Orca-16 req/s", "Sarathi / vLLM", "Sarathi / Orca-16", "paper Sarathi / vLLM (best SLO)"]
+                  "Orca-16 req/s", "Sarathi / vLLM", "Sarathi / Orca-16", "paper Sarathi / vLLM (best SLO)",
+                  "pipeline bubble Sarathi / vLLM / Orca-16"]
         body = []
         for (model, level), runs in capacities(rows).items():
             first = next(iter(runs.values()))["capacity"]
             body.append([model, level, first["slo_tbt_p99_ms"], first["slo_scheduling_delay_p50_ms"],
                          *(capacity_cell(runs.get(s)) for s in SYSTEMS),
                          ratio(runs.get("sarathi"), runs.get("vllm")), ratio(runs.get("sarathi"), runs.get("orca")),
-                         f"up to {PAPER_GAIN_OVER_VLLM[model]}x" if model in PAPER_GAIN_OVER_VLLM else "-"])
+                         f"up to {PAPER_GAIN_OVER_VLLM[model]}x" if model in PAPER_GAIN_OVER_VLLM else "-",
+                         bubbles if (bubbles := " / ".join(bubble_cell(runs.get(s)) for s in SYSTEMS)) != "- / - / -"
+                         else "-"])
         trials = ["", "Every trial (rate req/s: P99 TBT ms / median scheduling delay ms, + meets the SLO):", ""]
         for row in rows:
             steps = ", ".join(f"{t['rate']:.3g}: {t['tbt_p99_ms']:.4g} / {t.get('scheduling_delay_p50_ms', float('nan')):.4g}"
                               f"{' +' if t['meets_slo'] else ''}" for t in row["capacity"]["trials"])
             trials.append(f"- {'-'.join(setup_of(row))}: {steps}")
-        return render_markdown(header, body, "llrrrrrrrr") + "\n".join(trials) + "\n"
+        return render_markdown(header, body, "llrrrrrrrrr") + "\n".join(trials) + "\n"
 
     def plot(self, rows: list[dict[str, Any]], path: Path) -> None:
         """Capacity bars per setup and system; TBT CDFs of Sarathi and vLLM at their capacities."""

@@ -8,16 +8,19 @@ import sys
 
 import pytest
 
-from servelab.bench.paper_sarathi import setup_of
+from servelab.bench.paper_sarathi import bubble_cell, setup_of
 
 
-@pytest.mark.parametrize("setup, tp, slo, scheduler, knob", [
-    ("mistral-7b-strict-sarathi", 1, 100, "chunked", ("token_budget", 512)),
-    ("mistral-7b-relaxed-vllm", 1, 500, "continuous", ("mix_prefill_decode", False)),
-    ("yi-34b-relaxed-sarathi", 2, 1000, "chunked", ("token_budget", 2048)),
-    ("yi-34b-strict-orca", 2, 200, "static", ("max_batch_size", 16)),
+@pytest.mark.parametrize("setup, tp, pp, layers, slo, scheduler, knob", [
+    ("mistral-7b-strict-sarathi", 1, 1, 32, 100, "chunked", ("token_budget", 512)),
+    ("mistral-7b-relaxed-vllm", 1, 1, 32, 500, "continuous", ("mix_prefill_decode", False)),
+    ("yi-34b-relaxed-sarathi", 2, 1, 60, 1000, "chunked", ("token_budget", 2048)),
+    ("yi-34b-strict-orca", 2, 1, 60, 200, "static", ("max_batch_size", 16)),
+    ("falcon-180b-strict-sarathi", 4, 2, 80, 1000, "chunked", ("token_budget", 512)),
+    ("falcon-180b-relaxed-vllm", 4, 2, 80, 5000, "continuous", ("mix_prefill_decode", False)),
+    ("falcon-180b-relaxed-orca", 4, 2, 80, 5000, "static", ("max_batch_size", 16)),
 ])
-def test_setups_compose(setup, tp, slo, scheduler, knob):
+def test_setups_compose(setup, tp, pp, layers, slo, scheduler, knob):
     from omegaconf import OmegaConf
 
     from servelab.bench.config import store_bench_schemas
@@ -31,13 +34,19 @@ def test_setups_compose(setup, tp, slo, scheduler, knob):
     types = {"chunked": ChunkedSchedulerConfig, "continuous": ContinuousSchedulerConfig, "static": StaticSchedulerConfig}
     assert OmegaConf.get_type(cfg.scheduler) is types[scheduler]
     assert cfg.scheduler[knob[0]] == knob[1]
-    assert cfg.parallel.tensor_parallel_size == tp and cfg.slo.tbt_p99_ms == slo
-    assert cfg.slo.scheduling_delay_p50_ms == 2000 and cfg.model.shape.num_hidden_layers == (32 if tp == 1 else 60)
+    assert cfg.parallel.tensor_parallel_size == tp and cfg.parallel.pipeline_parallel_size == pp
+    assert cfg.slo.tbt_p99_ms == slo and cfg.slo.scheduling_delay_p50_ms == 2000
+    assert cfg.model.shape.num_hidden_layers == layers
 
 
 def test_setup_names_parse():
     row = {"job": {"overrides": ["executor=simulated", "+paper_setup/sarathi_capacity=yi-34b-strict-orca"]}}
     assert setup_of(row) == ("yi-34b", "strict", "orca")
+
+
+def test_the_pipeline_bubble_is_reported_only_with_pipeline_stages():
+    assert bubble_cell({"system": {"stage_bubble_fraction": [0.1, 0.3]}}) == "20.0%"
+    assert bubble_cell({"system": {"stage_bubble_fraction": [0.0]}}) == "-" and bubble_cell(None) == "-"
 
 
 def test_chunked_prefills_raise_capacity(tmp_path):
