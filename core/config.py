@@ -59,13 +59,15 @@ class ModelConfig:
 
 @dataclass
 class SamplingConfig:
-    """Default ``SamplingParams`` for prompts given on the command line."""
+    """Default ``SamplingParams`` for prompts given on the command line: nucleus sampling
+    (temperature 0.8, top-p 0.95) seeded with 0, so a command prints the same completion
+    each time; ``sampling.temperature=0`` is greedy, ``sampling.seed=null`` unseeded."""
 
-    temperature: float = 0.0
-    top_p: float = 1.0
+    temperature: float = 0.8
+    top_p: float = 0.95
     top_k: int = 0
     min_p: float = 0.0
-    seed: Optional[int] = None
+    seed: Optional[int] = 0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0

@@ -1,11 +1,12 @@
 """Measure how often the tiny draft model's greedy choice matches the tiny target's.
 
-Both models read the same held-out token sequences (the validation files of the corpus
-used by ``train_tiny_model.py``), teacher-forced, in float32. The agreement rate is the
-fraction of positions where ``argmax`` of the draft's logits equals ``argmax`` of the
-target's: the per-token acceptance rate of greedy speculative decoding.
+Both models read the held-out validation files of the corpus used by
+``train_tiny_model.py`` (packed rows of 512 tokens), teacher-forced, in float32. The
+agreement rate is the fraction of positions where ``argmax`` of the draft's logits equals
+``argmax`` of the target's: the per-token acceptance rate of greedy speculative decoding
+on text like the validation files. The torch held-out rows are measured too.
 
-    python examples/measure_draft_agreement.py
+    python examples/measure_draft_agreement.py --venv /tmp/corpus-venv
 """
 
 from __future__ import annotations
@@ -14,15 +15,18 @@ import argparse
 import os
 from pathlib import Path
 
-os.environ.setdefault("RAYON_NUM_THREADS", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
 
 import torch  # noqa: E402
 
 import transformers  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from train_tiny_model import REPO_ROOT, load_corpus, pack, token_stream  # noqa: E402
+from tiny_model.corpus import build_corpus  # noqa: E402
+from tiny_model.evaluation import load_eval_sets  # noqa: E402
+from tiny_model.export import load_float32  # noqa: E402
+from tiny_model.tokenizer import fingerprint, load_tokenizer  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 @torch.no_grad()
@@ -39,30 +43,35 @@ def greedy_agreement(target: torch.nn.Module, draft: torch.nn.Module, sequences:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Load both checkpoints and print their greedy agreement on the validation files."""
+    """Load both checkpoints and print their greedy agreement on the held-out sets."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--venv", type=Path, required=True,
+                        help="the virtual environment the corpus was built from")
+    parser.add_argument("--scratch", type=Path,
+                        default=Path.home() / ".cache/servelab-tiny-model",
+                        help="cache of token streams (shared with train_tiny_model.py)")
     parser.add_argument("--target", type=Path, default=REPO_ROOT / "checkpoints/tiny")
     parser.add_argument("--draft", type=Path, default=REPO_ROOT / "checkpoints/tiny-draft")
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--max-sequences", type=int, default=256,
-                        help="number of packed validation sequences compared")
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
+    torch.set_flush_denormal(True)
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
 
-    tokenizer = AutoTokenizer.from_pretrained(args.target)
-    if AutoTokenizer.from_pretrained(args.draft).get_vocab() != tokenizer.get_vocab():
+    tokenizer = load_tokenizer(args.target)
+    if fingerprint(load_tokenizer(args.draft)) != fingerprint(tokenizer):
         raise SystemExit("target and draft checkpoints use different tokenizers")
-    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
-    draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=torch.float32).eval()
-    corpus = load_corpus()
-    sequences = pack(token_stream(tokenizer, corpus.val_texts), args.seq_len)
-    sequences = sequences[: args.max_sequences]
-    rate, positions = greedy_agreement(target, draft, sequences)
-    print(f"validation files: {len(corpus.val_files)}, sequences: {len(sequences)} x "
-          f"{args.seq_len} tokens, positions compared: {positions:,}")
-    print(f"greedy agreement (draft argmax == target argmax): {rate:.4f}")
+    target, draft = load_float32(args.target), load_float32(args.draft)
+    corpus = build_corpus(args.venv)
+    sets = load_eval_sets(tokenizer, corpus, args.scratch, args.seq_len)
+    for name, rows, files in (("validation", sets.val, len(corpus.val)),
+                              ("torch (held out)", sets.torch, len(corpus.torch))):
+        rate, positions = greedy_agreement(target, draft, rows)
+        print(f"{name}: {files} files, {len(rows)} rows x {args.seq_len} tokens, "
+              f"{positions:,} positions; greedy agreement (draft argmax == target argmax): "
+              f"{rate:.4f}", flush=True)
 
 
 if __name__ == "__main__":

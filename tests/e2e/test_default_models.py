@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from servelab import LLM, SamplingParams
-from servelab.core.config import checkpoint_path
+from servelab.core.config import SamplingConfig, checkpoint_path
 from servelab.testing import assert_engine_matches_transformers
 
 PROMPTS = ["def fibonacci(n):", "import os\n\n\nclass Config:\n", "for i in range(10):"]
+
+
+def encoded_prompts(folder: str) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    return [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-draft"])
@@ -23,19 +32,44 @@ def test_transformers_loads_the_checkpoint_and_servelab_matches_it(name):
     model = AutoModelForCausalLM.from_pretrained(folder)
     assert model.config.architectures == ["LlamaForCausalLM"] and model.dtype == torch.bfloat16
     assert tokenizer.decode(tokenizer.encode(PROMPTS[1], add_special_tokens=False)) == PROMPTS[1]
-    prompts = [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
-    assert_engine_matches_transformers(folder, prompts=prompts, max_tokens=16)
+    assert_engine_matches_transformers(folder, prompts=encoded_prompts(folder), max_tokens=48)
+
+
+def test_speculative_decoding_with_the_shipped_pair_matches_the_target():
+    folder = checkpoint_path("tiny")
+    assert_engine_matches_transformers(folder, overrides=["decoding=speculative"],
+                                       prompts=encoded_prompts(folder), max_tokens=48)
+
+
+def test_target_and_draft_share_one_tokenizer():
+    target, draft = (json.loads((pathlib.Path(checkpoint_path(n)) / "tokenizer.json").read_text())
+                     for n in ("tiny", "tiny-draft"))
+    assert target["model"] == draft["model"] and target["added_tokens"] == draft["added_tokens"]
+
+
+STATEMENT_STARTS = ('"""', "'''", "return", "if ", "for ", "while ", "try:", "raise ", "with ", "import ",
+                    "from ", "assert ", "#")
 
 
 def test_default_preset_is_tiny_and_writes_python():
+    """With the command line's default sampling, the default model continues the README's
+    prompt with an indented function body that opens with a statement or docstring and does
+    not repeat one line: for most seeds, not only the one the README shows."""
     llm = LLM()
     assert llm.engine.cfg.model.path == checkpoint_path("tiny")
-    text = llm.generate("def fibonacci(n):", SamplingParams(temperature=0.0, max_tokens=32),
-                        use_tqdm=False)[0].outputs[0].text
-    assert text.startswith("\n    ") and "\ufffd" not in text
+    defaults = OmegaConf.to_container(OmegaConf.structured(SamplingConfig))
+    good = 0
+    for seed in range(8):
+        text = llm.generate("def fibonacci(n):", SamplingParams(**{**defaults, "seed": seed}),
+                            use_tqdm=False)[0].outputs[0].text
+        assert "\ufffd" not in text
+        body = [line.strip() for line in text.split("\n")[1:] if line.strip()]
+        opens = text.startswith("\n    ") and bool(body) and body[0].startswith(STATEMENT_STARTS)
+        good += opens and len(set(body)) > len(body) // 2
+    assert good >= 6
 
 
 def test_both_checkpoints_fit_the_size_budget():
     total = sum(f.stat().st_size for name in ("tiny", "tiny-draft")
                 for f in pathlib.Path(checkpoint_path(name)).iterdir())
-    assert total <= 12 * 1024 * 1024
+    assert total <= 24_000_000
