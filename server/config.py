@@ -49,7 +49,7 @@ class ServerConfig:
     access_log: bool = True
     engine_threads: Optional[int] = None
     warmup_tokens: Optional[int] = None
-    max_queued_requests: Optional[int] = 256
+    max_queued_requests: Optional[int] = 1024
     request_timeout_s: Optional[float] = None
     backend: str = "local"
     replicas: int = 1

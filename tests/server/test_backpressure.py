@@ -199,7 +199,7 @@ def test_bad_backpressure_settings_name_the_field(override, message):
 
 def test_defaults_and_null_are_accepted():
     server = compose_serve_config(["model=toy"]).server
-    assert (server.max_queued_requests, server.request_timeout_s) == (256, None)
+    assert (server.max_queued_requests, server.request_timeout_s) == (1024, None)
     unbounded = compose_serve_config(["model=toy", "server.max_queued_requests=null", "server.request_timeout_s=60"])
     assert server_problems(unbounded.server) == []
 
