@@ -119,6 +119,9 @@ class LLMEngine:
         if any(not isinstance(t, int) or t < 0 or t >= self.vocab_size for t in prompt_token_ids):
             bad = next(t for t in prompt_token_ids if not isinstance(t, int) or t < 0 or t >= self.vocab_size)
             raise InvalidRequestError("prompt_token_ids", f"token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
+        if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
+            raise InvalidRequestError("logit_bias", f"token id {max(params.logit_bias)} is outside the vocabulary "
+                                                    f"[0, {self.vocab_size})")
         if len(prompt_token_ids) >= self.max_model_len:
             raise InvalidRequestError("prompt", (
                 f"This model's maximum context length is {self.max_model_len} tokens, but the prompt has "

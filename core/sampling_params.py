@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 
 from servelab.core.errors import InvalidRequestError
 
+LOGIT_BIAS_LIMIT = 100.0
+"""The largest magnitude of a ``logit_bias`` value; larger ones are clamped to it."""
+
 
 @dataclass
 class SamplingParams:
@@ -15,6 +18,8 @@ class SamplingParams:
     and ``min_p`` 0 disable nucleus and min-p filtering. Penalties follow the OpenAI
     (presence/frequency) and CTRL (repetition) definitions. ``n`` sequences are generated
     per prompt; with ``use_beam_search`` the ``n`` best of ``best_of`` beams are returned.
+    ``logit_bias`` maps token ids to values added to their logits before sampling, as in
+    the OpenAI API; values are clamped to [-100, 100] (-100 bans a token in practice).
     """
 
     n: int = 1
@@ -37,6 +42,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -45,6 +51,9 @@ class SamplingParams:
         self.stop_strings = tuple(s for s in (self.stop or []) if s)
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._validate()
+        if self.logit_bias:
+            self.logit_bias = {token: max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(value)))
+                               for token, value in self.logit_bias.items()}
 
     def _validate(self) -> None:
         def fail(name: str, message: str) -> None:
@@ -80,6 +89,14 @@ class SamplingParams:
             fail("seed", f"must be an integer, got {self.seed!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             fail("stop_token_ids", f"must be non-negative integers, got {self.stop_token_ids!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                fail("logit_bias", f"must map token ids to numbers, got {self.logit_bias!r}")
+            for token, value in self.logit_bias.items():
+                if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                    fail("logit_bias", f"keys must be token ids (integers >= 0), got {token!r}")
+                if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
+                    fail("logit_bias", f"values must be numbers, got {value!r} for token {token}")
         if self.use_beam_search and self.temperature != 0.0:
             fail("temperature", "beam search is deterministic: temperature must be 0")
 

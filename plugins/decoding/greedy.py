@@ -18,8 +18,8 @@ class GreedyDecodingConfig:
 
 
 class GreedyDecoding(DecodingStrategy):
-    """The reference strategy: argmax of the raw logits. Temperature, top-k/p, min-p and
-    penalties are ignored; stop conditions, ``min_tokens``, ``max_tokens`` and logprobs
+    """The reference strategy: argmax of the raw logits. Temperature, top-k/p, min-p,
+    penalties and logit bias are ignored; stop conditions, ``min_tokens``, ``max_tokens`` and logprobs
     still apply."""
 
     def accept(self, logits: torch.Tensor, batch: DecodeBatch, proposal: Proposal | None) -> DecodeResult:

@@ -1,4 +1,4 @@
-"""Batched logits processing: min_tokens, penalties, temperature, top-k, top-p, min-p."""
+"""Batched logits processing: logit bias, min_tokens, penalties, temperature, top-k, top-p, min-p."""
 
 from __future__ import annotations
 
@@ -7,6 +7,23 @@ from typing import Sequence
 import torch
 
 from servelab.core.request import Request
+
+
+def apply_logit_bias(logits: torch.Tensor, requests: Sequence[Request]) -> None:
+    """Add each request's ``logit_bias`` to its row, all rows in one scatter (in place)."""
+    rows: list[int] = []
+    tokens: list[int] = []
+    values: list[float] = []
+    for row, request in enumerate(requests):
+        bias = request.sampling_params.logit_bias
+        if bias:
+            rows += [row] * len(bias)
+            tokens += bias.keys()
+            values += bias.values()
+    if rows:
+        device = logits.device
+        index = (torch.tensor(rows, device=device), torch.tensor(tokens, device=device))
+        logits.index_put_(index, torch.tensor(values, dtype=logits.dtype, device=device), accumulate=True)
 
 
 def suppress_stop_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> None:

@@ -10,7 +10,7 @@ from servelab.core.outputs import Logprob
 from servelab.core.request import Request
 from servelab.kernels.cpu_ops import native_cpu_available
 from servelab.plugins.decoding.logits_processing import (
-    apply_penalties, apply_temperature_and_filters, suppress_stop_tokens)
+    apply_logit_bias, apply_penalties, apply_temperature_and_filters, suppress_stop_tokens)
 
 
 def request_generator(request: Request, device: torch.device) -> torch.Generator | None:
@@ -48,7 +48,8 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 
 def processed_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-    """Logits after min_tokens and penalties (what greedy rows take the argmax of)."""
+    """Logits after logit bias, min_tokens and penalties (what greedy rows take the argmax of)."""
+    apply_logit_bias(logits, requests)
     suppress_stop_tokens(logits, requests)
     apply_penalties(logits, requests)
     return logits

@@ -25,6 +25,9 @@ def toy() -> LLM:
     (dict(repetition_penalty=0.0), "repetition_penalty", "> 0"),
     (dict(min_tokens=5, max_tokens=2), "min_tokens", "<= max_tokens"),
     (dict(logprobs=50), "logprobs", "[0, 20]"),
+    (dict(logit_bias={"5": 1.0}), "logit_bias", "keys must be token ids"),
+    (dict(logit_bias={5: float("nan")}), "logit_bias", "values must be numbers"),
+    (dict(logit_bias=[5]), "logit_bias", "must map token ids"),
 ])
 def test_bad_sampling_params_name_the_field(kwargs, field, phrase):
     with pytest.raises(InvalidRequestError) as info:

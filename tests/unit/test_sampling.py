@@ -106,3 +106,21 @@ def test_ignore_eos_runs_to_max_tokens(toy):
     out = toy.generate([[eos, eos]], SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
                        use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 9 and out.finish_reason == "length"
+
+
+def test_logit_bias_is_clamped_and_added_before_sampling(toy):
+    assert SamplingParams(logit_bias={5: 250, 6: -1e9}).logit_bias == {5: 100.0, 6: -100.0}
+    greedy = SamplingParams(temperature=0.0, max_tokens=6)
+    (plain,) = _tokens(toy.generate("abc", greedy, use_tqdm=False))
+    forced = SamplingParams(temperature=0.8, seed=1, max_tokens=6, logit_bias={7: 100})
+    assert _tokens(toy.generate("abc", forced, use_tqdm=False)) == [[7] * 6]
+    banned = SamplingParams(temperature=0.0, max_tokens=6, logit_bias={plain[0]: -100})
+    (moved,) = _tokens(toy.generate("abc", banned, use_tqdm=False))
+    assert moved[0] != plain[0] and plain[0] not in moved
+
+
+def test_logit_bias_holds_under_speculative_verification():
+    ngram = LLM("toy", overrides=["device=cpu", "decoding=ngram"])
+    for temperature in (0.0, 0.8):
+        params = SamplingParams(temperature=temperature, seed=1, max_tokens=8, logit_bias={7: 100})
+        assert _tokens(ngram.generate("abc abc abc", params, use_tqdm=False)) == [[7] * 8]
