@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from servelab.core.outputs import Logprob, RequestOutput
 
@@ -99,3 +99,20 @@ class ChoiceTracker:
         """The OpenAI ``usage`` object."""
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+
+def best_choices(choices: list[Choice], candidates: int, n: int) -> list[Choice]:
+    """Of each prompt's ``candidates`` choices (consecutive, as ``ChoiceTracker`` numbers
+    them), the ``n`` with the highest log probability per token, renumbered ``i * n + k``
+    in that order (OpenAI's ``best_of``). Choices need the sampled tokens' logprobs."""
+    def per_token(choice: Choice) -> float:
+        if not choice.token_ids:
+            return float("-inf")
+        return sum(entry[token].logprob for token, entry in zip(choice.token_ids, choice.logprobs)) / len(choice.token_ids)
+
+    best = []
+    for start in range(0, len(choices), candidates):
+        ranked = sorted(choices[start:start + candidates], key=per_token, reverse=True)[:n]
+        for k, choice in enumerate(ranked):
+            best.append(replace(choice, index=start // candidates * n + k))
+    return best

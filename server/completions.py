@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, AsyncIterator
 
 from fastapi import Request
 
-from servelab.server.choices import ChoiceDelta, ChoiceTracker
+from servelab.server.choices import ChoiceDelta, ChoiceTracker, best_choices
 from servelab.server.errors import stream_error
 from servelab.server.logprobs import completion_logprobs
 from servelab.server.output_stream import OutputStream
@@ -30,8 +30,8 @@ class CompletionResponder:
                        "model": model}
         self._offsets = [0] * tracker.num_choices
 
-    def _echo(self, index: int) -> str:
-        return self.echoes[index // self.tracker.n] if self.echoes else ""
+    def _echo(self, index: int, per_prompt: int | None = None) -> str:
+        return self.echoes[index // (per_prompt or self.tracker.n)] if self.echoes else ""
 
     def _logprobs(self, index: int, token_ids: list[int], entries: list | None) -> dict | None:
         if entries is None:
@@ -62,16 +62,21 @@ class CompletionResponder:
         yield DONE
 
     async def whole(self, stream: OutputStream) -> dict:
-        """The non-streamed response, once every choice finished."""
+        """The non-streamed response, once every choice finished (with ``best_of``, the
+        ``n`` best candidates of each prompt)."""
         async with stream:
             async for output in stream:
                 self.tracker.update(output)
+        collected, per_prompt = self.tracker.collected(), self.tracker.n
+        if self.body.picks_best:
+            collected, per_prompt = best_choices(collected, self.tracker.n, self.body.n), self.body.n
         choices = []
-        for choice in self.tracker.collected():
-            echo = self._echo(choice.index)
+        for choice in collected:
+            echo = self._echo(choice.index, per_prompt)
             self._offsets[choice.index] = len(echo)
+            entries = choice.logprobs if self.body.logprobs is not None else None
             choices.append({"index": choice.index, "text": echo + choice.text,
-                            "logprobs": self._logprobs(choice.index, choice.token_ids, choice.logprobs),
+                            "logprobs": self._logprobs(choice.index, choice.token_ids, entries),
                             "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason})
         return {**self.header, "choices": choices, "usage": self.tracker.usage()}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict
@@ -60,8 +61,6 @@ class GenerationRequest(StrictModel):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        if self.logit_bias:
-            raise InvalidRequestError("logit_bias", "is not supported by this server")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options", "is only allowed when stream is true")
         given = {name: getattr(self, name) for name in (
@@ -71,7 +70,17 @@ class GenerationRequest(StrictModel):
             n=self.n, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens, max_tokens=max_tokens,
-            logprobs=logprobs, **chosen)
+            logprobs=logprobs, logit_bias=self._logit_bias(), **chosen)
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """``logit_bias`` with its JSON keys read as token ids."""
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(token): value for token, value in self.logit_bias.items()}
+        except ValueError:
+            bad = next(t for t in self.logit_bias if not t.strip().lstrip("-").isdigit())
+            raise InvalidRequestError("logit_bias", f"keys must be token ids, got {bad!r}") from None
 
 
 class CompletionRequest(GenerationRequest):
@@ -98,12 +107,23 @@ class CompletionRequest(GenerationRequest):
         """The engine's parameters for every prompt of this request."""
         if self.suffix:
             raise InvalidRequestError("suffix", "is not supported by this server")
-        if self.best_of is not None and self.best_of != self.n:
-            raise InvalidRequestError("best_of", f"must equal n ({self.n}): this server returns every sequence")
+        if self.best_of is not None and self.best_of < self.n:
+            raise InvalidRequestError("best_of", f"must be >= n ({self.n}), got {self.best_of}")
+        if self.picks_best and self.stream:
+            raise InvalidRequestError("best_of", f"best_of={self.best_of} > n={self.n} cannot be streamed: the best "
+                                                 f"are known only when every candidate finished")
         if self.echo and self.logprobs is not None:
             raise InvalidRequestError("echo", "echo with logprobs needs prompt logprobs, which this engine "
                                               "does not compute")
-        return self._sampling_params(16 if self.max_tokens is None else self.max_tokens, self.logprobs)
+        params = self._sampling_params(16 if self.max_tokens is None else self.max_tokens, self.logprobs)
+        if self.picks_best:   # every candidate, with the logprobs that rank them
+            params = replace(params, n=self.best_of, logprobs=self.logprobs or 0)
+        return params
+
+    @property
+    def picks_best(self) -> bool:
+        """True when the server generates ``best_of`` candidates and returns the ``n`` best."""
+        return self.best_of is not None and self.best_of > self.n
 
 
 class TextPart(StrictModel):

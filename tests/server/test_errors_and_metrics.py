@@ -29,6 +29,11 @@ def error_of(response: httpx.Response, status: int) -> dict:
     ({"prompt": "x" * 600}, "prompt", "This model's maximum context length is 512 tokens"),
     ({"prompt": "x" * 500, "max_tokens": 20}, "max_tokens", "This model's maximum context length is 512 tokens"),
     ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed when stream is true"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias", "keys must be token ids, got 'abc'"),
+    ({"logit_bias": {"-3": 1}}, "logit_bias", "integers >= 0"),
+    ({"logit_bias": {"100000": 1}}, "logit_bias", "outside the vocabulary"),
+    ({"n": 3, "best_of": 2}, "best_of", "must be >= n (3)"),
+    ({"n": 1, "best_of": 2, "stream": True}, "best_of", "cannot be streamed"),
 ])
 def test_bad_completion_parameters_are_400(http, fields, param, phrase):
     error = error_of(http.post("/v1/completions", json={**OK, **fields}), 400)

@@ -138,3 +138,33 @@ def test_models_tokenize_detokenize_version(client, http):
     chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
     assert chat["count"] == len("<|user|>\nhi\n<|assistant|>\n")
     assert http.get("/version").json()["version"]
+
+
+def test_logit_bias_forces_and_bans_tokens_on_both_endpoints(client, offline):
+    from servelab import SamplingParams
+
+    x = encode("x")[0]
+    forced = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0,
+                                       logit_bias={str(x): 100})
+    assert forced.choices[0].text == "xxxx"
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                          temperature=0, logit_bias={str(x): 100})
+    assert chat.choices[0].message.content == "xxx"
+    top = offline.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=1, logprobs=2),
+                           use_tqdm=False)[0].outputs[0].logprobs[0]
+    first, runner_up = sorted(top, key=lambda token: -top[token].logprob)[:2]
+    banned = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=1, temperature=0,
+                                       logit_bias={str(first): -100})
+    assert banned.choices[0].text == TOKENIZER.decode([runner_up])   # the bias moves one token, nothing else
+
+
+def test_best_of_returns_the_best_candidates_by_logprob_per_token(client):
+    args = dict(model=MODEL, prompt=[PROMPTS[0], PROMPTS[1]], max_tokens=6, temperature=1.0, seed=3)
+    every = client.completions.create(n=4, logprobs=0, **args)
+    best = client.completions.create(n=2, best_of=4, **args)
+    assert [c.index for c in best.choices] == [0, 1, 2, 3] and all(c.logprobs is None for c in best.choices)
+    assert best.usage.completion_tokens == every.usage.completion_tokens
+    for prompt in range(2):
+        candidates = every.choices[prompt * 4:prompt * 4 + 4]
+        ranked = sorted(candidates, key=lambda c: -sum(c.logprobs.token_logprobs) / len(c.logprobs.token_logprobs))
+        assert [c.text for c in best.choices[prompt * 2:prompt * 2 + 2]] == [c.text for c in ranked[:2]]
