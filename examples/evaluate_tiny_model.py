@@ -16,12 +16,9 @@ from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
 
-import torch  # noqa: E402
-
-import transformers  # noqa: E402
-
 from tiny_model.corpus import build_corpus  # noqa: E402
 from tiny_model.evaluation import evaluate_checkpoint, load_eval_sets  # noqa: E402
+from tiny_model.runtime import add_corpus_arguments, configure_torch  # noqa: E402
 from tiny_model.tokenizer import load_tokenizer  # noqa: E402
 
 
@@ -29,18 +26,9 @@ def main(argv: list[str] | None = None) -> None:
     """Print the losses of each checkpoint folder given on the command line as JSON."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folders", type=Path, nargs="+")
-    parser.add_argument("--venv", type=Path, required=True,
-                        help="the virtual environment the corpus was built from")
-    parser.add_argument("--scratch", type=Path,
-                        default=Path.home() / ".cache/servelab-tiny-model",
-                        help="cache of token streams (shared with train_tiny_model.py)")
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--threads", type=int, default=2)
+    add_corpus_arguments(parser)
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    torch.set_flush_denormal(True)
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
+    configure_torch(args.threads)
     corpus = build_corpus(args.venv)
     for folder in args.folders:
         sets = load_eval_sets(load_tokenizer(folder), corpus, args.scratch, args.seq_len)

@@ -19,11 +19,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
 
 import torch  # noqa: E402
 
-import transformers  # noqa: E402
-
 from tiny_model.corpus import build_corpus  # noqa: E402
 from tiny_model.evaluation import load_eval_sets  # noqa: E402
 from tiny_model.export import load_float32  # noqa: E402
+from tiny_model.runtime import add_corpus_arguments, configure_torch  # noqa: E402
 from tiny_model.tokenizer import fingerprint, load_tokenizer  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -45,20 +44,11 @@ def greedy_agreement(target: torch.nn.Module, draft: torch.nn.Module, sequences:
 def main(argv: list[str] | None = None) -> None:
     """Load both checkpoints and print their greedy agreement on the held-out sets."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--venv", type=Path, required=True,
-                        help="the virtual environment the corpus was built from")
-    parser.add_argument("--scratch", type=Path,
-                        default=Path.home() / ".cache/servelab-tiny-model",
-                        help="cache of token streams (shared with train_tiny_model.py)")
+    add_corpus_arguments(parser)
     parser.add_argument("--target", type=Path, default=REPO_ROOT / "checkpoints/tiny")
     parser.add_argument("--draft", type=Path, default=REPO_ROOT / "checkpoints/tiny-draft")
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    torch.set_flush_denormal(True)
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
+    configure_torch(args.threads)
 
     tokenizer = load_tokenizer(args.target)
     if fingerprint(load_tokenizer(args.draft)) != fingerprint(tokenizer):

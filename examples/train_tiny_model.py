@@ -38,6 +38,7 @@ from tiny_model.corpus import build_corpus, read_text  # noqa: E402
 from tiny_model.evaluation import EvalSets, evaluate_checkpoint, load_eval_sets  # noqa: E402
 from tiny_model.export import folder_bytes, greedy_sample, save_checkpoint  # noqa: E402
 from tiny_model.model import DRAFT, TARGET, ModelSpec, build_model, count_parameters  # noqa: E402
+from tiny_model.runtime import configure_torch  # noqa: E402
 from tiny_model.tokenizer import (  # noqa: E402
     EOT, check_roundtrip, fingerprint, load_tokenizer, train_tokenizer,
 )
@@ -143,10 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     """Build corpus, tokenizer and token streams, then train and save the requested models."""
     args = parse_args(argv)
     torch.manual_seed(args.seed)
-    torch.set_num_threads(args.threads)
-    torch.set_flush_denormal(True)
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
+    configure_torch(args.threads)
     scratch = args.scratch / "smoke" if args.smoke else args.scratch
     out_dir = args.out_dir or (scratch / "checkpoints" if args.smoke else REPO_ROOT / "checkpoints")
     if args.smoke:
