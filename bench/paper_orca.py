@@ -58,7 +58,7 @@ class OrcaReport(PaperReport):
 
     def plot(self, rows: list[dict[str, Any]], path: Path) -> None:
         """Normalized latency against rate (the searches' trials), one line per scheduler."""
-        from servelab.bench.plots import _pyplot
+        from servelab.bench.plots import _pyplot, save_figure
 
         plt = _pyplot()
         fig, axis = plt.subplots(figsize=(6, 4.2))
@@ -76,6 +76,4 @@ class OrcaReport(PaperReport):
         axis.set_ylabel("normalized latency (s/token)")
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
+        save_figure(fig, path)

@@ -101,7 +101,7 @@ class SarathiReport(PaperReport):
 
     def plot(self, rows: list[dict[str, Any]], path: Path) -> None:
         """Capacity bars per setup and system; TBT CDFs of Sarathi and vLLM at their capacities."""
-        from servelab.bench.plots import _pyplot
+        from servelab.bench.plots import _pyplot, save_figure
 
         plt = _pyplot()
         found = capacities(rows)
@@ -130,6 +130,4 @@ class SarathiReport(PaperReport):
         axes[1].legend(fontsize=6)
         for axis in axes:
             axis.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
+        save_figure(fig, path)

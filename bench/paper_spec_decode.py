@@ -79,7 +79,7 @@ class SpecDecodeReport(PaperReport):
 
     def plot(self, rows: list[dict[str, Any]], path: Path) -> None:
         """Tokens per target step and speedup against k: formulas dashed, servelab's points solid."""
-        from servelab.bench.plots import _pyplot
+        from servelab.bench.plots import _pyplot, save_figure
 
         plt = _pyplot()
         entries = comparison(rows)
@@ -98,6 +98,4 @@ class SpecDecodeReport(PaperReport):
             axis.set_xlabel("draft tokens k")
             axis.grid(alpha=0.3)
         axes[0].legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
+        save_figure(fig, path)

@@ -117,7 +117,7 @@ class VllmPaperReport(PaperReport):
 
     def plot(self, rows: list[dict[str, Any]], path: Path) -> None:
         """Normalized latency against rate (the searches' trials), one panel per workload."""
-        from servelab.bench.plots import _pyplot
+        from servelab.bench.plots import _pyplot, save_figure
 
         plt = _pyplot()
         found = by_workload(rows)
@@ -138,6 +138,4 @@ class VllmPaperReport(PaperReport):
             axis.set_ylabel("normalized latency (s/token)")
             axis.grid(alpha=0.3)
             axis.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
+        save_figure(fig, path)

@@ -15,6 +15,13 @@ def _pyplot() -> Any:
     return plt
 
 
+def save_figure(fig: Any, path: Any) -> None:
+    """Lay out ``fig``, write it to ``path`` (PNG, 120 dpi) and release it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    _pyplot().close(fig)
+
+
 def plot_throughput_latency(rows: Sequence[dict[str, Any]], path: str) -> None:
     """Output throughput (x) against P99 TBT and P50 TTFT (y), one line per group of jobs
     that differ only in ``workload.rate`` (points in rate order, labelled with the rate)."""
@@ -39,9 +46,7 @@ def plot_throughput_latency(rows: Sequence[dict[str, Any]], path: str) -> None:
         axis.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.suptitle("throughput vs latency (labels: request rate)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_tbt_cdf(labelled_gaps: Sequence[tuple[str, Sequence[float]]], path: str) -> None:
@@ -60,6 +65,4 @@ def plot_tbt_cdf(labelled_gaps: Sequence[tuple[str, Sequence[float]]], path: str
     axis.set_ylabel("fraction of gaps")
     axis.grid(alpha=0.3)
     axis.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
