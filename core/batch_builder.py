@@ -9,26 +9,62 @@ import numpy as np
 import torch
 
 from servelab.core.attention import BatchLayout
+from servelab.core.request import Request
 from servelab.core.scheduler import ScheduledRequest
+
+
+@dataclass(frozen=True, slots=True)
+class PromptSpan:
+    """Prompt tokens ``first .. first + count - 1`` of ``request`` whose logprobs this step
+    computes (from the rows of the tokens before them)."""
+
+    request: Request
+    first: int
+    count: int
 
 
 @dataclass(frozen=True, slots=True)
 class StepInputs:
     """Model inputs for one step: ``input_ids`` and ``positions`` [T], the attention
-    ``layout``, and ``logits_indices`` [N]: the rows whose logits the decoder needs
+    ``layout``, and ``logits_indices`` [N]: the rows whose logits are needed, first the
+    ``prompt_spans``' rows (sum of their counts; prompt logprobs), then the decoder's
     (1 + drafts per sampling request, in grant order)."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     layout: BatchLayout
     logits_indices: torch.Tensor
+    prompt_spans: tuple[PromptSpan, ...] = ()
+
+    @property
+    def num_prompt_logits(self) -> int:
+        """Leading rows of ``logits_indices`` that belong to prompt logprobs."""
+        return sum(span.count for span in self.prompt_spans)
+
+
+def prompt_span(grant: ScheduledRequest) -> PromptSpan | None:
+    """The prompt tokens whose logprobs ``grant`` can compute and its request still lacks:
+    a row at position p gives token p + 1's logprob."""
+    request = grant.request
+    if not request.needs_prompt_logprobs:
+        return None
+    have = len(request.prompt_logprobs)
+    start = grant.num_computed_tokens
+    last = min(start + grant.num_new_tokens, request.num_prompt_tokens - 1)
+    if not start < have <= last:
+        return None
+    return PromptSpan(request, have, last + 1 - have)
 
 
 def build_step_inputs(grants: Sequence[ScheduledRequest], drafts: Sequence[list[int]], block_size: int,
-                      device: torch.device) -> StepInputs:
+                      device: torch.device, prompt_logprobs: bool = False) -> StepInputs:
     """Flatten the grants (with ``drafts[i]`` appended to the i-th sampling request) into
-    one unpadded token batch; positions and slots are computed with array ops."""
+    one unpadded token batch; positions and slots are computed with array ops. With
+    ``prompt_logprobs``, the rows that give requests their missing prompt logprobs lead
+    ``logits_indices``."""
     token_ids: list[int] = []
+    spans: list[PromptSpan] = []
+    prompt_rows: list[int] = []
     query_lens: list[int] = []
     computed: list[int] = []
     tables: list[list[int]] = []
@@ -37,6 +73,11 @@ def build_step_inputs(grants: Sequence[ScheduledRequest], drafts: Sequence[list[
     for grant in grants:
         start = grant.num_computed_tokens
         count = grant.num_new_tokens
+        span = prompt_span(grant) if prompt_logprobs else None
+        if span is not None:
+            first_row = len(token_ids) + span.first - 1 - start
+            prompt_rows.extend(range(first_row, first_row + span.count))
+            spans.append(span)
         token_ids += grant.request.token_ids[start:start + count]
         if grant.samples:
             draft = next(draft_iter, ())
@@ -81,5 +122,6 @@ def build_step_inputs(grants: Sequence[ScheduledRequest], drafts: Sequence[list[
         input_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),
         positions=positions.to(device),
         layout=layout,
-        logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=device),
+        logits_indices=torch.tensor(prompt_rows + logits_rows, dtype=torch.int64, device=device),
+        prompt_spans=tuple(spans),
     )

@@ -126,6 +126,9 @@ class LLMEngine:
             raise InvalidRequestError("prompt", (
                 f"This model's maximum context length is {self.max_model_len} tokens, but the prompt has "
                 f"{len(prompt_token_ids)} tokens (at most {self.max_model_len - 1}, so that one can be generated)"))
+        if params.prompt_logprobs is not None and not self.executor.runs_model:
+            raise InvalidRequestError("prompt_logprobs", "this executor runs no model (executor=simulated): "
+                                                         "there are no logits to give prompt logprobs")
         if params.use_beam_search:
             raise InvalidRequestError("use_beam_search", (
                 "beam search runs over the engine, not inside it: use LLM.generate or "
@@ -201,6 +204,8 @@ class LLMEngine:
                 self._idle_until(scheduler.next_wakeup(), started)
             return self._finish_step(started, ExecutedStep(output, None), SchedulerUpdate())
         executed = executor.collect()
+        for computed in executed.prompt_logprobs:
+            computed.request.add_prompt_logprobs(computed.first, computed.entries)
         update = scheduler.update_from_output(executed.output, executed.result)
         return self._finish_step(started, executed, update)
 

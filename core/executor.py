@@ -19,6 +19,8 @@ import torch
 from servelab.core.clock import Clock
 from servelab.core.decoding import DecodeResult
 from servelab.core.model import ModelShape
+from servelab.core.outputs import Logprob
+from servelab.core.request import Request
 from servelab.core.scheduler import SchedulerOutput
 
 if TYPE_CHECKING:
@@ -29,14 +31,26 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """The logprobs of ``request``'s prompt tokens ``first .. first + len(entries) - 1``
+    (token id -> ``Logprob``: the prompt token and its top alternatives)."""
+
+    request: Request
+    first: int
+    entries: list[dict[int, Logprob]]
+
+
+@dataclass(frozen=True, slots=True)
 class ExecutedStep:
     """A step back from the executor: the ``output`` it ran, its ``result`` (None when no
-    request sampled) and ``stage_busy_s``, the seconds each pipeline stage computed for it
-    (empty when the executor does not measure stages)."""
+    request sampled), ``stage_busy_s``, the seconds each pipeline stage computed for it
+    (empty when the executor does not measure stages), and the ``prompt_logprobs`` it
+    computed for requests that asked for them."""
 
     output: SchedulerOutput
     result: DecodeResult | None
     stage_busy_s: tuple[float, ...] = ()
+    prompt_logprobs: tuple[PromptLogprobs, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,7 @@ class RequestGroup:
     output_kind: str
     sent_tokens: list[int] = field(default_factory=list)
     sent_chars: list[int] = field(default_factory=list)
+    sent_prompt_logprobs: bool = False
 
     @property
     def finished(self) -> bool:
@@ -98,6 +99,10 @@ class OutputProcessor:
                 cumulative_logprob=child.cumulative_logprob if child.logprobs is not None else None,
                 logprobs=logprobs, finish_reason=child.finish_reason, stop_reason=child.stop_reason))
         first = group.children[0]
+        prompt_logprobs = first.prompt_logprobs
+        if group.output_kind == "delta":
+            prompt_logprobs, group.sent_prompt_logprobs = (None if group.sent_prompt_logprobs else prompt_logprobs,
+                                                           True)
         metrics = RequestMetrics(
             arrival_time=first.arrival_time,
             first_scheduled_time=min((c.first_scheduled_time for c in group.children
@@ -110,4 +115,5 @@ class OutputProcessor:
             spec_proposed_tokens=sum(c.spec_proposed for c in group.children),
             spec_accepted_tokens=sum(c.spec_accepted for c in group.children),
         )
-        return RequestOutput(group.request_id, first.prompt, first.prompt_token_ids, completions, finished, metrics)
+        return RequestOutput(group.request_id, first.prompt, first.prompt_token_ids, completions, finished, metrics,
+                             prompt_logprobs)

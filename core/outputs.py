@@ -89,7 +89,11 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """The state of one prompt's request: its ``n`` completions so far and its timing."""
+    """The state of one prompt's request: its ``n`` completions so far and its timing.
+
+    ``prompt_logprobs`` (when ``SamplingParams.prompt_logprobs`` asked for them): per
+    prompt token, token id -> ``Logprob`` for the token and its top alternatives, None for
+    the first token; a delta output carries them once, with the request's first tokens."""
 
     request_id: str
     prompt: str | None
@@ -97,3 +101,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -23,7 +23,9 @@ class Request:
     Scheduling is token accounting: ``num_computed_tokens`` of ``num_tokens`` are in the
     KV cache; each step the scheduler grants some of the rest. ``token_ids`` holds the
     prompt followed by the generated tokens. ``forks`` are sibling sequences (``n > 1``)
-    that share this request's prompt blocks once its prefill is done.
+    that share this request's prompt blocks once its prefill is done. ``prompt_logprobs``
+    (when asked for) fills, one prefill chunk at a time, with a dict of token id to
+    ``Logprob`` per prompt token; the first token has none (None).
     """
 
     __slots__ = (
@@ -32,7 +34,7 @@ class Request:
         "finish_reason", "stop_reason", "arrival_time", "first_scheduled_time",
         "token_times", "finished_time", "num_preemptions", "generator", "logprobs",
         "cumulative_logprob", "detokenizer", "stop_text_len", "index", "group_id",
-        "spec_proposed", "spec_accepted", "forks",
+        "spec_proposed", "spec_accepted", "forks", "prompt_logprobs",
     )
 
     def __init__(
@@ -72,6 +74,7 @@ class Request:
         self.spec_proposed = 0
         self.spec_accepted = 0
         self.forks: list[Request] = []
+        self.prompt_logprobs: list | None = [None] if sampling_params.prompt_logprobs is not None else None
 
     @property
     def num_tokens(self) -> int:
@@ -97,6 +100,16 @@ class Request:
     def num_sequences(self) -> int:
         """This sequence and the siblings that will fork from it."""
         return 1 + len(self.forks)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """True while prompt logprobs were asked for and some are not computed yet."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    def add_prompt_logprobs(self, first: int, entries: list) -> None:
+        """Record the logprobs of prompt tokens ``first .. first + len(entries) - 1``."""
+        del self.prompt_logprobs[first:]
+        self.prompt_logprobs.extend(entries)
 
     @property
     def is_finished(self) -> bool:

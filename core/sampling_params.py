@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from servelab.core.errors import InvalidRequestError
 
+MAX_LOGPROBS = 20
+"""The most alternatives ``logprobs`` and ``prompt_logprobs`` may ask for per token."""
 LOGIT_BIAS_LIMIT = 100.0
 """The largest magnitude of a ``logit_bias`` value; larger ones are clamped to it."""
 
@@ -20,6 +22,10 @@ class SamplingParams:
     per prompt; with ``use_beam_search`` the ``n`` best of ``best_of`` beams are returned.
     ``logit_bias`` maps token ids to values added to their logits before sampling, as in
     the OpenAI API; values are clamped to [-100, 100] (-100 bans a token in practice).
+    ``logprobs`` / ``prompt_logprobs``: how many most likely alternatives to return with each
+    generated / prompt token's own log probability (0: the token's alone; None: none).
+    Prompt logprobs are computed in the prefill pass, so such a request skips the prefix
+    cache.
     """
 
     n: int = 1
@@ -39,6 +45,7 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     use_beam_search: bool = False
     length_penalty: float = 1.0
@@ -83,8 +90,11 @@ class SamplingParams:
             fail("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             fail("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            fail("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or not 0 <= value <= MAX_LOGPROBS):
+                fail(name, f"must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             fail("seed", f"must be an integer, got {self.seed!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

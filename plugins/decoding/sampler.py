@@ -70,23 +70,35 @@ def sample_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Te
     return tokens
 
 
+def ranked_logprobs(raw_logits: torch.Tensor, tokens: Sequence[int], top_ns: Sequence[int]) -> list[dict[int, Logprob]]:
+    """Per row i of [N, V] logits: ``tokens[i]``'s log probability and rank, plus the
+    ``top_ns[i]`` most likely tokens', under the raw distribution."""
+    logprobs = raw_logits.log_softmax(dim=-1)
+    top_values, top_ids = logprobs.topk(max(max(top_ns, default=0), 1), dim=-1)
+    chosen_ids = torch.tensor(tokens, device=raw_logits.device, dtype=torch.long)
+    chosen = logprobs.gather(1, chosen_ids[:, None])[:, 0]
+    ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1
+    chosen_list, rank_list = chosen.tolist(), ranks.tolist()
+    top_value_list, top_id_list = top_values.tolist(), top_ids.tolist()
+    result = []
+    for row, token in enumerate(tokens):
+        entry = {token: Logprob(token, chosen_list[row], rank_list[row])}
+        for rank in range(top_ns[row]):
+            alternative = top_id_list[row][rank]
+            entry.setdefault(alternative, Logprob(alternative, top_value_list[row][rank], rank + 1))
+        result.append(entry)
+    return result
+
+
 def token_logprobs(raw_logits: torch.Tensor, tokens: list[int], requests: Sequence[Request]) -> list[dict[int, Logprob]] | None:
     """Per row: the chosen token's and the top-``logprobs`` tokens' log probabilities under
     the model's raw distribution (None when no request asked for logprobs)."""
     wanted = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
     if not wanted:
         return None
-    logprobs = raw_logits[wanted].log_softmax(dim=-1)
-    top_n = max(requests[i].sampling_params.logprobs for i in wanted)
-    top_values, top_ids = logprobs.topk(max(top_n, 1), dim=-1)
-    chosen_ids = torch.tensor([tokens[i] for i in wanted], device=raw_logits.device)
-    chosen = logprobs.gather(1, chosen_ids[:, None])[:, 0]
-    ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1
+    entries = ranked_logprobs(raw_logits[wanted], [tokens[i] for i in wanted],
+                              [requests[i].sampling_params.logprobs for i in wanted])
     result: list[dict[int, Logprob]] = [{} for _ in requests]
-    for k, row in enumerate(wanted):
-        entry = {tokens[row]: Logprob(tokens[row], float(chosen[k]), int(ranks[k]))}
-        for rank in range(requests[row].sampling_params.logprobs):
-            token = int(top_ids[k, rank])
-            entry.setdefault(token, Logprob(token, float(top_values[k, rank]), rank + 1))
+    for row, entry in zip(wanted, entries):
         result[row] = entry
     return result

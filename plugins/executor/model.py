@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from servelab.core.batch_builder import build_step_inputs
+from servelab.core.batch_builder import PromptSpan, build_step_inputs
 from servelab.core.component import ComponentSpec
 from servelab.core.decoding import DecodeBatch, DecodingStrategy, lookahead_allowances
 from servelab.core.errors import ConfigError
@@ -27,6 +27,7 @@ from servelab.plugins.executor.distributed import (ATTACH, STOP, WARM_UP, ModelS
                                                    default_threads, describe_dead, drive_torchrun, free_port,
                                                    join_group, local_world_size, pack_moves, pack_step,
                                                    send_header, spawn_workers, torchrun_problems)
+from servelab.plugins.executor.prompt_logprobs import prompt_logprobs
 
 CPU_KV_CACHE_BYTES = 512 * 1024 * 1024
 """What a cache that sets no size gets on the CPU."""
@@ -42,15 +43,14 @@ class ModelExecutorConfig:
 
 @dataclass(frozen=True, slots=True)
 class PendingStep:
-    """A submitted step: finished already (``result``, ``stage_busy_s``: one stage), or
-    waiting for the last stage's logits (``batch``, ``proposal``, ``num_logits``)."""
+    """A submitted step: finished already (``executed``), or waiting for the last stage's
+    logits (``batch``, ``proposal``, ``prompt_spans``, ``num_logits``)."""
 
     output: SchedulerOutput
-    finished: bool
-    result: Any = None
-    stage_busy_s: tuple[float, ...] = ()
+    executed: ExecutedStep | None = None
     batch: DecodeBatch | None = None
     proposal: Any = None
+    prompt_spans: tuple[PromptSpan, ...] = ()
     num_logits: int = 0
 
 
@@ -156,7 +156,7 @@ class ModelExecutor(Executor):
             self._broadcast(*pack_moves(moves))
             self.shard.move_blocks(moves)
         if not output.scheduled:
-            self._pending.append(PendingStep(output, finished=True))
+            self._pending.append(PendingStep(output, ExecutedStep(output, None)))
             return
         sampling = output.sampling_requests
         proposal = None
@@ -164,7 +164,7 @@ class ModelExecutor(Executor):
             allowance = lookahead_allowances(output, self.max_model_len)
             proposal = self.strategy.propose(DecodeBatch(sampling, allowance, output))
         drafts = proposal.draft_token_ids if proposal is not None else ()
-        inputs = build_step_inputs(output.scheduled, drafts, self.cache.block_size, self.device)
+        inputs = build_step_inputs(output.scheduled, drafts, self.cache.block_size, self.device, prompt_logprobs=True)
         if self.topology.world_size > 1:
             self._broadcast(*pack_step(inputs))
         started = time.perf_counter()
@@ -172,25 +172,36 @@ class ModelExecutor(Executor):
         counts = tuple(len(d) for d in drafts) if drafts else (0,) * len(sampling)
         batch = DecodeBatch(sampling, counts, output) if sampling else None
         if self.topology.pp == 1:
-            result = None
-            if sampling:
+            logits = None
+            if inputs.logits_indices.numel():
                 logits = self._guarded(lambda: self.model.compute_logits(hidden[inputs.logits_indices]))
-                result = self.strategy.accept(logits, batch, proposal)
-            self._pending.append(PendingStep(output, True, result, (time.perf_counter() - started,)))
+            executed = self._finished(output, logits, batch, proposal, inputs.prompt_spans,
+                                      (time.perf_counter() - started,))
+            self._pending.append(PendingStep(output, executed))
             return
         stage_times = torch.zeros(self.topology.pp, dtype=torch.float64)
         stage_times[0] = time.perf_counter() - started
         carried = [t.contiguous() for t in (*hidden, stage_times)]
         self._to_workers(lambda: self._sends.extend((dist.isend(t, self.topology.next_rank(0)), t) for t in carried))
-        self._pending.append(PendingStep(output, False, batch=batch, proposal=proposal,
+        self._pending.append(PendingStep(output, batch=batch, proposal=proposal, prompt_spans=inputs.prompt_spans,
                                          num_logits=inputs.logits_indices.numel()))
+
+    def _finished(self, output: SchedulerOutput, logits: torch.Tensor | None, batch: DecodeBatch | None,
+                  proposal: Any, spans: tuple[PromptSpan, ...], stage_busy_s: tuple[float, ...]) -> ExecutedStep:
+        """The step's result from its logits: the leading rows give the prompt logprobs,
+        the decoding strategy chooses tokens from the rest."""
+        num_prompt = sum(span.count for span in spans)
+        computed = prompt_logprobs(logits[:num_prompt], spans) if num_prompt else ()
+        result = None if batch is None else self.strategy.accept(
+            logits[num_prompt:] if num_prompt else logits, batch, proposal)
+        return ExecutedStep(output, result, stage_busy_s, computed)
 
     def collect(self) -> ExecutedStep:
         """The oldest step: finished at submit (one stage), or finished by the logits and
         the stages' busy times the last stage sends back."""
         step = self._pending.popleft()
-        if step.finished:
-            return ExecutedStep(step.output, step.result, step.stage_busy_s)
+        if step.executed is not None:
+            return step.executed
         root = self.topology.last_stage_root
         logits = None
         if step.num_logits:
@@ -198,8 +209,8 @@ class ModelExecutor(Executor):
             self._to_workers(lambda: dist.recv(logits, root))
         stage_times = torch.zeros(self.topology.pp, dtype=torch.float64)
         self._to_workers(lambda: dist.recv(stage_times, root))
-        result = None if logits is None else self.strategy.accept(logits, step.batch, step.proposal)
-        return ExecutedStep(step.output, result, tuple(stage_times.tolist()))
+        return self._finished(step.output, logits, step.batch, step.proposal, step.prompt_spans,
+                              tuple(stage_times.tolist()))
 
     @property
     def num_in_flight(self) -> int:

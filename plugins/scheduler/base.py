@@ -189,7 +189,7 @@ class QueueScheduler(Scheduler):
         used = 0
         while self.waiting and len(self.running) + self.waiting[0].num_sequences <= max_running:
             request = self.waiting[0]
-            if request.num_computed_tokens == 0:
+            if request.num_computed_tokens == 0 and not request.needs_prompt_logprobs:
                 hit = self.cache.lookup_prefix(request)
                 request.num_computed_tokens = hit
                 self._prefix_hits += hit
