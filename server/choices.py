@@ -45,17 +45,24 @@ class ChoiceTracker:
     """Choice ``i * n + k`` is completion ``k`` of the API call's prompt ``i``.
 
     ``update`` turns an engine output into per-choice deltas, dropping what follows a
-    choice's finish; ``collect=True`` also accumulates whole choices. Counts usage.
+    choice's finish; ``collect=True`` also accumulates whole choices. Counts usage, and
+    keeps each prompt's ``prompt_logprobs`` (with its token ids) when the engine sends them.
+    ``returns_tokens=False`` (``max_tokens=0``): the tokens the engine generated are dropped
+    and each choice finishes with ``length``.
     """
 
-    def __init__(self, request_ids: list[str], n: int, prompt_tokens: int, collect: bool = False):
+    def __init__(self, request_ids: list[str], n: int, prompt_tokens: int, collect: bool = False,
+                 returns_tokens: bool = True):
         self.n = n
+        self.returns_tokens = returns_tokens
         self._base = {request_id: i * n for i, request_id in enumerate(request_ids)}
         self._started: set[int] = set()
         self._finished: set[int] = set()
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
         self.choices: dict[int, Choice] | None = {} if collect else None
+        self.prompt_logprobs: dict[int, list] = {}
+        self.prompt_token_ids: dict[int, list[int]] = {}
 
     @property
     def num_choices(self) -> int:
@@ -65,6 +72,9 @@ class ChoiceTracker:
     def update(self, output: RequestOutput) -> list[ChoiceDelta]:
         """The deltas ``output`` brings, in choice order."""
         base = self._base[output.request_id]
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs[base // self.n] = output.prompt_logprobs
+            self.prompt_token_ids[base // self.n] = output.prompt_token_ids
         deltas = []
         for completion in output.outputs:
             index = base + completion.index
@@ -75,9 +85,13 @@ class ChoiceTracker:
                 self._finished.add(index)
             first = index not in self._started
             self._started.add(index)
-            self.completion_tokens += len(completion.token_ids)
-            delta = ChoiceDelta(index, completion.text, list(completion.token_ids), completion.logprobs, finish,
-                                completion.stop_reason if finish else None, first)
+            if self.returns_tokens:
+                delta = ChoiceDelta(index, completion.text, list(completion.token_ids), completion.logprobs, finish,
+                                    completion.stop_reason if finish else None, first)
+            else:
+                delta = ChoiceDelta(index, "", [], None if completion.logprobs is None else [],
+                                    "length" if finish else None, None, first)
+            self.completion_tokens += len(delta.token_ids)
             if self.choices is not None:
                 self._collect(delta)
             deltas.append(delta)

@@ -95,12 +95,13 @@ class EngineLoop:
         with the statistics gathered since the last report."""
         tokenizer = self.engine.tokenizer
         for output in outputs:
-            for completion in output.outputs:
-                for entry in completion.logprobs or ():
-                    for logprob in entry.values():
-                        if logprob.decoded_token is None:
-                            logprob.decoded_token = (tokenizer.decode([logprob.token_id]) if tokenizer is not None
-                                                     else str(logprob.token_id))
+            entries = [entry for completion in output.outputs for entry in completion.logprobs or ()]
+            entries += [entry for entry in output.prompt_logprobs or () if entry is not None]
+            for entry in entries:
+                for logprob in entry.values():
+                    if logprob.decoded_token is None:
+                        logprob.decoded_token = (tokenizer.decode([logprob.token_id]) if tokenizer is not None
+                                                 else str(logprob.token_id))
         scheduler = self.engine.scheduler
         report = StepReport(tuple(outputs), tuple(self._stats), scheduler.num_running, scheduler.num_waiting,
                             self.engine.cache.usage.usage, self._num_aborted)

@@ -41,6 +41,29 @@ def completion_logprobs(token_ids: Sequence[int], entries: Sequence[dict[int, Lo
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}, text_offset
 
 
+def echo_logprobs(prompt_token_ids: Sequence[int], entries: Sequence[dict[int, Logprob] | None],
+                  first_token_text: str) -> tuple[dict, int]:
+    """The prompt's part of an echoed ``/v1/completions`` choice's logprobs: every prompt
+    token, the first with no logprob (null, as it has no context), and the text offset
+    after the prompt."""
+    rest, offset = completion_logprobs(prompt_token_ids[1:], entries[1:], len(first_token_text))
+    return {"tokens": [first_token_text, *rest["tokens"]], "token_logprobs": [None, *rest["token_logprobs"]],
+            "top_logprobs": [None, *rest["top_logprobs"]], "text_offset": [0, *rest["text_offset"]]}, offset
+
+
+def joined_logprobs(first: dict, second: dict) -> dict:
+    """Two ``/v1/completions`` logprobs objects, one after the other."""
+    return {key: first[key] + second[key] for key in first}
+
+
+def vllm_prompt_logprobs(entries: Sequence[dict[int, Logprob] | None]) -> list[dict | None]:
+    """vLLM's ``prompt_logprobs`` list: per prompt token null (the first) or token id ->
+    ``{"logprob", "rank", "decoded_token"}``."""
+    return [None if entry is None else
+            {str(lp.token_id): {"logprob": _value(lp), "rank": lp.rank, "decoded_token": _text(lp)}
+             for lp in entry.values()} for entry in entries]
+
+
 def _chat_token(logprob: Logprob) -> dict:
     text = _text(logprob)
     return {"token": text, "logprob": _value(logprob), "bytes": list(text.encode("utf-8", errors="replace"))}

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from servelab.core.errors import InvalidRequestError
-from servelab.core.sampling_params import SamplingParams
+from servelab.core.sampling_params import MAX_LOGPROBS, SamplingParams
 
 Prompt = Union[str, list[int]]
 
@@ -60,7 +60,8 @@ class GenerationRequest(StrictModel):
         """True when a streamed response ends with a usage chunk."""
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options", "is only allowed when stream is true")
         given = {name: getattr(self, name) for name in (
@@ -70,7 +71,7 @@ class GenerationRequest(StrictModel):
             n=self.n, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens, max_tokens=max_tokens,
-            logprobs=logprobs, logit_bias=self._logit_bias(), **chosen)
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=self._logit_bias(), **chosen)
 
     def _logit_bias(self) -> dict[int, float] | None:
         """``logit_bias`` with its JSON keys read as token ids."""
@@ -85,11 +86,20 @@ class GenerationRequest(StrictModel):
 
 class CompletionRequest(GenerationRequest):
     """``POST /v1/completions``: ``prompt`` is text, token ids, or a list of either
-    (choice ``i * n + k`` is completion ``k`` of prompt ``i``)."""
+    (choice ``i * n + k`` is completion ``k`` of prompt ``i``).
+
+    ``echo`` puts the prompt before the completion; with ``logprobs`` the prompt tokens'
+    logprobs lead the choice's (the first token has none), and ``max_tokens=0`` returns
+    the prompt alone: how evaluation harnesses score text. ``prompt_logprobs`` (vLLM's
+    extension) returns them as a ``prompt_logprobs`` list per choice instead."""
 
     prompt: Union[str, list[int], list[str], list[list[int]]]
-    max_tokens: Optional[int] = 16
-    logprobs: Optional[int] = None
+    max_tokens: Optional[int] = Field(16, ge=0, description="tokens to generate; 0: none (with echo: the prompt "
+                                                            "and its logprobs alone)")
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS, description="most likely alternatives returned "
+                                                                             "with each token's logprob")
+    prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS, description="return each prompt token's "
+                                           "logprob and this many most likely alternatives (prompt_logprobs)")
     echo: bool = False
     best_of: Optional[int] = None
     suffix: Optional[str] = None
@@ -112,13 +122,24 @@ class CompletionRequest(GenerationRequest):
         if self.picks_best and self.stream:
             raise InvalidRequestError("best_of", f"best_of={self.best_of} > n={self.n} cannot be streamed: the best "
                                                  f"are known only when every candidate finished")
-        if self.echo and self.logprobs is not None:
-            raise InvalidRequestError("echo", "echo with logprobs needs prompt logprobs, which this engine "
-                                              "does not compute")
-        params = self._sampling_params(16 if self.max_tokens is None else self.max_tokens, self.logprobs)
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo_logprobs:
+            prompt_logprobs = max(self.logprobs, prompt_logprobs or 0)
+        max_tokens = 16 if self.max_tokens is None else max(self.max_tokens, 1)
+        params = self._sampling_params(max_tokens, self.logprobs, prompt_logprobs)
         if self.picks_best:   # every candidate, with the logprobs that rank them
             params = replace(params, n=self.best_of, logprobs=self.logprobs or 0)
         return params
+
+    @property
+    def generates(self) -> bool:
+        """False for ``max_tokens=0``: the engine computes one token, which is not returned."""
+        return self.max_tokens != 0
+
+    @property
+    def echo_logprobs(self) -> bool:
+        """True when the prompt's logprobs lead each choice's logprobs."""
+        return self.echo and self.logprobs is not None
 
     @property
     def picks_best(self) -> bool:

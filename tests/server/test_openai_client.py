@@ -168,3 +168,52 @@ def test_best_of_returns_the_best_candidates_by_logprob_per_token(client):
         candidates = every.choices[prompt * 4:prompt * 4 + 4]
         ranked = sorted(candidates, key=lambda c: -sum(c.logprobs.token_logprobs) / len(c.logprobs.token_logprobs))
         assert [c.text for c in best.choices[prompt * 2:prompt * 2 + 2]] == [c.text for c in ranked[:2]]
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_offline(client, offline):
+    """What evaluation harnesses send: echo, logprobs, max_tokens 0 and 1, token-id prompts."""
+    from servelab import SamplingParams
+
+    ids = [encode(p) for p in PROMPTS]
+    reference = offline.generate(ids, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2), use_tqdm=False)
+    for max_tokens in (0, 1):
+        result = client.completions.create(model=MODEL, prompt=ids, max_tokens=max_tokens, temperature=0,
+                                           logprobs=2, echo=True)
+        for prompt, expected, choice in zip(PROMPTS, reference, result.choices):
+            logprobs = choice.logprobs
+            generated = expected.outputs[0].token_ids if max_tokens else []
+            assert choice.text == prompt + (expected.outputs[0].text if max_tokens else "")
+            assert len(logprobs.tokens) == len(expected.prompt_token_ids) + len(generated)
+            assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+            assert "".join(logprobs.tokens) == choice.text
+            assert logprobs.text_offset[0] == 0 and logprobs.text_offset == sorted(logprobs.text_offset)
+            for position, token in enumerate(expected.prompt_token_ids[1:], start=1):
+                assert logprobs.token_logprobs[position] == pytest.approx(
+                    expected.prompt_logprobs[position][token].logprob, abs=1e-5)
+                assert 2 <= len(logprobs.top_logprobs[position]) <= 3
+            assert choice.finish_reason == "length"
+        assert result.usage.completion_tokens == (len(PROMPTS) if max_tokens else 0)
+
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=0, logprobs=1, echo=True,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == PROMPTS[0]
+    streamed = [lp for c in chunks if c.choices[0].logprobs for lp in c.choices[0].logprobs.token_logprobs]
+    assert streamed[0] is None and len(streamed) == len(encode(PROMPTS[0]))
+
+
+def test_prompt_logprobs_field_in_vllm_format(http, offline):
+    from servelab import SamplingParams
+
+    (expected,) = offline.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1),
+                                   use_tqdm=False)
+    body = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 2,
+                                              "temperature": 0, "prompt_logprobs": 1}).json()
+    choice = body["choices"][0]
+    assert choice["logprobs"] is None and choice["prompt_logprobs"][0] is None
+    assert len(choice["prompt_logprobs"]) == len(expected.prompt_token_ids)
+    for token, entry, reference in zip(expected.prompt_token_ids[1:], choice["prompt_logprobs"][1:],
+                                       expected.prompt_logprobs[1:]):
+        assert entry[str(token)]["logprob"] == pytest.approx(reference[token].logprob, abs=1e-5)
+        assert entry[str(token)]["rank"] == reference[token].rank and len(entry) <= 2
+    bad = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "prompt_logprobs": 21})
+    assert bad.status_code == 400 and "prompt_logprobs" in bad.text
