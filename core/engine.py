@@ -126,6 +126,7 @@ class LLMEngine:
             raise InvalidRequestError("prompt", (
                 f"This model's maximum context length is {self.max_model_len} tokens, but the prompt has "
                 f"{len(prompt_token_ids)} tokens (at most {self.max_model_len - 1}, so that one can be generated)"))
+        self.strategy.check_request(params)
         if params.use_beam_search:
             raise InvalidRequestError("use_beam_search", (
                 "beam search runs over the engine, not inside it: use LLM.generate or "

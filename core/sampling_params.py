@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from servelab.core.errors import InvalidRequestError
+from servelab.core.structured_output import StructuredOutputParams
 
 LOGIT_BIAS_LIMIT = 100.0
 """The largest magnitude of a ``logit_bias`` value; larger ones are clamped to it."""
@@ -20,6 +21,8 @@ class SamplingParams:
     per prompt; with ``use_beam_search`` the ``n`` best of ``best_of`` beams are returned.
     ``logit_bias`` maps token ids to values added to their logits before sampling, as in
     the OpenAI API; values are clamped to [-100, 100] (-100 bans a token in practice).
+    ``structured_output`` constrains the text to a JSON schema, a choice, a regex or a
+    grammar (``StructuredOutputParams``); it needs ``decoding=sampling`` or ``greedy``.
     """
 
     n: int = 1
@@ -43,6 +46,7 @@ class SamplingParams:
     use_beam_search: bool = False
     length_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    structured_output: StructuredOutputParams | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -99,6 +103,19 @@ class SamplingParams:
                     fail("logit_bias", f"values must be numbers, got {value!r} for token {token}")
         if self.use_beam_search and self.temperature != 0.0:
             fail("temperature", "beam search is deterministic: temperature must be 0")
+        self._validate_structured_output()
+
+    def _validate_structured_output(self) -> None:
+        spec = self.structured_output
+        if spec is None:
+            return
+        if not isinstance(spec, StructuredOutputParams):
+            raise InvalidRequestError("structured_output", f"must be a StructuredOutputParams, got {spec!r:.80}")
+        if self.use_beam_search:
+            raise InvalidRequestError(spec.param, "structured output cannot be combined with beam search")
+        if self.min_tokens:
+            raise InvalidRequestError("min_tokens", "must be 0 with structured output (the constraint decides "
+                                                    f"where the text ends), got {self.min_tokens}")
 
     @property
     def greedy(self) -> bool:
