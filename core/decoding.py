@@ -9,9 +9,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from servelab.core.errors import InvalidRequestError
 from servelab.core.model import ModelShape
 from servelab.core.outputs import Logprob
 from servelab.core.request import Request
+from servelab.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from servelab.core.registry import Registry
@@ -123,6 +125,17 @@ class DecodingStrategy(abc.ABC):
     @abc.abstractmethod
     def accept(self, logits: torch.Tensor, batch: DecodeBatch, proposal: Proposal | None) -> DecodeResult:
         """logits: [sum(1 + drafts), V] float32. Returns the tokens each request keeps."""
+
+    def check_request(self, params: SamplingParams) -> None:
+        """Raise ``InvalidRequestError`` naming the field if this strategy cannot serve
+        ``params``. By default structured output is refused: a strategy that supports it
+        masks every row with the request's grammar (``decoding=sampling`` / ``greedy``)."""
+        spec = params.structured_output
+        if spec is not None:
+            why = (f"speculative decoding (num_lookahead_tokens={self.num_lookahead_tokens}) drafts tokens no "
+                   f"grammar checked" if self.num_lookahead_tokens else "it does not mask logits with a grammar")
+            raise InvalidRequestError(spec.param, f"structured output is not supported by the decoding strategy "
+                                                  f"{type(self).__name__}: {why}; use decoding=sampling or greedy")
 
     def on_request_finished(self, request: Request) -> None:
         """Release whatever per-request state the strategy keeps (draft caches, ...)."""

@@ -129,6 +129,7 @@ class LLMEngine:
         if params.prompt_logprobs is not None and not self.executor.runs_model:
             raise InvalidRequestError("prompt_logprobs", "this executor runs no model (executor=simulated): "
                                                          "there are no logits to give prompt logprobs")
+        self.strategy.check_request(params)
         if params.use_beam_search:
             raise InvalidRequestError("use_beam_search", (
                 "beam search runs over the engine, not inside it: use LLM.generate or "

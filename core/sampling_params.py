@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from servelab.core.errors import InvalidRequestError
+from servelab.core.structured_output import StructuredOutputParams
 
 MAX_LOGPROBS = 20
 """The most alternatives ``logprobs`` and ``prompt_logprobs`` may ask for per token."""
@@ -26,6 +27,8 @@ class SamplingParams:
     generated / prompt token's own log probability (0: the token's alone; None: none).
     Prompt logprobs are computed in the prefill pass, so such a request skips the prefix
     cache.
+    ``structured_output`` constrains the text to a JSON schema, a choice, a regex or a
+    grammar (``StructuredOutputParams``); it needs ``decoding=sampling`` or ``greedy``.
     """
 
     n: int = 1
@@ -50,6 +53,7 @@ class SamplingParams:
     use_beam_search: bool = False
     length_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    structured_output: StructuredOutputParams | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -109,6 +113,19 @@ class SamplingParams:
                     fail("logit_bias", f"values must be numbers, got {value!r} for token {token}")
         if self.use_beam_search and self.temperature != 0.0:
             fail("temperature", "beam search is deterministic: temperature must be 0")
+        self._validate_structured_output()
+
+    def _validate_structured_output(self) -> None:
+        spec = self.structured_output
+        if spec is None:
+            return
+        if not isinstance(spec, StructuredOutputParams):
+            raise InvalidRequestError("structured_output", f"must be a StructuredOutputParams, got {spec!r:.80}")
+        if self.use_beam_search:
+            raise InvalidRequestError(spec.param, "structured output cannot be combined with beam search")
+        if self.min_tokens:
+            raise InvalidRequestError("min_tokens", "must be 0 with structured output (the constraint decides "
+                                                    f"where the text ends), got {self.min_tokens}")
 
     @property
     def greedy(self) -> bool:

@@ -17,6 +17,7 @@ _EXPORTS = {
     "BeamSearch": "servelab.core.beam_search",
     "PLUGIN_API_VERSION": "servelab.core.plugin_api",
     "SamplingParams": "servelab.core.sampling_params",
+    "StructuredOutputParams": "servelab.core.structured_output",
     "RequestOutput": "servelab.core.outputs",
     "CompletionOutput": "servelab.core.outputs",
     "ConfigError": "servelab.core.errors",

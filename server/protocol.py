@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from servelab.core.errors import InvalidRequestError
 from servelab.core.sampling_params import MAX_LOGPROBS, SamplingParams
+from servelab.server.response_format import StructuredOutputFields
 
 Prompt = Union[str, list[int]]
 
@@ -25,13 +26,14 @@ class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class GenerationRequest(StrictModel):
+class GenerationRequest(StrictModel, StructuredOutputFields):
     """Fields shared by completions and chat completions.
 
     OpenAI fields plus the extensions vLLM accepts (``top_k``, ``min_p``,
     ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
-    ``include_stop_str_in_output``, ``skip_special_tokens``). Values are checked by
-    ``SamplingParams``, which names the offending field.
+    ``include_stop_str_in_output``, ``skip_special_tokens``) and structured output
+    (``response_format``, ``guided_*``: ``StructuredOutputFields``). Values are checked
+    by ``SamplingParams``, which names the offending field.
     """
 
     model: Optional[str] = None
@@ -71,7 +73,8 @@ class GenerationRequest(StrictModel):
             n=self.n, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens, max_tokens=max_tokens,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=self._logit_bias(), **chosen)
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=self._logit_bias(),
+            structured_output=self.structured_output(), **chosen)
 
     def _logit_bias(self) -> dict[int, float] | None:
         """``logit_bias`` with its JSON keys read as token ids."""

@@ -7,9 +7,10 @@ from dataclasses import dataclass
 import torch
 
 from servelab.core.component import ComponentSpec
-from servelab.core.decoding import DecodeBatch, DecodeResult, DecodingStrategy, Proposal
+from servelab.core.decoding import DecodeBatch, DecodeResult, Proposal
 from servelab.plugins.decoding.logits_processing import suppress_stop_tokens
 from servelab.plugins.decoding.sampler import greedy_tokens, token_logprobs
+from servelab.plugins.decoding.structured_output import GrammarDecoding
 
 
 @dataclass
@@ -17,15 +18,16 @@ class GreedyDecodingConfig:
     """``decoding=greedy``: no options."""
 
 
-class GreedyDecoding(DecodingStrategy):
+class GreedyDecoding(GrammarDecoding):
     """The reference strategy: argmax of the raw logits. Temperature, top-k/p, min-p,
-    penalties and logit bias are ignored; stop conditions, ``min_tokens``, ``max_tokens`` and logprobs
-    still apply."""
+    penalties and logit bias are ignored; stop conditions, ``min_tokens``, ``max_tokens``,
+    logprobs and structured output still apply."""
 
     def accept(self, logits: torch.Tensor, batch: DecodeBatch, proposal: Proposal | None) -> DecodeResult:
         """Take the argmax of each row."""
         raw = logits.clone() if any(r.sampling_params.logprobs is not None for r in batch.requests) else logits
         suppress_stop_tokens(logits, batch.requests)
+        self.grammars.apply(logits, batch.requests)
         tokens = greedy_tokens(logits).tolist()
         logprobs = token_logprobs(raw, tokens, batch.requests)
         return DecodeResult([[t] for t in tokens], None if logprobs is None else [[lp] for lp in logprobs])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -11,6 +11,9 @@ from servelab.core.request import Request
 from servelab.kernels.cpu_ops import native_cpu_available
 from servelab.plugins.decoding.logits_processing import (
     apply_logit_bias, apply_penalties, apply_temperature_and_filters, suppress_stop_tokens)
+
+if TYPE_CHECKING:
+    from servelab.plugins.decoding.structured_output import GrammarConstraints
 
 
 def request_generator(request: Request, device: torch.device) -> torch.Generator | None:
@@ -55,9 +58,14 @@ def processed_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch
     return logits
 
 
-def sample_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-    """logits: [N, V] float32, row i for requests[i] (modified in place). Returns [N] ids."""
+def sample_tokens(logits: torch.Tensor, requests: Sequence[Request],
+                  grammars: GrammarConstraints | None = None) -> torch.Tensor:
+    """logits: [N, V] float32, row i for requests[i] (modified in place). Returns [N] ids.
+    ``grammars`` masks the rows of requests with structured output, after penalties and
+    before temperature and the top-k/p filters."""
     logits = processed_logits(logits, requests)
+    if grammars is not None:
+        grammars.apply(logits, requests)
     greedy = [r.sampling_params.greedy for r in requests]
     tokens = greedy_tokens(logits)
     if all(greedy):

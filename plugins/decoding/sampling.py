@@ -7,8 +7,9 @@ from dataclasses import dataclass
 import torch
 
 from servelab.core.component import ComponentSpec
-from servelab.core.decoding import DecodeBatch, DecodeResult, DecodingStrategy, Proposal
+from servelab.core.decoding import DecodeBatch, DecodeResult, Proposal
 from servelab.plugins.decoding.sampler import sample_tokens, token_logprobs
+from servelab.plugins.decoding.structured_output import GrammarDecoding
 
 
 @dataclass
@@ -16,13 +17,14 @@ class SamplingDecodingConfig:
     """``decoding=sampling``: no options; every knob is a per-request ``SamplingParams``."""
 
 
-class SamplingDecoding(DecodingStrategy):
-    """One token per request from its processed distribution (temperature 0 = argmax)."""
+class SamplingDecoding(GrammarDecoding):
+    """One token per request from its processed distribution (temperature 0 = argmax),
+    within its grammar when it asks for structured output."""
 
     def accept(self, logits: torch.Tensor, batch: DecodeBatch, proposal: Proposal | None) -> DecodeResult:
         """Sample one token per request."""
         raw = logits.clone() if any(r.sampling_params.logprobs is not None for r in batch.requests) else logits
-        tokens = sample_tokens(logits, batch.requests).tolist()
+        tokens = sample_tokens(logits, batch.requests, self.grammars).tolist()
         logprobs = token_logprobs(raw, tokens, batch.requests)
         return DecodeResult([[t] for t in tokens], None if logprobs is None else [[lp] for lp in logprobs])
 
