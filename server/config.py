@@ -21,7 +21,7 @@ class ServerConfig:
     (default: the model preset or folder). ``drain_timeout_s``: on SIGTERM, how long
     in-flight requests may run before they are aborted. ``log_level``/``access_log``:
     uvicorn logging. The engine runs in its own process: ``engine_threads`` is its number
-    of compute threads (default: all cores but one, which is left to the HTTP side);
+    of compute threads (default: every core the server may use);
     ``warmup_tokens``: before listening, it packs the weights and compiles the CPU matmul
     kernels of steps up to this many tokens (default: the scheduler's step budget, which
     covers every step; 0: skip; larger steps compile on first use).

@@ -3,8 +3,9 @@
 The HTTP server and the engine share no interpreter lock and no threads: the engine
 process builds the ``LLMEngine``, compiles its CPU matmul kernels, then runs an
 ``EngineLoop``; the server process talks to it through a pipe. By default the engine
-computes on all cores but one, which is left to the HTTP side, as the engine's OpenMP
-threads wait on each other whenever another process takes one of their cores.
+computes on every core this process may use: the HTTP side needs little time, and at the
+online loads measured on two cores (docs/results/performance.md) one compute thread falls
+behind where two keep up.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ STOP_TIMEOUT_S = 30.0
 
 
 def default_engine_threads() -> int:
-    """All cores this process may use but one (at least one)."""
-    return max(1, len(os.sched_getaffinity(0)) - 1)
+    """Every core this process may use."""
+    return len(os.sched_getaffinity(0))
 
 
 class EngineProcess:
@@ -48,7 +49,7 @@ class EngineProcess:
         bad configuration and ``RuntimeError`` if the process dies while starting."""
         problems = []
         if threads is not None and threads < 1:
-            problems.append(f"server.engine_threads must be at least 1 (or null for all cores but one), got {threads}")
+            problems.append(f"server.engine_threads must be at least 1 (or null for every core), got {threads}")
         if warmup_tokens is not None and warmup_tokens < 0:
             problems.append(f"server.warmup_tokens must be 0 (no warm-up), more, or null (the step budget), "
                             f"got {warmup_tokens}")
