@@ -1,6 +1,7 @@
 """Quantized weights end to end on a tiny model: logits within a tolerance of the float
 model's, greedy agreement reported, a saved folder that loads to the same logits as
-quantizing at load, tensor-parallel shards equal to one device, clear start-up errors."""
+quantizing at load, tensor- and pipeline-parallel shards equal to one device, clear
+start-up errors."""
 
 from __future__ import annotations
 
@@ -37,6 +38,13 @@ def prompt_logits(llm: LLM, prompts=PROMPTS) -> list[torch.Tensor]:
         return rows
     finally:
         del model.compute_logits
+
+
+def prompt_logprobs(llm: LLM) -> torch.Tensor:
+    """Each prompt token's logprob (after the first), all prompts concatenated."""
+    outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    return torch.tensor([entry[token].logprob for prompt, output in zip(PROMPTS, outputs)
+                         for token, entry in zip(prompt[1:], output.prompt_logprobs[1:])])
 
 
 def greedy(llm: LLM, tokens: int = 16) -> list[list[int]]:
@@ -82,13 +90,13 @@ def test_a_saved_folder_loads_to_the_logits_of_quantizing_at_load(llama, tmp_pat
         LLM(folder, overrides=[*BASE, "model.quantization=int8"])
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_tensor_parallel_shards_equal_one_device(llama, mode):
-    one = prompt_logits(LLM(llama, overrides=[*BASE, *MODES[mode]]))
-    llm = LLM(llama, overrides=[*BASE, *MODES[mode], "parallel.tensor_parallel_size=2"])
+@pytest.mark.parametrize("mode, split", [("int8", "tensor_parallel_size"), ("int4", "tensor_parallel_size"),
+                                         ("int4", "pipeline_parallel_size")])
+def test_parallel_shards_equal_one_device(llama, mode, split):
+    one = prompt_logprobs(LLM(llama, overrides=[*BASE, *MODES[mode]]))
+    llm = LLM(llama, overrides=[*BASE, *MODES[mode], f"parallel.{split}=2"])
     try:
-        for got, expected in zip(prompt_logits(llm), one):
-            torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(prompt_logprobs(llm), one, atol=1e-4, rtol=1e-4)
     finally:
         llm.engine.shutdown()
 
