@@ -11,6 +11,9 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from servelab.core.errors import ConfigError
+from servelab.core.model import CausalLM, ModelParallel
+from servelab.core.quantization import (WeightQuantization, quantize_linears, quantized_weights,
+                                        resolve_quantization)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -19,13 +22,27 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class Checkpoint:
     """A model ready to instantiate: its Hugging Face config, tokenizer (None for a shape
     without one), architecture name, a callable yielding (name, tensor) weights (None for
-    a shape without weights) and where it came from (``source``)."""
+    a shape without weights; quantized ones when ``quantization`` is set, whether the
+    checkpoint holds them so or they are quantized as they are read), where it came from
+    (``source``) and how its decoder's linear layers are quantized (None: float)."""
 
     hf_config: Any
     tokenizer: Any
     architecture: str
     weights: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None
     source: str
+    quantization: WeightQuantization | None = None
+
+
+def load_model(checkpoint: Checkpoint, model_cls: type[CausalLM], attention: Any, dtype: torch.dtype,
+               max_positions: int, parallel: ModelParallel = ModelParallel()) -> CausalLM:
+    """``model_cls`` built for ``checkpoint`` (this ``parallel`` share), its decoder's linear
+    layers quantized when the checkpoint says so, with the weights loaded (on the CPU)."""
+    model = model_cls(checkpoint.hf_config, attention, dtype, max_positions, parallel)
+    if checkpoint.quantization is not None:
+        quantize_linears(model, checkpoint.quantization)
+    model.load_weights(checkpoint.weights())
+    return model
 
 
 def resolve_device(name: str) -> torch.device:
@@ -110,8 +127,10 @@ def load_checkpoint(model_config: Any) -> Checkpoint:
         if vocab is None:
             raise ConfigError(["model.shape.vocab_size is not set and the shape has no tokenizer to count it"])
         hf_config = shape_config(shape, vocab, getattr(tokenizer, "eos_token_id", None))
+        quantization = resolve_quantization(model_config, None)
         weights = (lambda: toy.random_weights(hf_config, model_config.seed)) if shape.random_weights else None
-        return Checkpoint(hf_config, tokenizer, shape.architecture, weights, "shape")
+        return Checkpoint(hf_config, tokenizer, shape.architecture, _quantizing(weights, quantization), "shape",
+                          quantization)
     folder = model_config.path
     if not folder:
         raise ConfigError(["model.path is not set: give a Hugging Face folder or pick a preset (model=tiny)"])
@@ -123,8 +142,19 @@ def load_checkpoint(model_config: Any) -> Checkpoint:
     architectures = getattr(hf_config, "architectures", None) or []
     if not architectures:
         raise ConfigError([f"{folder}/config.json names no 'architectures'"])
+    quantization = resolve_quantization(model_config, hf_config)
     tokenizer = _tokenizer(model_config.tokenizer or folder)
-    return Checkpoint(hf_config, tokenizer, architectures[0], lambda: iter_folder_weights(folder), folder)
+    return Checkpoint(hf_config, tokenizer, architectures[0],
+                      _quantizing(lambda: iter_folder_weights(folder), quantization), folder, quantization)
+
+
+def _quantizing(weights: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None,
+                quantization: WeightQuantization | None) -> Callable[[], Iterable[tuple[str, torch.Tensor]]] | None:
+    """``weights``, quantized as they are read when ``quantization`` asks for it and the
+    checkpoint holds floating-point weights."""
+    if weights is None or quantization is None or quantization.prequantized:
+        return weights
+    return lambda: quantized_weights(weights(), quantization)
 
 
 def _tokenizer(folder: str) -> Any:

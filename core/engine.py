@@ -16,6 +16,7 @@ from servelab.core.errors import ConfigError, InvalidRequestError
 from servelab.core.executor import ExecutedStep, ExecutorContext
 from servelab.core.kv_cache import CacheContext
 from servelab.core.output_processor import OUTPUT_KINDS, OutputProcessor
+from servelab.core.quantization import quantization_problems
 from servelab.core.outputs import RequestOutput
 from servelab.core.registry import Registry, get_registry
 from servelab.core.request import Request
@@ -71,6 +72,8 @@ class LLMEngine:
             cfg.attention, attention_spec, registry)
         parallel = cfg.parallel
         problems = shape.parallel_problems(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
+        problems += quantization_problems(checkpoint.quantization, shape, parallel.tensor_parallel_size, self.device,
+                                          executor_cls.runs_model)
         executor = None if problems else build_collecting(problems, lambda: registry.build(
             "executor", cfg.executor, ExecutorContext(checkpoint, shape, model_cls, self.dtype, self.device,
                                                       self.max_model_len, cfg.attention, cfg, registry, self.clock)))

@@ -47,6 +47,15 @@ class ModelShape:
         head = 0 if self.tied_embeddings else embedding
         return self.num_layers * self.layer_parameters + embedding + head + self.hidden_size
 
+    def linear_in_features(self, tensor_parallel_size: int = 1) -> dict[str, int]:
+        """Input features of each decoder layer's linear layers (Hugging Face names) on one
+        of ``tensor_parallel_size`` ranks: the output and down projections take a share."""
+        hidden, tp = self.hidden_size, tensor_parallel_size
+        attention_out = self.num_heads * self.head_dim // tp
+        return {"self_attn.q_proj": hidden, "self_attn.k_proj": hidden, "self_attn.v_proj": hidden,
+                "self_attn.o_proj": attention_out, "mlp.gate_proj": hidden, "mlp.up_proj": hidden,
+                "mlp.down_proj": self.intermediate_size // tp}
+
     def attention_spec(self, dtype: torch.dtype, device: torch.device, max_model_len: int,
                        tensor_parallel_size: int = 1) -> AttentionSpec:
         """The attention backend's spec on one of ``tensor_parallel_size`` ranks (a window as

@@ -19,6 +19,9 @@ def load_hf_model(model_cfg: Any, device_name: str) -> tuple[Any, Any]:
     if checkpoint.weights is None:
         raise ConfigError([f"the model is a shape without weights ({checkpoint.architecture}); a baseline needs "
                            f"weights: pick a checkpoint or model=toy"])
+    if checkpoint.quantization is not None:
+        raise ConfigError([f"model.quantization={checkpoint.quantization.mode}: the transformers baseline runs "
+                           f"floating-point checkpoints only"])
     device = resolve_device(device_name)
     dtype = resolve_dtype(model_cfg.dtype, checkpoint.hf_config, device)
     if model_cfg.shape is None:

@@ -7,7 +7,7 @@ from typing import Any, Sequence
 import torch
 
 from servelab.core.batch_builder import build_step_inputs
-from servelab.core.checkpoint import load_checkpoint
+from servelab.core.checkpoint import load_checkpoint, load_model
 from servelab.core.decoding import DecodingContext
 from servelab.core.errors import ConfigError
 from servelab.core.kv_cache import CacheContext
@@ -62,8 +62,7 @@ class DraftModel:
                                         shape.attention_spec(dtype, self.device, max_len))
         self.cache = PagedKVCacheManager(PagedCacheConfig(block_size=block_size, memory_bytes=memory_bytes),
                                          CacheContext(shape.kv_cache_spec(dtype, max_len), registry))
-        self.model = model_cls(checkpoint.hf_config, self.attention, dtype, max_len)
-        self.model.load_weights(checkpoint.weights())
+        self.model = load_model(checkpoint, model_cls, self.attention, dtype, max_len)
         self.model.to(self.device).eval()
         kv_shape = self.attention.kv_cache_shape(self.cache.num_blocks, self.cache.block_size)
         self.kv_caches = [huge_page_zeros(kv_shape, dtype, self.device) for _ in range(shape.num_layers)]

@@ -269,10 +269,11 @@ class ModelShard:
     def load(cls, registry: Any, checkpoint: Any, model_cls: type, shape: Any, attention_config: Any,
              dtype: torch.dtype, device: torch.device, max_len: int, parallel: ModelParallel) -> "ModelShard":
         """The shard from an already read checkpoint."""
+        from servelab.core.checkpoint import load_model
+
         spec = shape.attention_spec(dtype, device, max_len, parallel.tp_size)
         attention = registry.build("attention", attention_config, spec)
-        model = model_cls(checkpoint.hf_config, attention, dtype, max_len, parallel)
-        model.load_weights(checkpoint.weights())
+        model = load_model(checkpoint, model_cls, attention, dtype, max_len, parallel)
         return cls(model.to(device).eval(), attention, dtype, device, parallel)
 
     def allocate(self, num_blocks: int, block_size: int, host_blocks: int) -> None:

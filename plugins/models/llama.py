@@ -25,6 +25,7 @@ from servelab.core.component import ComponentSpec
 from servelab.core.errors import ConfigError
 from servelab.core.model import CausalLM, ModelParallel, ModelShape
 from servelab.kernels.onednn_linear import Linear, linear_input, warm_up_linears
+from servelab.kernels.quantized_linear import pack_quantized_linears
 from servelab.plugins.models.layers import RMSNorm, RotaryEmbedding, use_native
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -225,13 +226,16 @@ class LlamaFamilyForCausalLM(CausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face tensors in, fusing q/k/v and gate/up and keeping this rank's
-        share and this stage's layers; every parameter must be set."""
+        share and this stage's layers; every parameter must be set. Quantized layers
+        (``QuantizedLinear``) take their ``qweight`` / ``scales`` / ``zeros`` the same way:
+        each row of them belongs to one output feature."""
         params = dict(self.named_parameters())
         pending = {name: 1 for name in params}
         for name in params:
-            if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
+            layer = name.rpartition(".")[0]
+            if layer.endswith("qkv_proj"):
                 pending[name] = 3
-            elif name.endswith(("gate_up_proj.weight", "gate_up_proj.bias")):
+            elif layer.endswith("gate_up_proj"):
                 pending[name] = 2
         layers = self.model.layer_indices
         with torch.no_grad():
@@ -274,7 +278,9 @@ class LlamaFamilyForCausalLM(CausalLM):
     def _share(self, name: str, tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
         """This rank's part of an unfused weight: vocabulary rows of the embedding and LM
         head (zero rows past the vocabulary), input columns of the output and down
-        projections, their biases on rank 0 only (the all-reduce adds them once)."""
+        projections (of their 2-D quantized tensors too: int4 bytes and groups hold
+        consecutive input features), their biases on rank 0 only (the all-reduce adds
+        them once)."""
         parallel = self.parallel
         if parallel.tp_size == 1:
             return tensor
@@ -284,7 +290,7 @@ class LlamaFamilyForCausalLM(CausalLM):
             rows = tensor[vocab.start:min(vocab.stop, self.vocab_size)]
             part[:len(rows)] = rows
             return part
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
+        if name.rpartition(".")[0].endswith(("o_proj", "down_proj")) and tensor.dim() == 2:
             columns = param.shape[1]
             return tensor[:, parallel.tp_rank * columns:(parallel.tp_rank + 1) * columns]
         if name.endswith(("o_proj.bias", "down_proj.bias")):
@@ -311,8 +317,9 @@ class LlamaFamilyForCausalLM(CausalLM):
         return self.parallel.all_gather(self.lm_head(hidden).float())[:, :self.vocab_size]
 
     def warm_up(self, max_tokens: int) -> int:
-        """Compile the prepacked CPU matmuls for every row bucket up to ``max_tokens``."""
-        return warm_up_linears(self, max_tokens)
+        """Compile the prepacked CPU matmuls for every row bucket up to ``max_tokens`` and
+        pack the quantized layers' weights for their CPU kernels."""
+        return warm_up_linears(self, max_tokens) + pack_quantized_linears(self)
 
 
 def model_specs() -> list[ComponentSpec]:

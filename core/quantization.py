@@ -1,0 +1,173 @@
+"""Weight quantization as a model option: which mode a model is served in, the start-up
+checks, the checkpoint tensors it rewrites and the layers it replaces (docs/quantization.md).
+
+``model.quantization``: auto (the folder's own: quantized when its config.json has a
+servelab ``quantization_config``, else float) | none | int8 | int4, and
+``model.quantization_group_size`` (int4 only, default 128). Every linear layer inside the
+decoder layers (``model.layers.*``: attention and MLP projections) is quantized; the
+embeddings, norms and LM head stay in floating point.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator
+
+import torch
+
+from servelab.core.errors import ConfigError
+
+MODES = ("auto", "none", "int8", "int4")
+DEFAULT_GROUP_SIZE = 128
+QUANT_METHOD = "servelab"
+DECODER_PREFIX = "model.layers."
+"""Checkpoint tensors and model modules below this prefix are the quantized ones."""
+
+
+@dataclass(frozen=True, slots=True)
+class WeightQuantization:
+    """How the decoder's linear layers store their weights: ``bits`` 8 (int8, one scale per
+    output channel; ``group_size`` -1) or 4 (int4 in groups of ``group_size`` input
+    features). ``prequantized``: the checkpoint already holds the integers (a folder
+    written by ``python -m servelab.core.quantize``), else they are computed at load."""
+
+    bits: int
+    group_size: int
+    prequantized: bool = False
+
+    @property
+    def mode(self) -> str:
+        """``int8`` or ``int4``: the ``model.quantization`` value."""
+        return f"int{self.bits}"
+
+    def config_entry(self) -> dict:
+        """The ``quantization_config`` entry of a saved folder's config.json."""
+        return {"quant_method": QUANT_METHOD, "bits": self.bits, "group_size": self.group_size}
+
+
+def stored_quantization(hf_config: Any) -> WeightQuantization | None:
+    """The quantization a folder's config.json declares (None for a float checkpoint)."""
+    entry = getattr(hf_config, "quantization_config", None)
+    if not entry:
+        return None
+    entry = entry if isinstance(entry, dict) else entry.to_dict()
+    method, bits, group_size = entry.get("quant_method"), entry.get("bits"), entry.get("group_size")
+    if method != QUANT_METHOD or bits not in (8, 4) or not isinstance(group_size, int):
+        raise ConfigError([f"config.json's quantization_config {entry} is not one servelab loads: expected "
+                           f"quant_method={QUANT_METHOD!r}, bits 8 or 4 and an integer group_size"])
+    return WeightQuantization(bits, group_size, prequantized=True)
+
+
+def resolve_quantization(model_config: Any, hf_config: Any | None) -> WeightQuantization | None:
+    """The quantization ``model_config`` (a ``ModelConfig``) asks for on a checkpoint whose
+    config is ``hf_config`` (None for a shape); None serves float weights."""
+    mode = getattr(model_config, "quantization", "auto")
+    group_size = getattr(model_config, "quantization_group_size", None)
+    problems = []
+    if mode not in MODES:
+        problems.append(f"model.quantization must be one of {', '.join(MODES)}, got {mode!r}")
+    if group_size is not None and (group_size <= 0 or group_size % 2):
+        problems.append(f"model.quantization_group_size must be a positive even number, got {group_size}")
+    stored = stored_quantization(hf_config) if hf_config is not None else None
+    if stored is not None and mode not in ("auto", stored.mode):
+        problems.append(f"model.quantization={mode} but the checkpoint holds {stored.mode} weights "
+                        f"(quantization_config in its config.json): use model.quantization=auto or {stored.mode}, "
+                        f"or start from the floating-point checkpoint")
+    if stored is not None and stored.bits == 4 and group_size not in (None, stored.group_size):
+        problems.append(f"model.quantization_group_size={group_size} but the checkpoint's int4 weights are in "
+                        f"groups of {stored.group_size}")
+    if problems:
+        raise ConfigError(problems)
+    if stored is not None:
+        return stored
+    if mode in ("int8", "int4"):
+        return WeightQuantization(8, -1) if mode == "int8" else WeightQuantization(4, group_size or DEFAULT_GROUP_SIZE)
+    return None
+
+
+def quantization_problems(quantization: WeightQuantization | None, shape: Any, tensor_parallel_size: int,
+                          device: torch.device, runs_model: bool) -> list[str]:
+    """Why ``quantization`` cannot serve a model of ``shape`` (a ``ModelShape``) on
+    ``device`` split over ``tensor_parallel_size`` ranks (empty when it can)."""
+    if quantization is None:
+        return []
+    mode = quantization.mode
+    if not runs_model:
+        return [f"model.quantization={mode}: this executor runs no model (executor=simulated), and its cost models "
+                f"do not price quantized weights yet"]
+    problems = []
+    if device.type == "cuda" and importlib.util.find_spec("triton") is None:
+        problems.append(f"model.quantization={mode} on device={device} needs the 'triton' package for its "
+                        f"matmul kernel, which is not installed")
+    elif device.type not in ("cpu", "cuda"):
+        problems.append(f"model.quantization={mode} has no kernel on device={device}: quantized weights run on "
+                        f"the CPU (torch's kernels) and CUDA (Triton)")
+    if quantization.bits == 4:
+        layers: dict[tuple[int, int], list[str]] = {}  # (in_features, ranks sharing them) -> layer names
+        for name, in_features in shape.linear_in_features(tensor_parallel_size).items():
+            ranks = tensor_parallel_size if name.endswith(("o_proj", "down_proj")) else 1
+            layers.setdefault((in_features, ranks), []).append(f"model.layers.*.{name}")
+        for (in_features, ranks), names in layers.items():
+            problems += group_problems(", ".join(names), in_features, quantization.group_size, ranks)
+    return problems
+
+
+def group_problems(layer: str, in_features: int, group_size: int, ranks: int = 1) -> list[str]:
+    """Why int4 groups of ``group_size`` cannot split ``layer``'s ``in_features`` (one
+    rank's share when ``ranks`` > 1)."""
+    if in_features % group_size == 0:
+        return []
+    share = f" (its share on each of {ranks} tensor-parallel ranks)" if ranks > 1 else ""
+    return [f"model.quantization_group_size={group_size} does not divide in_features={in_features} of "
+            f"{layer}{share}; pick a group size that divides it"]
+
+
+def is_quantized_tensor(name: str, tensor: torch.Tensor) -> bool:
+    """True for a checkpoint tensor that ``quantized_weights`` rewrites: a 2-D ``weight``
+    of a layer inside the decoder layers."""
+    return name.startswith(DECODER_PREFIX) and name.endswith(".weight") and tensor.dim() == 2
+
+
+def quantized_weights(weights: Iterable[tuple[str, torch.Tensor]],
+                      quantization: WeightQuantization) -> Iterator[tuple[str, torch.Tensor]]:
+    """Checkpoint tensors with every decoder linear weight ``<layer>.weight`` [N, K]
+    replaced by ``<layer>.qweight`` and ``<layer>.scales`` (and ``<layer>.zeros`` for int4)
+    in servelab's format (``kernels/quantized_weights.py``); the rest pass unchanged."""
+    from servelab.kernels.quantized_weights import quantize_int4, quantize_int8
+
+    for name, tensor in weights:
+        if not is_quantized_tensor(name, tensor):
+            yield name, tensor
+            continue
+        layer = name[:-len(".weight")]
+        if quantization.bits == 8:
+            qweight, scales = quantize_int8(tensor)
+            yield from ((f"{layer}.qweight", qweight), (f"{layer}.scales", scales))
+            continue
+        problems = group_problems(layer, tensor.shape[1], quantization.group_size)
+        if problems:
+            raise ConfigError(problems)
+        qweight, scales, zeros = quantize_int4(tensor, quantization.group_size)
+        yield from ((f"{layer}.qweight", qweight), (f"{layer}.scales", scales), (f"{layer}.zeros", zeros))
+
+
+def quantize_linears(model: torch.nn.Module, quantization: WeightQuantization) -> int:
+    """Replace every ``nn.Linear`` inside ``model``'s decoder layers by an empty
+    ``QuantizedLinear`` of the same size, dtype and device (``load_weights`` fills it from
+    ``quantized_weights``' tensors); returns how many were replaced."""
+    from servelab.kernels.quantized_linear import QuantizedLinear
+
+    replaced = 0
+    for name, module in list(model.named_modules()):
+        if not (name.startswith(DECODER_PREFIX) and isinstance(module, torch.nn.Linear)):
+            continue
+        problems = group_problems(name, module.in_features, quantization.group_size) if quantization.bits == 4 else []
+        if problems:
+            raise ConfigError(problems)
+        parent, _, child = name.rpartition(".")
+        layer = QuantizedLinear(module.in_features, module.out_features, module.bias is not None, quantization.bits,
+                                quantization.group_size, module.weight.dtype)
+        setattr(model.get_submodule(parent), child, layer.to(module.weight.device))
+        replaced += 1
+    return replaced

@@ -1,0 +1,135 @@
+"""Linear layers with quantized weights (int8 per output channel, int4 group-wise).
+
+The weights are stored in servelab's format (``kernels/quantized_weights.py``, what the
+checkpoint holds). On the CPU the matmul runs through torch's weight-only kernels:
+``aten._weight_int8pack_mm`` (int8 weight, float activations, the scale applied per output
+channel after the dot product) and ``aten._weight_int4pack_mm_for_cpu`` (a copy of the
+weight repacked once by ``aten._convert_weight_to_int4pack_for_cpu``, groups of 32, 64,
+128 or 256), for single rows (``CPU_KERNEL_MAX_ROWS``). On CUDA, servelab's Triton kernel (``kernels/quantized_matmul.py``, int4
+groups of multiples of 32) dequantizes the weight tile by tile inside the matmul.
+Elsewhere (more rows, another device or dtype, a torch without the op,
+``SERVELAB_NATIVE_CPU=0`` on the CPU) the reference runs: dequantize the whole weight,
+then ``F.linear``; tests use it as the oracle.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from servelab.kernels.cpu_ops import native_cpu_enabled
+from servelab.kernels.quantized_weights import dequantize_int4, dequantize_int8, unpack_int4
+
+BITS = (8, 4)
+FAST_DTYPES = (torch.float32, torch.bfloat16)
+INT4_KERNEL_GROUP_SIZES = (32, 64, 128, 256)
+"""The group sizes ``aten._weight_int4pack_mm_for_cpu`` supports."""
+CPU_KERNEL_MAX_ROWS = 1
+"""Rows up to which the CPU kernels multiply. torch 2.13's weight-only CPU kernels take
+one input row at a time (their time grows linearly with the rows); from two rows on,
+dequantizing the weight and one oneDNN float matmul is as fast or faster on the machine
+measured (docs/results/quantization.md)."""
+TRITON_GROUP_MULTIPLE = 32
+"""int4 group sizes the Triton kernel takes: multiples of its K tile."""
+
+
+class QuantizedLinear(nn.Module):
+    """``y = x @ w.T + bias`` with ``w`` [out_features, in_features] stored as ``bits``-bit
+    integers: ``qweight``, ``scales`` (and ``zeros`` for int4, groups of ``group_size``
+    input features) as parameters named like the checkpoint's tensors; ``bias`` and the
+    scales in ``dtype`` (the activations' dtype). The CPU kernels' packed copy is built on
+    first use (or by ``pack_quantized_linears``) and rebuilt when a weight changes."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, bits: int, group_size: int,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        if bits not in BITS:
+            raise ValueError(f"bits must be one of {BITS}, got {bits}")
+        if bits == 4 and (group_size <= 0 or group_size % 2 or in_features % group_size):
+            raise ValueError(f"int4 needs an even group size that divides in_features={in_features}, "
+                             f"got group_size={group_size}")
+        self.in_features, self.out_features, self.bits, self.group_size = in_features, out_features, bits, group_size
+        if bits == 8:
+            self.qweight = _frozen(torch.zeros(out_features, in_features, dtype=torch.int8))
+            self.scales = _frozen(torch.ones(out_features, dtype=dtype))
+        else:
+            groups = in_features // group_size
+            self.qweight = _frozen(torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
+            self.scales = _frozen(torch.ones(out_features, groups, dtype=dtype))
+            self.zeros = _frozen(torch.zeros(out_features, groups, dtype=dtype))
+        self.bias = _frozen(torch.zeros(out_features, dtype=dtype)) if bias else None
+        self._packed: tuple[tuple, tuple | None] | None = None
+
+    def extra_repr(self) -> str:
+        """``in_features, out_features, bits, group_size, bias``."""
+        group = f", group_size={self.group_size}" if self.bits == 4 else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}{group}, "
+                f"bias={self.bias is not None}")
+
+    def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The float weight [out_features, in_features] these integers stand for."""
+        dtype = dtype or self.scales.dtype
+        if self.bits == 8:
+            return dequantize_int8(self.qweight, self.scales, dtype)
+        return dequantize_int4(self.qweight, self.scales, self.zeros, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., in_features] -> [..., out_features] in x's dtype."""
+        rows = x.reshape(-1, self.in_features)
+        triton = x.device.type == "cuda" and (self.bits == 8 or self.group_size % TRITON_GROUP_MULTIPLE == 0)
+        packed = None if triton or rows.shape[0] > CPU_KERNEL_MAX_ROWS else self.packed_kernel_weights(x)
+        if not triton and packed is None:
+            return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
+        rows = rows.contiguous()
+        if triton:
+            from servelab.kernels.quantized_matmul import quantized_matmul
+
+            out = quantized_matmul(rows, self.qweight, self.scales, self.zeros if self.bits == 4 else None,
+                                   self.group_size)
+        elif self.bits == 8:
+            out = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, packed[0])
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed[0], self.group_size, packed[1])
+        if self.bias is not None:
+            out += self.bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def packed_kernel_weights(self, x: torch.Tensor) -> tuple | None:
+        """What the CPU kernel multiplies ``x`` with: (scales,) for int8, (packed weight,
+        scales and zeros [groups, N, 2]) for int4; None where the reference runs."""
+        if x.device.type != "cpu" or x.dtype not in FAST_DTYPES or x.dtype != self.scales.dtype:
+            return None
+        if not native_cpu_enabled():
+            return None
+        tensors = (self.qweight, self.scales) + ((self.zeros,) if self.bits == 4 else ())
+        key = tuple((t._version, t.data_ptr()) for t in tensors)
+        if self._packed is None or self._packed[0] != key:
+            self._packed = (key, self._pack())
+        return self._packed[1]
+
+    def _pack(self) -> tuple | None:
+        aten = torch.ops.aten
+        if self.bits == 8:
+            return (self.scales,) if hasattr(aten, "_weight_int8pack_mm") else None
+        if self.group_size not in INT4_KERNEL_GROUP_SIZES or not hasattr(aten, "_weight_int4pack_mm_for_cpu"):
+            return None
+        with torch.inference_mode(False):  # normal tensors, usable in and out of inference mode
+            try:
+                packed = aten._convert_weight_to_int4pack_for_cpu(unpack_int4(self.qweight).to(torch.int32), 1)
+            except RuntimeError:  # a shape the kernel does not take: the reference runs
+                return None
+            scales_and_zeros = torch.stack((self.scales, self.zeros), dim=-1).transpose(0, 1).contiguous()
+        return packed, scales_and_zeros
+
+
+def pack_quantized_linears(module: nn.Module) -> int:
+    """Build the CPU kernels' packed copy of every ``QuantizedLinear`` of ``module`` (for
+    activations in its scales' dtype), so the first requests do not pay it; returns how
+    many layers run a CPU kernel."""
+    layers = [layer for layer in module.modules() if isinstance(layer, QuantizedLinear)]
+    return sum(layer.packed_kernel_weights(layer.scales.new_empty(0)) is not None for layer in layers)
+
+
+def _frozen(tensor: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(tensor, requires_grad=False)

@@ -1,0 +1,220 @@
+"""Weight quantization: the format's reference (quantize, dequantize, nibble packing), the
+quantized linear layer's CPU kernels against dequantize-then-F.linear, the checkpoint
+rewrite, and the start-up checks that name the field and the limit."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from servelab.core.config import ModelConfig
+from servelab.core.errors import ConfigError
+from servelab.core.model import ModelShape
+from servelab.core.quantization import (WeightQuantization, quantization_problems, quantize_linears,
+                                        quantized_weights, resolve_quantization)
+from servelab.kernels import quantized_linear
+from servelab.kernels.onednn_linear import Linear
+from servelab.kernels.quantized_linear import QuantizedLinear, pack_quantized_linears
+from servelab.kernels.quantized_weights import (dequantize_int4, dequantize_int8, pack_int4, quantize_int4,
+                                                quantize_int8, unpack_int4)
+
+SHAPE = ModelShape(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, sliding_window=None, max_positions=64,
+                   vocab_size=32, hidden_size=64, intermediate_size=192)
+
+
+def test_nibbles_round_trip_low_nibble_first():
+    q = torch.randint(0, 16, (5, 12), dtype=torch.uint8)
+    packed = pack_int4(q)
+    assert packed.shape == (5, 6) and packed.dtype == torch.uint8
+    assert int(packed[0, 0]) == int(q[0, 0]) | (int(q[0, 1]) << 4)
+    assert torch.equal(unpack_int4(packed), q)
+
+
+def test_int8_error_is_at_most_half_a_step_per_row():
+    torch.manual_seed(0)
+    weight = torch.randn(48, 64) * torch.linspace(0.01, 3.0, 48)[:, None]
+    qweight, scales = quantize_int8(weight)
+    assert qweight.dtype == torch.int8 and scales.shape == (48,)
+    error = (dequantize_int8(qweight, scales, torch.float32) - weight).abs()
+    assert (error <= scales[:, None] / 2 + 1e-6).all()
+    assert int(qweight.abs().max()) == 127
+
+
+def test_int4_error_is_at_most_half_a_step_per_group_and_zero_rows_stay_zero():
+    torch.manual_seed(0)
+    weight = torch.randn(8, 128)
+    weight[3] = 0.0
+    qweight, scales, zeros = quantize_int4(weight, 32)
+    assert qweight.shape == (8, 64) and scales.shape == zeros.shape == (8, 4)
+    restored = dequantize_int4(qweight, scales, zeros, torch.float32)
+    step = scales.repeat_interleave(32, dim=1)
+    assert ((restored - weight).abs() <= step / 2 + 1e-6).all()
+    assert torch.equal(restored[3], torch.zeros(128))
+
+
+def quantized_layer(bits: int, group_size: int, dtype: torch.dtype, bias: bool = True, seed: int = 0,
+                    in_features: int = 256, out_features: int = 96) -> tuple[QuantizedLinear, torch.Tensor]:
+    torch.manual_seed(seed)
+    weight = torch.randn(out_features, in_features) * 0.05
+    layer = QuantizedLinear(in_features, out_features, bias, bits, group_size, dtype)
+    tensors = dict(quantized_weights([("model.layers.0.mlp.down_proj.weight", weight)],
+                                     WeightQuantization(bits, group_size)))
+    with torch.no_grad():
+        for name in ("qweight", "scales", "zeros"):
+            key = f"model.layers.0.mlp.down_proj.{name}"
+            if key in tensors:
+                getattr(layer, name).copy_(tensors[key])
+        if bias:
+            layer.bias.copy_(torch.randn(out_features))
+    return layer, weight
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits, group_size", [(8, -1), (4, 32), (4, 128), (4, 256)])
+@pytest.mark.parametrize("rows", [1, 7, 33])
+def test_cpu_kernel_equals_dequantized_reference(monkeypatch, bits, group_size, dtype, rows):
+    monkeypatch.setattr(quantized_linear, "CPU_KERNEL_MAX_ROWS", 1 << 20)  # the kernel at every row count
+    layer, _ = quantized_layer(bits, group_size, dtype)
+    x = torch.randn(rows, 256).to(dtype)
+    with torch.inference_mode():
+        out = layer(x)
+    assert layer.packed_kernel_weights(x) is not None, "the CPU kernel should run for this layer"
+    expected = F.linear(x.float(), layer.dequantized_weight(torch.float32), layer.bias.float())
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+    assert out.dtype == dtype and out.shape == (rows, 96)
+    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("bits, group_size", [(8, -1), (4, 64)])
+def test_quantized_layer_is_close_to_the_float_layer(bits, group_size):
+    layer, weight = quantized_layer(bits, group_size, torch.float32, bias=False)
+    x = torch.randn(16, 256)
+    with torch.inference_mode():
+        out = layer(x)
+    expected = F.linear(x, weight)
+    relative = float((out - expected).norm() / expected.norm())
+    assert relative < (0.01 if bits == 8 else 0.1), relative
+
+
+def test_reference_path_runs_without_the_native_switch_and_follows_weight_updates(monkeypatch):
+    monkeypatch.setattr(quantized_linear, "CPU_KERNEL_MAX_ROWS", 1 << 20)
+    layer, _ = quantized_layer(4, 32, torch.float32)
+    x = torch.randn(3, 5, 256)
+    with torch.inference_mode():
+        fast = layer(x)
+    monkeypatch.setenv("SERVELAB_NATIVE_CPU", "0")
+    assert layer.packed_kernel_weights(x) is None
+    with torch.inference_mode():
+        reference = layer(x)
+    assert reference.shape == (3, 5, 96)
+    torch.testing.assert_close(fast, reference, atol=1e-4, rtol=1e-4)
+    monkeypatch.delenv("SERVELAB_NATIVE_CPU")
+    with torch.no_grad():
+        layer.scales.mul_(2)
+        layer.zeros.mul_(2)
+    with torch.inference_mode():
+        doubled = layer(x)
+    torch.testing.assert_close(doubled - layer.bias, 2 * (fast - layer.bias), atol=1e-4, rtol=1e-4)
+
+
+def test_odd_group_sizes_fall_back_to_the_reference():
+    layer, _ = quantized_layer(4, 16, torch.float32)
+    x = torch.randn(4, 256)
+    assert layer.packed_kernel_weights(x) is None
+    assert pack_quantized_linears(torch.nn.Sequential(layer)) == 0
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.dequantized_weight(), layer.bias))
+
+
+def test_a_group_that_does_not_divide_the_layer_is_refused():
+    with pytest.raises(ValueError, match="in_features=96"):
+        QuantizedLinear(96, 8, False, 4, 64)
+
+
+def test_checkpoint_rewrite_touches_decoder_linears_only():
+    weights = [("model.embed_tokens.weight", torch.randn(32, 64)), ("lm_head.weight", torch.randn(32, 64)),
+               ("model.layers.0.input_layernorm.weight", torch.ones(64)),
+               ("model.layers.0.self_attn.q_proj.weight", torch.randn(64, 64)),
+               ("model.layers.0.self_attn.q_proj.bias", torch.randn(64))]
+    int8 = dict(quantized_weights(weights, WeightQuantization(8, -1)))
+    assert sorted(int8) == ["lm_head.weight", "model.embed_tokens.weight", "model.layers.0.input_layernorm.weight",
+                            "model.layers.0.self_attn.q_proj.bias", "model.layers.0.self_attn.q_proj.qweight",
+                            "model.layers.0.self_attn.q_proj.scales"]
+    int4 = dict(quantized_weights(weights, WeightQuantization(4, 32)))
+    assert int4["model.layers.0.self_attn.q_proj.qweight"].shape == (64, 32)
+    assert int4["model.layers.0.self_attn.q_proj.zeros"].shape == (64, 2)
+    with pytest.raises(ConfigError, match="group_size=128 does not divide in_features=64 of "
+                                          "model.layers.0.self_attn.q_proj"):
+        dict(quantized_weights(weights, WeightQuantization(4, 128)))
+
+
+def test_quantize_linears_replaces_decoder_layers_and_keeps_the_head():
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.layers = torch.nn.ModuleList([torch.nn.ModuleDict({"proj": Linear(64, 32, bias=True)})])
+    model.lm_head = Linear(64, 10, bias=False)
+    assert quantize_linears(model, WeightQuantization(4, 32)) == 1
+    layer = model.model.layers[0]["proj"]
+    assert isinstance(layer, QuantizedLinear) and layer.bias is not None and layer.group_size == 32
+    assert type(model.lm_head) is Linear
+
+
+@pytest.mark.parametrize("mode, group_size, expected", [
+    ("auto", None, None), ("none", None, None), ("int8", None, WeightQuantization(8, -1)),
+    ("int4", None, WeightQuantization(4, 128)), ("int4", 64, WeightQuantization(4, 64)),
+])
+def test_modes_resolve_on_a_float_checkpoint(mode, group_size, expected):
+    config = ModelConfig(quantization=mode, quantization_group_size=group_size)
+    assert resolve_quantization(config, SimpleNamespace()) == expected
+
+
+@pytest.mark.parametrize("mode, group_size, message", [
+    ("int3", None, "model.quantization must be one of auto, none, int8, int4, got 'int3'"),
+    ("int4", 0, "model.quantization_group_size must be a positive even number, got 0"),
+    ("int4", 33, "model.quantization_group_size must be a positive even number, got 33"),
+])
+def test_bad_modes_name_the_field(mode, group_size, message):
+    with pytest.raises(ConfigError, match=message):
+        resolve_quantization(ModelConfig(quantization=mode, quantization_group_size=group_size), None)
+
+
+def test_a_saved_folder_decides_unless_the_config_contradicts_it():
+    stored = SimpleNamespace(quantization_config={"quant_method": "servelab", "bits": 4, "group_size": 64})
+    assert resolve_quantization(ModelConfig(), stored) == WeightQuantization(4, 64, prequantized=True)
+    assert resolve_quantization(ModelConfig(quantization="int4"), stored) == WeightQuantization(4, 64, True)
+    with pytest.raises(ConfigError, match="model.quantization=int8 but the checkpoint holds int4 weights"):
+        resolve_quantization(ModelConfig(quantization="int8"), stored)
+    with pytest.raises(ConfigError, match="model.quantization=none but the checkpoint holds int4"):
+        resolve_quantization(ModelConfig(quantization="none"), stored)
+    with pytest.raises(ConfigError, match="quantization_group_size=128 but the checkpoint's int4 weights are in "
+                                          "groups of 64"):
+        resolve_quantization(ModelConfig(quantization_group_size=128), stored)
+    gptq = SimpleNamespace(quantization_config={"quant_method": "gptq", "bits": 4, "group_size": 128})
+    with pytest.raises(ConfigError, match="quant_method='servelab'"):
+        resolve_quantization(ModelConfig(), gptq)
+
+
+def test_start_up_checks_name_the_device_layer_and_ranks():
+    cpu = torch.device("cpu")
+    assert quantization_problems(None, SHAPE, 1, torch.device("cuda"), True) == []
+    assert quantization_problems(WeightQuantization(4, 64), SHAPE, 1, cpu, True) == []
+    [mps] = quantization_problems(WeightQuantization(8, -1), SHAPE, 1, torch.device("mps"), True)
+    assert "model.quantization=int8 has no kernel on device=mps" in mps
+    [simulated] = quantization_problems(WeightQuantization(8, -1), SHAPE, 1, cpu, False)
+    assert "executor=simulated" in simulated
+    problems = quantization_problems(WeightQuantization(4, 128), SHAPE, 1, cpu, True)
+    assert problems == [
+        "model.quantization_group_size=128 does not divide in_features=64 of model.layers.*.self_attn.q_proj, "
+        "model.layers.*.self_attn.k_proj, model.layers.*.self_attn.v_proj, model.layers.*.self_attn.o_proj, "
+        "model.layers.*.mlp.gate_proj, model.layers.*.mlp.up_proj; pick a group size that divides it",
+        "model.quantization_group_size=128 does not divide in_features=192 of model.layers.*.mlp.down_proj; "
+        "pick a group size that divides it"]
+    shares = quantization_problems(WeightQuantization(4, 64), SHAPE, 2, cpu, True)
+    assert [problem.split("; ")[0] for problem in shares] == [
+        "model.quantization_group_size=64 does not divide in_features=32 of model.layers.*.self_attn.o_proj "
+        "(its share on each of 2 tensor-parallel ranks)",
+        "model.quantization_group_size=64 does not divide in_features=96 of model.layers.*.mlp.down_proj "
+        "(its share on each of 2 tensor-parallel ranks)"]
