@@ -16,8 +16,8 @@ from servelab.core.errors import ConfigError, InvalidRequestError
 from servelab.core.executor import ExecutedStep, ExecutorContext
 from servelab.core.kv_cache import CacheContext
 from servelab.core.output_processor import OUTPUT_KINDS, OutputProcessor
-from servelab.core.quantization import quantization_problems
 from servelab.core.outputs import RequestOutput
+from servelab.core.quantization import quantization_problems
 from servelab.core.registry import Registry, get_registry
 from servelab.core.request import Request
 from servelab.core.sampling_params import SamplingParams
