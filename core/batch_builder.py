@@ -36,11 +36,6 @@ class StepInputs:
     logits_indices: torch.Tensor
     prompt_spans: tuple[PromptSpan, ...] = ()
 
-    @property
-    def num_prompt_logits(self) -> int:
-        """Leading rows of ``logits_indices`` that belong to prompt logprobs."""
-        return sum(span.count for span in self.prompt_spans)
-
 
 def prompt_span(grant: ScheduledRequest) -> PromptSpan | None:
     """The prompt tokens whose logprobs ``grant`` can compute and its request still lacks:

@@ -129,9 +129,9 @@ class LLMEngine:
             raise InvalidRequestError("prompt", (
                 f"This model's maximum context length is {self.max_model_len} tokens, but the prompt has "
                 f"{len(prompt_token_ids)} tokens (at most {self.max_model_len - 1}, so that one can be generated)"))
-        if params.prompt_logprobs is not None and not self.executor.runs_model:
-            raise InvalidRequestError("prompt_logprobs", "this executor runs no model (executor=simulated): "
-                                                         "there are no logits to give prompt logprobs")
+        if params.prompt_logprobs is not None and not self.executor.computes_prompt_logprobs:
+            name = self.registry.spec_for_config("executor", self.cfg.executor).name
+            raise InvalidRequestError("prompt_logprobs", f"executor={name} does not compute prompt logprobs")
         self.strategy.check_request(params)
         if params.use_beam_search:
             raise InvalidRequestError("use_beam_search", (

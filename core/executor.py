@@ -92,6 +92,9 @@ class Executor(abc.ABC):
     #: False for executors that run no model (no logits: decoding strategies simulate
     #: their acceptance and load no weights); the engine then keeps virtual time.
     runs_model: bool = True
+    #: True for executors that return ``ExecutedStep.prompt_logprobs``; the engine refuses
+    #: requests asking for prompt logprobs otherwise.
+    computes_prompt_logprobs: bool = False
 
     def __init__(self, config: Any, context: ExecutorContext):
         self.config = config

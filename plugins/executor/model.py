@@ -61,6 +61,8 @@ class ModelExecutor(Executor):
     choose the tokens from the gathered logits. Models without weights (shape presets)
     are refused."""
 
+    computes_prompt_logprobs = True
+
     def __init__(self, config: ModelExecutorConfig, context: ExecutorContext):
         super().__init__(config, context)
         registry, checkpoint, parallel_cfg = context.registry, context.checkpoint, context.engine_cfg.parallel
@@ -192,8 +194,7 @@ class ModelExecutor(Executor):
         the decoding strategy chooses tokens from the rest."""
         num_prompt = sum(span.count for span in spans)
         computed = prompt_logprobs(logits[:num_prompt], spans) if num_prompt else ()
-        result = None if batch is None else self.strategy.accept(
-            logits[num_prompt:] if num_prompt else logits, batch, proposal)
+        result = None if batch is None else self.strategy.accept(logits[num_prompt:], batch, proposal)
         return ExecutedStep(output, result, stage_busy_s, computed)
 
     def collect(self) -> ExecutedStep:
