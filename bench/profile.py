@@ -223,6 +223,7 @@ def profile(cfg: DictConfig, folder: Path, command: str) -> dict[str, Any]:
             "engine": {"attention": engine.registry.spec_for_config("attention", engine.cfg.attention).name,
                        "scheduler": engine.registry.spec_for_config("scheduler", engine.cfg.scheduler).name,
                        "max_model_len": engine.max_model_len, "max_step_tokens": engine.max_step_tokens,
+                       "quantization": engine.quantization.mode if engine.quantization else "none",
                        "repeats": mode.repeats},
             "dispersion": {"step_time_over_median": dispersion_quantiles(times) if mode.repeats > 1 else [],
                            "samples": len(plan) * mode.repeats},

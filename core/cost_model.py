@@ -14,6 +14,7 @@ from typing import Any
 
 from servelab.core.config import HardwareConfig, ParallelConfig
 from servelab.core.model import ModelShape
+from servelab.core.quantization import WeightQuantization
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +59,9 @@ class StepCost:
 class CostModelContext:
     """What a cost model is built for: the ``model``'s shape, one device of the
     ``hardware`` it runs on, the ``parallel`` split, and bytes per weight (``weight_bytes``), per KV cache element
-    (``kv_bytes``) and per activation element (``activation_bytes``)."""
+    (``kv_bytes``) and per activation element (``activation_bytes``); ``quantization``: how
+    the decoder's linear weights are stored when ``model.quantization`` asks for integers
+    (their bytes then replace ``weight_bytes`` for those layers)."""
 
     model: ModelShape
     hardware: HardwareConfig
@@ -66,6 +69,7 @@ class CostModelContext:
     weight_bytes: float = 2.0
     kv_bytes: float = 2.0
     activation_bytes: float = 2.0
+    quantization: WeightQuantization | None = None
 
 
 class CostModel(abc.ABC):

@@ -60,6 +60,7 @@ class LLMEngine:
         checkpoint = load_checkpoint(cfg.model)
         hf = checkpoint.hf_config
         self.tokenizer = checkpoint.tokenizer
+        self.quantization = checkpoint.quantization
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.model.dtype, hf, self.device, executor_cls.runs_model)
         model_cls = registry.get("model", checkpoint.architecture).cls

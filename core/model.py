@@ -47,14 +47,21 @@ class ModelShape:
         head = 0 if self.tied_embeddings else embedding
         return self.num_layers * self.layer_parameters + embedding + head + self.hidden_size
 
-    def linear_in_features(self, tensor_parallel_size: int = 1) -> dict[str, int]:
-        """Input features of each decoder layer's linear layers (Hugging Face names) on one
-        of ``tensor_parallel_size`` ranks: the output and down projections take a share."""
+    def linear_shapes(self, tensor_parallel_size: int = 1) -> dict[str, tuple[int, int]]:
+        """(output, input) features of each decoder layer's linear layers (Hugging Face
+        names) on one of ``tensor_parallel_size`` ranks: the q, k, v, gate and up
+        projections split their outputs, the output and down projections their inputs."""
         hidden, tp = self.hidden_size, tensor_parallel_size
-        attention_out = self.num_heads * self.head_dim // tp
-        return {"self_attn.q_proj": hidden, "self_attn.k_proj": hidden, "self_attn.v_proj": hidden,
-                "self_attn.o_proj": attention_out, "mlp.gate_proj": hidden, "mlp.up_proj": hidden,
-                "mlp.down_proj": self.intermediate_size // tp}
+        q_width, kv_width = self.num_heads * self.head_dim // tp, self.kv_heads_per_rank(tp) * self.head_dim
+        mlp = self.intermediate_size // tp
+        return {"self_attn.q_proj": (q_width, hidden), "self_attn.k_proj": (kv_width, hidden),
+                "self_attn.v_proj": (kv_width, hidden), "self_attn.o_proj": (hidden, q_width),
+                "mlp.gate_proj": (mlp, hidden), "mlp.up_proj": (mlp, hidden), "mlp.down_proj": (hidden, mlp)}
+
+    def linear_in_features(self, tensor_parallel_size: int = 1) -> dict[str, int]:
+        """Input features of each decoder layer's linear layers on one of
+        ``tensor_parallel_size`` ranks (``linear_shapes``)."""
+        return {name: inputs for name, (_, inputs) in self.linear_shapes(tensor_parallel_size).items()}
 
     def attention_spec(self, dtype: torch.dtype, device: torch.device, max_model_len: int,
                        tensor_parallel_size: int = 1) -> AttentionSpec:

@@ -41,6 +41,13 @@ class WeightQuantization:
         """``int8`` or ``int4``: the ``model.quantization`` value."""
         return f"int{self.bits}"
 
+    def bytes_per_weight(self, in_features: int, scale_bytes: float) -> float:
+        """Stored bytes per weight of a layer with ``in_features`` inputs: the integer and
+        its share of the scales (and int4 zeros), ``scale_bytes`` each."""
+        if self.bits == 8:
+            return 1.0 + scale_bytes / in_features
+        return 0.5 + 2.0 * scale_bytes / self.group_size
+
     def config_entry(self) -> dict:
         """The ``quantization_config`` entry of a saved folder's config.json."""
         return {"quant_method": QUANT_METHOD, "bits": self.bits, "group_size": self.group_size}
@@ -89,18 +96,16 @@ def resolve_quantization(model_config: Any, hf_config: Any | None) -> WeightQuan
 def quantization_problems(quantization: WeightQuantization | None, shape: Any, tensor_parallel_size: int,
                           device: torch.device, runs_model: bool) -> list[str]:
     """Why ``quantization`` cannot serve a model of ``shape`` (a ``ModelShape``) on
-    ``device`` split over ``tensor_parallel_size`` ranks (empty when it can)."""
+    ``device`` split over ``tensor_parallel_size`` ranks (empty when it can). An executor
+    that runs no model (``runs_model`` False) needs no kernel, only groups that divide."""
     if quantization is None:
         return []
     mode = quantization.mode
-    if not runs_model:
-        return [f"model.quantization={mode}: this executor runs no model (executor=simulated), and its cost models "
-                f"do not price quantized weights yet"]
     problems = []
-    if device.type == "cuda" and importlib.util.find_spec("triton") is None:
+    if runs_model and device.type == "cuda" and importlib.util.find_spec("triton") is None:
         problems.append(f"model.quantization={mode} on device={device} needs the 'triton' package for its "
                         f"matmul kernel, which is not installed")
-    elif device.type not in ("cpu", "cuda"):
+    elif runs_model and device.type not in ("cpu", "cuda"):
         problems.append(f"model.quantization={mode} has no kernel on device={device}: quantized weights run on "
                         f"the CPU (torch's kernels) and CUDA (Triton)")
     if quantization.bits == 4:
@@ -121,6 +126,17 @@ def group_problems(layer: str, in_features: int, group_size: int, ranks: int = 1
     share = f" (its share on each of {ranks} tensor-parallel ranks)" if ranks > 1 else ""
     return [f"model.quantization_group_size={group_size} does not divide in_features={in_features} of "
             f"{layer}{share}; pick a group size that divides it"]
+
+
+def weight_memory_bytes(shape: Any, quantization: WeightQuantization | None, dtype_bytes: float) -> float:
+    """Bytes of every weight of a model of ``shape`` (a ``ModelShape``) in ``dtype_bytes``
+    floats, its decoder linear layers stored as ``quantization`` asks (None: floats)."""
+    total = shape.num_parameters * dtype_bytes
+    if quantization is None:
+        return total
+    for outputs, inputs in shape.linear_shapes().values():
+        total -= shape.num_layers * outputs * inputs * (dtype_bytes - quantization.bytes_per_weight(inputs, dtype_bytes))
+    return total
 
 
 def is_quantized_tensor(name: str, tensor: torch.Tensor) -> bool:

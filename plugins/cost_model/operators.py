@@ -21,6 +21,10 @@ from dataclasses import dataclass
 
 from servelab.core.cost_model import BatchShape
 from servelab.core.model import ModelShape
+from servelab.core.quantization import WeightQuantization
+
+LINEAR_OPERATORS = ("attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj")
+"""The decoder layer's matmuls over its linear weights: the ones ``model.quantization`` changes."""
 
 LAYER_OPERATORS = ("input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj", "post_attention_layernorm",
                    "mlp_up_proj", "mlp_act", "mlp_down_proj", "add")
@@ -44,7 +48,8 @@ class Operator:
 class Widths:
     """What one tensor-parallel rank holds of a layer: ``q_heads``, ``kv_heads`` of
     ``head_dim``, ``mlp`` columns, ``vocab`` rows of the LM head (of ``full_vocab``); and
-    the element sizes of weights (``wb``), KV cache (``kvb``) and activations (``ab``)."""
+    the element sizes of weights (``wb``), KV cache (``kvb``) and activations (``ab``);
+    ``quantization``: the decoder linear layers' integer format, if any."""
 
     hidden: int
     full_vocab: int
@@ -56,18 +61,28 @@ class Widths:
     wb: float
     kvb: float
     ab: float
+    quantization: WeightQuantization | None = None
 
     @classmethod
-    def of(cls, shape: ModelShape, tp: int, wb: float, kvb: float, ab: float) -> Widths:
+    def of(cls, shape: ModelShape, tp: int, wb: float, kvb: float, ab: float,
+           quantization: WeightQuantization | None = None) -> Widths:
         """The per-rank widths of ``shape`` split over ``tp`` ranks."""
         return cls(shape.hidden_size, shape.vocab_size, shape.num_heads // tp, shape.kv_heads_per_rank(tp),
-                   shape.head_dim, shape.intermediate_size // tp, -(-shape.vocab_size // tp), wb, kvb, ab)
+                   shape.head_dim, shape.intermediate_size // tp, -(-shape.vocab_size // tp), wb, kvb, ab,
+                   quantization)
+
+    def linear_weight_bytes(self, inputs: int) -> float:
+        """Bytes per weight of a decoder linear layer with ``inputs`` input features."""
+        if self.quantization is None:
+            return self.wb
+        return self.quantization.bytes_per_weight(inputs, self.ab)
 
 
 def matmul(name: str, rows: int, inputs: int, outputs: int, w: Widths) -> Operator:
-    """``[rows, inputs] x [inputs, outputs]``: the weight read once, activations in and out."""
+    """A decoder linear layer ``[rows, inputs] x [inputs, outputs]``: the weight read once
+    (in its stored format), activations in and out."""
     return Operator(name, 2.0 * rows * inputs * outputs,
-                    inputs * outputs * w.wb + rows * (inputs + outputs) * w.ab)
+                    inputs * outputs * w.linear_weight_bytes(inputs) + rows * (inputs + outputs) * w.ab)
 
 
 def elementwise(name: str, elements: float, reads: int, writes: int, w: Widths, flops_per_element: float = 1.0,

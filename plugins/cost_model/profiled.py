@@ -8,11 +8,14 @@ Two kinds of table drive it:
   (``roofline.py``): attention over the KV cache (Vidur's operator tables do not include
   it), the final norm, the LM head and sampling. All-reduces come from a ``collectives``
   table of the hardware (the DGX measurements) when it has the split, else the roofline's
-  ring formula; pipeline sends are the roofline's.
+  ring formula; pipeline sends are the roofline's. With quantized weights
+  (``model.quantization``) the four linear-layer matmuls are the roofline's at their
+  stored width, since the tables time 16-bit weights.
 - ``steps`` (a machine measured by ``servelab-bench mode=profile``): the whole step and
   the engine's host time around it (``step_table.py``). With ``jitter`` (the default)
   and a table that records its dispersion, each step's time is multiplied by a factor
-  drawn (seeded by ``seed``) from the spread the profile measured across repeats.
+  drawn (seeded by ``seed``) from the spread the profile measured across repeats. A
+  step table covers the ``model.quantization`` it was measured with.
 
 With ``table`` unset the shipped table for the configured hardware and model is used; a
 model, split, dtype or hardware no table covers is refused with a ``ConfigError`` naming
@@ -29,7 +32,7 @@ from typing import Optional
 from servelab.core.component import ComponentSpec
 from servelab.core.cost_model import BatchShape, CostModelContext, StepCost
 from servelab.core.errors import ConfigError
-from servelab.plugins.cost_model.operators import LAYER_OPERATORS
+from servelab.plugins.cost_model.operators import LAYER_OPERATORS, LINEAR_OPERATORS
 from servelab.plugins.cost_model.roofline import RooflineCostModel, RooflineCostModelConfig
 from servelab.plugins.cost_model.step_table import StepJitter, StepTableModel
 from servelab.plugins.cost_model.table import CostTable, load_table, shipped_tables
@@ -88,6 +91,12 @@ def _coverage(table: CostTable, context: CostModelContext) -> list[str]:
     if table_bytes is not None and table_bytes != context.weight_bytes:
         problems.append(f"it times {table.dtype} ({table_bytes} bytes per weight), the model runs with "
                         f"{context.weight_bytes:g}-byte weights (model.dtype)")
+    weights = context.quantization.mode if context.quantization else "none"
+    measured = table.meta.get("engine", {}).get("quantization", "none")
+    if table.kind == "steps" and measured != weights:
+        problems.append(f"its steps were measured with model.quantization={measured}, the model runs with "
+                        f"model.quantization={weights}; profile it so (servelab-bench mode=profile "
+                        f"model.quantization={weights})")
     if table.kind == "steps" and parallel.num_devices > 1:
         problems.append(f"a step table is measured on one device; parallel.tensor_parallel_size="
                         f"{parallel.tensor_parallel_size} and pipeline_parallel_size={parallel.pipeline_parallel_size} "
@@ -174,10 +183,12 @@ class ProfiledCostModel(RooflineCostModel):
             self.collective = collectives.find("all_reduce", num_devices=tp, devices_per_node=per_node)
 
     def dense_times(self, num_tokens: int) -> tuple[tuple[str, float], ...]:
-        """Each operator from the table at ``num_tokens`` (the roofline's where it has none)."""
+        """Each operator from the table at ``num_tokens`` (the roofline's where it has none,
+        and for the linear layers when quantized weights replace the measured floats)."""
         roofline = super().dense_times(num_tokens)
-        return tuple((name, self.series[name].at(num_tokens) if self.series.get(name) else seconds)
-                     for name, seconds in roofline)
+        quantized = LINEAR_OPERATORS if self.context.quantization is not None else ()
+        return tuple((name, self.series[name].at(num_tokens) if self.series.get(name) and name not in quantized
+                      else seconds) for name, seconds in roofline)
 
     def first_stage_times(self, num_tokens: int) -> tuple[tuple[str, float], ...]:
         """The embedding from the table."""

@@ -9,7 +9,10 @@ pipeline stage, the final norm, the LM head and sampling on the last, and
 ``step_overhead_s`` of host work. Pipeline stages hold contiguous layer ranges and send
 their activations to the next stage (``StepCost.transfer_time``). The efficiencies are the
 hardware's (``conf/hardware/*.yaml``, calibrated against measured operator times); the
-overheads are this config's. docs/simulation.md has the assumptions and their error.
+overheads are this config's. Decoder linear weights quantized by ``model.quantization``
+are read at their stored width (the integers and their scales) at the same FLOPs:
+dequantizing inside the matmul is taken as free. docs/simulation.md has the assumptions
+and their error.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ class RooflineCostModel(CostModel):
         parallel = context.parallel
         self.tp, self.pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
         self.widths = Widths.of(context.model, self.tp, context.weight_bytes, context.kv_bytes,
-                                context.activation_bytes)
+                                context.activation_bytes, context.quantization)
         self.stage_layers = stage_layer_counts(context.model.num_layers, self.pp)
         self.crosses_nodes = pipeline_crosses_nodes(self.tp, self.pp, context.hardware)
         self._dense: dict[int, tuple[tuple[str, float], ...]] = {}

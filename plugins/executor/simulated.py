@@ -26,6 +26,7 @@ from servelab.core.executor import ExecutedStep, Executor, ExecutorContext
 from servelab.core.kv_cache import KVCacheManager, KVCacheSpec
 from servelab.core.model import ModelShape
 from servelab.core.outputs import Logprob
+from servelab.core.quantization import WeightQuantization, weight_memory_bytes
 from servelab.core.scheduler import SchedulerOutput
 
 
@@ -67,7 +68,7 @@ class SimulatedExecutor(Executor):
         self.hardware = OmegaConf.to_object(cfg.hardware)
         self.parallel = OmegaConf.to_object(cfg.parallel)
         self.element_bytes = context.dtype.itemsize
-        self.cost_model = self._cost_model(context.shape)
+        self.cost_model = self._cost_model(context.shape, context.checkpoint.quantization)
         self.max_steps_in_flight = self.parallel.pipeline_parallel_size
         self.random = Random(config.seed)
         tokenizer = context.checkpoint.tokenizer
@@ -77,17 +78,19 @@ class SimulatedExecutor(Executor):
         self.draft_cost_model: CostModel | None = None
         self._pending: deque[PricedStep] = deque()
 
-    def _cost_model(self, shape: ModelShape) -> CostModel:
+    def _cost_model(self, shape: ModelShape, quantization: WeightQuantization | None = None) -> CostModel:
         cfg = self.context.engine_cfg
         bytes_ = self.element_bytes
         return self.context.registry.build("cost_model", cfg.cost_model, CostModelContext(
-            shape, self.hardware, self.parallel, weight_bytes=bytes_, kv_bytes=bytes_, activation_bytes=bytes_))
+            shape, self.hardware, self.parallel, weight_bytes=bytes_, kv_bytes=bytes_, activation_bytes=bytes_,
+            quantization=quantization))
 
     def kv_cache_budget_bytes(self, spec: KVCacheSpec) -> int:
         """Device memory times ``memory_utilization``, less one device's share of the
-        weights and the activation reserve."""
+        weights (at their stored width) and the activation reserve."""
         hw, shape = self.hardware, self.context.shape
-        weights = shape.num_parameters * self.element_bytes / self.parallel.num_devices
+        weights = weight_memory_bytes(shape, self.context.checkpoint.quantization,
+                                      self.element_bytes) / self.parallel.num_devices
         usable = hw.memory_bytes * hw.memory_utilization
         left = usable - weights - hw.activation_reserve_bytes
         if left < spec.bytes_per_token * spec.max_model_len:

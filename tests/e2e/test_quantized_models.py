@@ -107,7 +107,7 @@ def test_parallel_shards_equal_one_device(llama, mode, split):
     (["model.quantization=int4", "model.quantization_group_size=64", "parallel.tensor_parallel_size=4"],
      "in_features=16 of model.layers.*.self_attn.o_proj \\(its share on each of 4 tensor-parallel ranks\\)"),
     (["model.quantization=fp4"], "model.quantization must be one of auto, none, int8, int4, got 'fp4'"),
-    (["model.quantization=int8", "executor=simulated"], "model.quantization=int8: this executor runs no model"),
+    (["model.quantization=int4", "executor=simulated"], "model.quantization_group_size=128 does not divide"),
 ])
 def test_bad_combinations_fail_at_start_up(llama, overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -11,6 +11,9 @@ from servelab import ConfigError
 from servelab.core.config import HardwareConfig, ParallelConfig
 from servelab.core.cost_model import BatchShape, CostModelContext
 from servelab.core.model import ModelShape
+from servelab.core.quantization import WeightQuantization
+from servelab.plugins.cost_model.operators import LINEAR_OPERATORS
+from servelab.plugins.cost_model.roofline import RooflineCostModel, RooflineCostModelConfig
 from servelab.plugins.cost_model.profiled import ProfiledCostModel, ProfiledCostModelConfig
 from servelab.plugins.cost_model.step_table import (SCALARS, StepJitter, StepTableModel, build_step_series,
                                                     dispersion_quantiles, fit_step_model, padded_tokens,
@@ -110,6 +113,32 @@ def test_what_no_table_covers_is_refused_clearly():
         ProfiledCostModel(ProfiledCostModelConfig(), context(hw=l40s))
     with pytest.raises(ConfigError, match="neither a file nor a shipped table"):
         ProfiledCostModel(ProfiledCostModelConfig(table="nope"), context())
+
+
+def test_quantized_linear_layers_leave_the_float_tables_for_the_roofline():
+    table = ProfiledCostModel(ProfiledCostModelConfig(table="vidur-a100-llama-2-7b"), context())
+    int8_context = CostModelContext(LLAMA_2_7B, A100, ParallelConfig(1, 1), 2.0, 2.0, 2.0, WeightQuantization(8, -1))
+    int8 = dict(ProfiledCostModel(ProfiledCostModelConfig(table="vidur-a100-llama-2-7b"), int8_context)
+                .dense_times(1))
+    roofline = dict(RooflineCostModel(RooflineCostModelConfig(), int8_context).dense_times(1))
+    measured = dict(table.dense_times(1))
+    for name in LINEAR_OPERATORS:
+        assert int8[name] == roofline[name] and int8[name] != measured[name], name
+    assert int8["input_layernorm"] == measured["input_layernorm"]
+
+
+def test_a_step_table_covers_the_quantization_it_was_measured_with(tmp_path):
+    series = build_step_series([1, 64], [1e-3, 2e-3], dict.fromkeys(SCALARS, 0.0), [1, 8], [1e-4, 2e-4])
+    model = {"num_layers": 2, "hidden_size": 32, "num_heads": 4, "num_kv_heads": 2, "head_dim": 8,
+             "intermediate_size": 64, "vocab_size": 100, "tied_embeddings": False}
+    path = tmp_path / "steps.json"
+    save_table(CostTable("steps", ("a100-80gb",), series, model, "float16", {"engine": {"quantization": "int8"}}),
+               path)
+    int8 = CostModelContext(TINY, A100, ParallelConfig(1, 1), 2.0, 2.0, 2.0, WeightQuantization(8, -1))
+    ProfiledCostModel(ProfiledCostModelConfig(table=str(path), jitter=False), int8)
+    with pytest.raises(ConfigError, match="measured with model.quantization=int8, the model runs with "
+                                          "model.quantization=none"):
+        ProfiledCostModel(ProfiledCostModelConfig(table=str(path), jitter=False), context(TINY))
 
 
 def test_the_step_model_fit_recovers_known_terms():

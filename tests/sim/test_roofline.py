@@ -9,6 +9,7 @@ from servelab import ConfigError
 from servelab.core.config import HardwareConfig, ParallelConfig
 from servelab.core.cost_model import BatchShape, CostModelContext
 from servelab.core.model import ModelShape
+from servelab.core.quantization import WeightQuantization
 from servelab.plugins.cost_model.collectives import all_reduce_time, stage_layer_counts
 from servelab.plugins.cost_model.operators import Widths, attended_keys, attention_operators, layer_operators
 from servelab.plugins.cost_model.roofline import RooflineCostModel, RooflineCostModelConfig
@@ -40,6 +41,34 @@ def test_a_layers_operators_count_known_flops_and_bytes():
     assert ops["mlp_up_proj"].flops == 2 * 4 * 32 * 128
     assert ops["mlp_down_proj"].bytes == 64 * 32 * 2 + 4 * (64 + 32) * 2
     assert ops["add"].bytes == 4 * 32 * 3 * 2  # two reads, one write
+
+
+def test_quantized_weights_are_read_at_their_stored_width():
+    float_ops = {op.name: op for op in layer_operators(4, Widths.of(SHAPE, 1, 2.0, 2.0, 2.0))}
+    int8 = {op.name: op for op in layer_operators(4, Widths.of(SHAPE, 1, 2.0, 2.0, 2.0, WeightQuantization(8, -1)))}
+    int4 = {op.name: op for op in layer_operators(4, Widths.of(SHAPE, 1, 2.0, 2.0, 2.0, WeightQuantization(4, 16)))}
+    qkv = (4 + 2 * 2) * 8
+    activations = 4 * (32 + qkv) * 2
+    # int8: one byte per weight and one 2-byte scale per output channel
+    assert int8["attn_pre_proj"].bytes == 32 * qkv * 1 + qkv * 2 + activations
+    # int4: half a byte per weight, a 2-byte scale and zero per group of 16 inputs
+    assert int4["attn_pre_proj"].bytes == 32 * qkv * 0.5 + qkv * (32 // 16) * 2 * 2 + activations
+    assert int8["attn_pre_proj"].flops == float_ops["attn_pre_proj"].flops
+    assert int8["input_layernorm"] == float_ops["input_layernorm"], "norm weights stay in floating point"
+    assert int4["mlp_down_proj"].bytes == 64 * 32 * 0.5 + 32 * (64 // 16) * 2 * 2 + 4 * (64 + 32) * 2
+
+
+def test_memory_bound_decode_speeds_up_with_quantized_weights():
+    llama = ModelShape(32, 32, 32, 128, None, 4096, 32000, 4096, 11008)
+    a100 = HardwareConfig(name="a100-80gb", peak_flops=312e12, memory_bandwidth=2039e9)
+    decode = BatchShape((1,), (128,), 1)
+    times = {bits: RooflineCostModel(NO_OVERHEAD, CostModelContext(
+        llama, a100, ParallelConfig(1, 1), 2.0, 2.0, 2.0,
+        WeightQuantization(bits, 128) if bits else None)).forward_cost(decode).total for bits in (0, 8, 4)}
+    # the decoder's linear weights are 6.5 of the 6.7B parameters, the float16 embedding and
+    # LM head the rest: a bandwidth-bound step reads a bit more than half the bytes at int8
+    assert 1.85 < times[0] / times[8] < 2.0
+    assert 3.2 < times[0] / times[4] < 3.6
 
 
 def test_operator_time_is_the_slower_roof_plus_the_kernel_overhead():
