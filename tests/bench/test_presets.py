@@ -6,6 +6,7 @@ import importlib.resources
 import itertools
 
 import pytest
+import yaml
 from omegaconf import OmegaConf
 
 from servelab.core.registry import get_registry
@@ -35,8 +36,8 @@ def test_preset_composes_for_every_job(bench_config, name):
         pytest.skip("decoding=speculative is not registered yet")
     for job in sweep_overrides(name):
         cfg = bench_config(f"experiment={name}", *job)
-        assert cfg.torch_threads == 1
+        assert cfg.torch_threads in (1, 2), "a preset pins its compute threads, so its runs repeat"
         for override in job:
             key, value = override.split("=")
             if "." in key:
-                assert float(OmegaConf.select(cfg, key)) == float(value)
+                assert OmegaConf.select(cfg, key) == yaml.safe_load(value)
