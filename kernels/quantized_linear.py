@@ -1,15 +1,16 @@
 """Linear layers with quantized weights (int8 per output channel, int4 group-wise).
 
 The weights are stored in servelab's format (``kernels/quantized_weights.py``, what the
-checkpoint holds). On the CPU the matmul runs through torch's weight-only kernels:
-``aten._weight_int8pack_mm`` (int8 weight, float activations, the scale applied per output
-channel after the dot product) and ``aten._weight_int4pack_mm_for_cpu`` (a copy of the
-weight repacked once by ``aten._convert_weight_to_int4pack_for_cpu``, groups of 32, 64,
-128 or 256), for single rows (``CPU_KERNEL_MAX_ROWS``). On CUDA, servelab's Triton kernel (``kernels/quantized_matmul.py``, int4
-groups of multiples of 32) dequantizes the weight tile by tile inside the matmul.
-Elsewhere (more rows, another device or dtype, a torch without the op,
-``SERVELAB_NATIVE_CPU=0`` on the CPU) the reference runs: dequantize the whole weight,
-then ``F.linear``; tests use it as the oracle.
+checkpoint holds). On the CPU, int8 layers multiply through servelab's native weight-only
+kernel (``kernels/quantized_cpu.py``: a copy of the weight repacked once, widened to
+float32 in registers, any number of rows); int4 layers through torch's
+``aten._weight_int4pack_mm_for_cpu`` (a copy repacked once by
+``aten._convert_weight_to_int4pack_for_cpu``, groups of 32, 64, 128 or 256) for single
+rows (``INT4_KERNEL_MAX_ROWS``). On CUDA, servelab's Triton kernel
+(``kernels/quantized_matmul.py``, int4 groups of multiples of 32) dequantizes the weight
+tile by tile inside the matmul. Elsewhere (more int4 rows, another device or dtype, no
+native CPU ops or ``SERVELAB_NATIVE_CPU=0`` on the CPU) the reference runs: dequantize
+the whole weight, then ``F.linear``; tests use it as the oracle.
 """
 
 from __future__ import annotations
@@ -18,18 +19,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from servelab.kernels.cpu_ops import native_cpu_enabled
+from servelab.kernels.cpu_ops import native_cpu_available, native_cpu_enabled
+from servelab.kernels.quantized_cpu import int8_linear, pack_int8
 from servelab.kernels.quantized_weights import dequantize_int4, dequantize_int8, unpack_int4
 
 BITS = (8, 4)
 FAST_DTYPES = (torch.float32, torch.bfloat16)
 INT4_KERNEL_GROUP_SIZES = (32, 64, 128, 256)
 """The group sizes ``aten._weight_int4pack_mm_for_cpu`` supports."""
-CPU_KERNEL_MAX_ROWS = 1
-"""Rows up to which the CPU kernels multiply. torch 2.13's weight-only CPU kernels take
-one input row at a time (their time grows linearly with the rows); from two rows on,
-dequantizing the weight and one oneDNN float matmul is as fast or faster on the machine
-measured (docs/results/quantization.md)."""
+INT4_KERNEL_MAX_ROWS = 1
+"""Rows up to which torch's int4 CPU kernel multiplies. It takes one input row at a time
+(its time grows linearly with the rows); from two rows on, dequantizing the weight and
+one oneDNN float matmul is as fast or faster on the machine measured
+(docs/results/quantization.md)."""
 TRITON_GROUP_MULTIPLE = 32
 """int4 group sizes the Triton kernel takes: multiples of its K tile."""
 
@@ -78,26 +80,27 @@ class QuantizedLinear(nn.Module):
         """x: [..., in_features] -> [..., out_features] in x's dtype."""
         rows = x.reshape(-1, self.in_features)
         triton = x.device.type == "cuda" and (self.bits == 8 or self.group_size % TRITON_GROUP_MULTIPLE == 0)
-        packed = None if triton or rows.shape[0] > CPU_KERNEL_MAX_ROWS else self.packed_kernel_weights(x)
+        fits_kernel = self.bits == 8 or rows.shape[0] <= INT4_KERNEL_MAX_ROWS
+        packed = self.packed_kernel_weights(x) if not triton and fits_kernel else None
         if not triton and packed is None:
             return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
-        rows = rows.contiguous()
         if triton:
             from servelab.kernels.quantized_matmul import quantized_matmul
 
-            out = quantized_matmul(rows, self.qweight, self.scales, self.zeros if self.bits == 4 else None,
-                                   self.group_size)
+            out = quantized_matmul(rows.contiguous(), self.qweight, self.scales,
+                                   self.zeros if self.bits == 4 else None, self.group_size)
         elif self.bits == 8:
-            out = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, packed[0])
+            out = int8_linear(rows.float().contiguous(), *packed, self.out_features).to(x.dtype)
         else:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed[0], self.group_size, packed[1])
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.contiguous(), packed[0], self.group_size, packed[1])
         if self.bias is not None:
             out += self.bias
         return out.view(*x.shape[:-1], self.out_features)
 
     def packed_kernel_weights(self, x: torch.Tensor) -> tuple | None:
-        """What the CPU kernel multiplies ``x`` with: (scales,) for int8, (packed weight,
-        scales and zeros [groups, N, 2]) for int4; None where the reference runs."""
+        """What the CPU kernel multiplies ``x`` with: ``pack_int8``'s (packed weight,
+        scales) for int8, (packed weight, scales and zeros [groups, N, 2]) for int4; None
+        where the reference runs."""
         if x.device.type != "cpu" or x.dtype not in FAST_DTYPES or x.dtype != self.scales.dtype:
             return None
         if not native_cpu_enabled():
@@ -111,7 +114,10 @@ class QuantizedLinear(nn.Module):
     def _pack(self) -> tuple | None:
         aten = torch.ops.aten
         if self.bits == 8:
-            return (self.scales,) if hasattr(aten, "_weight_int8pack_mm") else None
+            if not native_cpu_available():
+                return None
+            with torch.inference_mode(False):  # normal tensors, usable in and out of inference mode
+                return pack_int8(self.qweight, self.scales)
         if self.group_size not in INT4_KERNEL_GROUP_SIZES or not hasattr(aten, "_weight_int4pack_mm_for_cpu"):
             return None
         with torch.inference_mode(False):  # normal tensors, usable in and out of inference mode

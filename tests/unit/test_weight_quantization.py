@@ -76,7 +76,7 @@ def quantized_layer(bits: int, group_size: int, dtype: torch.dtype, bias: bool =
 @pytest.mark.parametrize("bits, group_size", [(8, -1), (4, 32), (4, 128), (4, 256)])
 @pytest.mark.parametrize("rows", [1, 7, 33])
 def test_cpu_kernel_equals_dequantized_reference(monkeypatch, bits, group_size, dtype, rows):
-    monkeypatch.setattr(quantized_linear, "CPU_KERNEL_MAX_ROWS", 1 << 20)  # the kernel at every row count
+    monkeypatch.setattr(quantized_linear, "INT4_KERNEL_MAX_ROWS", 1 << 20)  # the kernel at every row count
     layer, _ = quantized_layer(bits, group_size, dtype)
     x = torch.randn(rows, 256).to(dtype)
     with torch.inference_mode():
@@ -100,7 +100,7 @@ def test_quantized_layer_is_close_to_the_float_layer(bits, group_size):
 
 
 def test_reference_path_runs_without_the_native_switch_and_follows_weight_updates(monkeypatch):
-    monkeypatch.setattr(quantized_linear, "CPU_KERNEL_MAX_ROWS", 1 << 20)
+    monkeypatch.setattr(quantized_linear, "INT4_KERNEL_MAX_ROWS", 1 << 20)
     layer, _ = quantized_layer(4, 32, torch.float32)
     x = torch.randn(3, 5, 256)
     with torch.inference_mode():
