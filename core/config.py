@@ -47,8 +47,9 @@ class ModelConfig:
     ``dtype``: auto | float32 | bfloat16 | float16 (auto = float32 on CPU, the checkpoint's
     dtype on GPU and in simulation). ``max_model_len``: prompt + output limit per sequence
     (default: the model's ``max_position_embeddings``). ``seed``: random weights' seed.
-    ``quantization``: auto | none | int8 | int4, the decoder's linear weights (auto = as
-    the checkpoint holds them: a folder saved quantized loads quantized, else float);
+    ``quantization``: auto | none | int8 | w8a8 | int4, the decoder's linear weights (auto =
+    as the checkpoint holds them: a folder saved quantized loads quantized, else float;
+    w8a8: int8 weights and activations quantized to int8 per row, CPUs with AVX512-VNNI);
     ``quantization_group_size``: input features per int4 scale (default 128; a saved int4
     folder's own). See docs/quantization.md.
     """

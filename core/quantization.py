@@ -2,10 +2,12 @@
 checks, the checkpoint tensors it rewrites and the layers it replaces (docs/quantization.md).
 
 ``model.quantization``: auto (the folder's own: quantized when its config.json has a
-servelab ``quantization_config``, else float) | none | int8 | int4, and
+servelab ``quantization_config``, else float) | none | int8 | w8a8 | int4, and
 ``model.quantization_group_size`` (int4 only, default 128). Every linear layer inside the
 decoder layers (``model.layers.*``: attention and MLP projections) is quantized; the
-embeddings, norms and LM head stay in floating point.
+embeddings, norms and LM head stay in floating point. ``w8a8`` stores int8 weights as
+``int8`` does and also quantizes each activation row to int8 at every call (CPUs with
+AVX512-VNNI only).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 
 from servelab.core.errors import ConfigError
 
-MODES = ("auto", "none", "int8", "int4")
+MODES = ("auto", "none", "int8", "w8a8", "int4")
 DEFAULT_GROUP_SIZE = 128
 QUANT_METHOD = "servelab"
 DECODER_PREFIX = "model.layers."
@@ -30,16 +32,19 @@ class WeightQuantization:
     """How the decoder's linear layers store their weights: ``bits`` 8 (int8, one scale per
     output channel; ``group_size`` -1) or 4 (int4 in groups of ``group_size`` input
     features). ``prequantized``: the checkpoint already holds the integers (a folder
-    written by ``python -m servelab.core.quantize``), else they are computed at load."""
+    written by ``python -m servelab.core.quantize``), else they are computed at load.
+    ``int8_activations`` (int8 weights only): activation rows are quantized to int8 at
+    every call and multiplied with int8 dot products (``model.quantization=w8a8``)."""
 
     bits: int
     group_size: int
     prequantized: bool = False
+    int8_activations: bool = False
 
     @property
     def mode(self) -> str:
-        """``int8`` or ``int4``: the ``model.quantization`` value."""
-        return f"int{self.bits}"
+        """``int8``, ``w8a8`` or ``int4``: the ``model.quantization`` value."""
+        return "w8a8" if self.int8_activations else f"int{self.bits}"
 
     def config_entry(self) -> dict:
         """The ``quantization_config`` entry of a saved folder's config.json."""
@@ -70,6 +75,8 @@ def resolve_quantization(model_config: Any, hf_config: Any | None) -> WeightQuan
     if group_size is not None and (group_size <= 0 or group_size % 2):
         problems.append(f"model.quantization_group_size must be a positive even number, got {group_size}")
     stored = stored_quantization(hf_config) if hf_config is not None else None
+    if stored is not None and stored.bits == 8 and mode == "w8a8":
+        stored = WeightQuantization(8, stored.group_size, prequantized=True, int8_activations=True)
     if stored is not None and mode not in ("auto", stored.mode):
         problems.append(f"model.quantization={mode} but the checkpoint holds {stored.mode} weights "
                         f"(quantization_config in its config.json): use model.quantization=auto or {stored.mode}, "
@@ -81,8 +88,10 @@ def resolve_quantization(model_config: Any, hf_config: Any | None) -> WeightQuan
         raise ConfigError(problems)
     if stored is not None:
         return stored
-    if mode in ("int8", "int4"):
-        return WeightQuantization(8, -1) if mode == "int8" else WeightQuantization(4, group_size or DEFAULT_GROUP_SIZE)
+    if mode in ("int8", "w8a8"):
+        return WeightQuantization(8, -1, int8_activations=mode == "w8a8")
+    if mode == "int4":
+        return WeightQuantization(4, group_size or DEFAULT_GROUP_SIZE)
     return None
 
 
@@ -97,12 +106,19 @@ def quantization_problems(quantization: WeightQuantization | None, shape: Any, t
         return [f"model.quantization={mode}: this executor runs no model (executor=simulated), and its cost models "
                 f"do not price quantized weights yet"]
     problems = []
-    if device.type == "cuda" and importlib.util.find_spec("triton") is None:
+    if quantization.int8_activations:
+        from servelab.kernels.w8a8_cpu import w8a8_unavailable_reason
+
+        reason = w8a8_unavailable_reason() if device.type == "cpu" else f"it runs on the CPU only, not on {device}"
+        if reason is not None:
+            problems.append(f"model.quantization=w8a8 cannot run here: {reason}; model.quantization=int8 keeps "
+                            f"the activations in floating point and runs everywhere")
+    elif device.type == "cuda" and importlib.util.find_spec("triton") is None:
         problems.append(f"model.quantization={mode} on device={device} needs the 'triton' package for its "
                         f"matmul kernel, which is not installed")
     elif device.type not in ("cpu", "cuda"):
         problems.append(f"model.quantization={mode} has no kernel on device={device}: quantized weights run on "
-                        f"the CPU (torch's kernels) and CUDA (Triton)")
+                        f"the CPU and CUDA (Triton)")
     if quantization.bits == 4:
         layers: dict[tuple[int, int], list[str]] = {}  # (in_features, ranks sharing them) -> layer names
         for name, in_features in shape.linear_in_features(tensor_parallel_size).items():
@@ -167,7 +183,7 @@ def quantize_linears(model: torch.nn.Module, quantization: WeightQuantization) -
             raise ConfigError(problems)
         parent, _, child = name.rpartition(".")
         layer = QuantizedLinear(module.in_features, module.out_features, module.bias is not None, quantization.bits,
-                                quantization.group_size, module.weight.dtype)
+                                quantization.group_size, module.weight.dtype, quantization.int8_activations)
         setattr(model.get_submodule(parent), child, layer.to(module.weight.device))
         replaced += 1
     return replaced

@@ -20,6 +20,7 @@ from servelab.kernels.onednn_linear import Linear
 from servelab.kernels.quantized_linear import QuantizedLinear, pack_quantized_linears
 from servelab.kernels.quantized_weights import (dequantize_int4, dequantize_int8, pack_int4, quantize_int4,
                                                 quantize_int8, unpack_int4)
+from servelab.kernels.w8a8_cpu import w8a8_linear_reference
 
 SHAPE = ModelShape(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, sliding_window=None, max_positions=64,
                    vocab_size=32, hidden_size=64, intermediate_size=192)
@@ -56,10 +57,11 @@ def test_int4_error_is_at_most_half_a_step_per_group_and_zero_rows_stay_zero():
 
 
 def quantized_layer(bits: int, group_size: int, dtype: torch.dtype, bias: bool = True, seed: int = 0,
-                    in_features: int = 256, out_features: int = 96) -> tuple[QuantizedLinear, torch.Tensor]:
+                    in_features: int = 256, out_features: int = 96,
+                    int8_activations: bool = False) -> tuple[QuantizedLinear, torch.Tensor]:
     torch.manual_seed(seed)
     weight = torch.randn(out_features, in_features) * 0.05
-    layer = QuantizedLinear(in_features, out_features, bias, bits, group_size, dtype)
+    layer = QuantizedLinear(in_features, out_features, bias, bits, group_size, dtype, int8_activations)
     tensors = dict(quantized_weights([("model.layers.0.mlp.down_proj.weight", weight)],
                                      WeightQuantization(bits, group_size)))
     with torch.no_grad():
@@ -88,15 +90,32 @@ def test_cpu_kernel_equals_dequantized_reference(monkeypatch, bits, group_size, 
     torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
 
 
-@pytest.mark.parametrize("bits, group_size", [(8, -1), (4, 64)])
-def test_quantized_layer_is_close_to_the_float_layer(bits, group_size):
-    layer, weight = quantized_layer(bits, group_size, torch.float32, bias=False)
+@pytest.mark.parametrize("bits, group_size, int8_activations", [(8, -1, False), (8, -1, True), (4, 64, False)])
+def test_quantized_layer_is_close_to_the_float_layer(bits, group_size, int8_activations):
+    layer, weight = quantized_layer(bits, group_size, torch.float32, bias=False, int8_activations=int8_activations)
     x = torch.randn(16, 256)
     with torch.inference_mode():
         out = layer(x)
     expected = F.linear(x, weight)
     relative = float((out - expected).norm() / expected.norm())
     assert relative < (0.01 if bits == 8 else 0.1), relative
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w8a8_layer_equals_its_reference_with_or_without_the_kernel(monkeypatch, dtype):
+    layer, _ = quantized_layer(8, -1, dtype, int8_activations=True)
+    x = torch.randn(2, 9, 256).to(dtype)
+    with torch.inference_mode():
+        fast = layer(x)
+    expected = (w8a8_linear_reference(x.reshape(-1, 256).float(), layer.qweight, layer.scales)
+                + layer.bias.float()).to(dtype).view(2, 9, 96)
+    assert fast.dtype == dtype and torch.equal(fast, expected)
+    monkeypatch.setenv("SERVELAB_NATIVE_CPU", "0")
+    assert layer.packed_kernel_weights(x) is None
+    with torch.inference_mode():
+        assert torch.equal(layer(x), expected)
+    with pytest.raises(ValueError, match="int8 activations need int8 weights, got bits=4"):
+        QuantizedLinear(256, 8, False, 4, 32, torch.float32, True)
 
 
 def test_reference_path_runs_without_the_native_switch_and_follows_weight_updates(monkeypatch):
@@ -165,6 +184,7 @@ def test_quantize_linears_replaces_decoder_layers_and_keeps_the_head():
 @pytest.mark.parametrize("mode, group_size, expected", [
     ("auto", None, None), ("none", None, None), ("int8", None, WeightQuantization(8, -1)),
     ("int4", None, WeightQuantization(4, 128)), ("int4", 64, WeightQuantization(4, 64)),
+    ("w8a8", None, WeightQuantization(8, -1, int8_activations=True)),
 ])
 def test_modes_resolve_on_a_float_checkpoint(mode, group_size, expected):
     config = ModelConfig(quantization=mode, quantization_group_size=group_size)
@@ -172,7 +192,7 @@ def test_modes_resolve_on_a_float_checkpoint(mode, group_size, expected):
 
 
 @pytest.mark.parametrize("mode, group_size, message", [
-    ("int3", None, "model.quantization must be one of auto, none, int8, int4, got 'int3'"),
+    ("int3", None, "model.quantization must be one of auto, none, int8, w8a8, int4, got 'int3'"),
     ("int4", 0, "model.quantization_group_size must be a positive even number, got 0"),
     ("int4", 33, "model.quantization_group_size must be a positive even number, got 33"),
 ])
@@ -192,6 +212,10 @@ def test_a_saved_folder_decides_unless_the_config_contradicts_it():
     with pytest.raises(ConfigError, match="quantization_group_size=128 but the checkpoint's int4 weights are in "
                                           "groups of 64"):
         resolve_quantization(ModelConfig(quantization_group_size=128), stored)
+    int8 = SimpleNamespace(quantization_config={"quant_method": "servelab", "bits": 8, "group_size": -1})
+    assert resolve_quantization(ModelConfig(quantization="w8a8"), int8) == WeightQuantization(8, -1, True, True)
+    with pytest.raises(ConfigError, match="model.quantization=w8a8 but the checkpoint holds int4 weights"):
+        resolve_quantization(ModelConfig(quantization="w8a8"), stored)
     gptq = SimpleNamespace(quantization_config={"quant_method": "gptq", "bits": 4, "group_size": 128})
     with pytest.raises(ConfigError, match="quant_method='servelab'"):
         resolve_quantization(ModelConfig(), gptq)
@@ -203,6 +227,9 @@ def test_start_up_checks_name_the_device_layer_and_ranks():
     assert quantization_problems(WeightQuantization(4, 64), SHAPE, 1, cpu, True) == []
     [mps] = quantization_problems(WeightQuantization(8, -1), SHAPE, 1, torch.device("mps"), True)
     assert "model.quantization=int8 has no kernel on device=mps" in mps
+    [w8a8_cuda] = quantization_problems(WeightQuantization(8, -1, int8_activations=True), SHAPE, 1,
+                                        torch.device("cuda"), True)
+    assert "model.quantization=w8a8 cannot run here: it runs on the CPU only, not on cuda" in w8a8_cuda
     [simulated] = quantization_problems(WeightQuantization(8, -1), SHAPE, 1, cpu, False)
     assert "executor=simulated" in simulated
     problems = quantization_problems(WeightQuantization(4, 128), SHAPE, 1, cpu, True)
