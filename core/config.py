@@ -51,7 +51,9 @@ class ModelConfig:
     as the checkpoint holds them: a folder saved quantized loads quantized, else float;
     w8a8: int8 weights and activations quantized to int8 per row, CPUs with AVX512-VNNI);
     ``quantization_group_size``: input features per int4 scale (default 128; a saved int4
-    folder's own). See docs/quantization.md.
+    folder's own); ``quantization_lm_head``: int8 and w8a8 also multiply the LM head with
+    int8 weights, quantized at load (default false: the head stays float). See
+    docs/quantization.md.
     """
 
     path: Optional[str] = None
@@ -60,6 +62,7 @@ class ModelConfig:
     dtype: str = "auto"
     quantization: str = "auto"
     quantization_group_size: Optional[int] = None
+    quantization_lm_head: bool = False
     max_model_len: Optional[int] = None
     seed: int = 0
 

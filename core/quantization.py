@@ -12,6 +12,7 @@ AVX512-VNNI only).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
@@ -34,12 +35,15 @@ class WeightQuantization:
     features). ``prequantized``: the checkpoint already holds the integers (a folder
     written by ``python -m servelab.core.quantize``), else they are computed at load.
     ``int8_activations`` (int8 weights only): activation rows are quantized to int8 at
-    every call and multiplied with int8 dot products (``model.quantization=w8a8``)."""
+    every call and multiplied with int8 dot products (``model.quantization=w8a8``).
+    ``lm_head`` (int8 weights only): the LM head multiplies with int8 weights too, quantized
+    at load from its float weight (``model.quantization_lm_head``)."""
 
     bits: int
     group_size: int
     prequantized: bool = False
     int8_activations: bool = False
+    lm_head: bool = False
 
     @property
     def mode(self) -> str:
@@ -84,15 +88,18 @@ def resolve_quantization(model_config: Any, hf_config: Any | None) -> WeightQuan
     if stored is not None and stored.bits == 4 and group_size not in (None, stored.group_size):
         problems.append(f"model.quantization_group_size={group_size} but the checkpoint's int4 weights are in "
                         f"groups of {stored.group_size}")
+    quantization = stored
+    if stored is None and mode in ("int8", "w8a8"):
+        quantization = WeightQuantization(8, -1, int8_activations=mode == "w8a8")
+    elif stored is None and mode == "int4":
+        quantization = WeightQuantization(4, group_size or DEFAULT_GROUP_SIZE)
+    lm_head = bool(getattr(model_config, "quantization_lm_head", False))
+    if lm_head and (quantization is None or quantization.bits != 8):
+        problems.append(f"model.quantization_lm_head=true needs int8 weights (model.quantization=int8 or w8a8), "
+                        f"got model.quantization={mode}" + (f" ({quantization.mode} weights)" if quantization else ""))
     if problems:
         raise ConfigError(problems)
-    if stored is not None:
-        return stored
-    if mode in ("int8", "w8a8"):
-        return WeightQuantization(8, -1, int8_activations=mode == "w8a8")
-    if mode == "int4":
-        return WeightQuantization(4, group_size or DEFAULT_GROUP_SIZE)
-    return None
+    return dataclasses.replace(quantization, lm_head=True) if lm_head else quantization
 
 
 def quantization_problems(quantization: WeightQuantization | None, shape: Any, tensor_parallel_size: int,
@@ -171,8 +178,13 @@ def quantized_weights(weights: Iterable[tuple[str, torch.Tensor]],
 def quantize_linears(model: torch.nn.Module, quantization: WeightQuantization) -> int:
     """Replace every ``nn.Linear`` inside ``model``'s decoder layers by an empty
     ``QuantizedLinear`` of the same size, dtype and device (``load_weights`` fills it from
-    ``quantized_weights``' tensors); returns how many were replaced."""
-    from servelab.kernels.quantized_linear import QuantizedLinear
+    ``quantized_weights``' tensors), and with ``quantization.lm_head`` the model's
+    ``lm_head`` by a ``QuantizedHead`` over the same float weight; returns how many
+    decoder layers were replaced."""
+    from servelab.kernels.quantized_linear import QuantizedHead, QuantizedLinear
+
+    if quantization.lm_head and isinstance(getattr(model, "lm_head", None), torch.nn.Linear):
+        model.lm_head = QuantizedHead(model.lm_head, quantization.int8_activations)
 
     replaced = 0
     for name, module in list(model.named_modules()):

@@ -23,7 +23,7 @@ from torch import nn
 
 from servelab.kernels.cpu_ops import native_cpu_available, native_cpu_enabled
 from servelab.kernels.quantized_cpu import int8_linear, pack_int8
-from servelab.kernels.quantized_weights import dequantize_int4, dequantize_int8, unpack_int4
+from servelab.kernels.quantized_weights import dequantize_int4, dequantize_int8, quantize_int8, unpack_int4
 from servelab.kernels.w8a8_cpu import pack_w8a8, w8a8_linear, w8a8_linear_reference, w8a8_unavailable_reason
 
 BITS = (8, 4)
@@ -155,11 +155,46 @@ class QuantizedLinear(nn.Module):
         return packed, scales_and_zeros
 
 
+class QuantizedHead(nn.Module):
+    """An LM head that multiplies with int8 weights (one scale per vocabulary row): its
+    float ``weight`` (the embedding's when tied) stays the parameter the checkpoint fills,
+    and an int8 ``QuantizedLinear`` quantized from it is built on first use (rebuilt when
+    it changes), so saved folders and the embedding lookup keep float weights."""
+
+    def __init__(self, head: nn.Linear, int8_activations: bool):
+        super().__init__()
+        self.in_features, self.out_features = head.in_features, head.out_features
+        self.weight, self.bias = head.weight, head.bias
+        self.int8_activations = int8_activations
+        self._quantized: tuple[tuple, QuantizedLinear] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., in_features] -> [..., out_features] in x's dtype."""
+        return self.quantized()(x)
+
+    def quantized(self) -> QuantizedLinear:
+        """The int8 layer quantized from the current float weight."""
+        weight = self.weight
+        key = (weight._version, weight.data_ptr())
+        if self._quantized is None or self._quantized[0] != key:
+            with torch.inference_mode(False), torch.no_grad():  # normal tensors, usable in and out of inference mode
+                layer = QuantizedLinear(self.in_features, self.out_features, self.bias is not None, 8, -1,
+                                        weight.dtype, self.int8_activations).to(weight.device)
+                qweight, scales = quantize_int8(weight.detach())
+                layer.qweight.copy_(qweight)
+                layer.scales.copy_(scales)
+                if self.bias is not None:
+                    layer.bias.copy_(self.bias)
+            self._quantized = (key, layer)
+        return self._quantized[1]
+
+
 def pack_quantized_linears(module: nn.Module) -> int:
-    """Build the CPU kernels' packed copy of every ``QuantizedLinear`` of ``module`` (for
-    activations in its scales' dtype), so the first requests do not pay it; returns how
-    many layers run a CPU kernel."""
-    layers = [layer for layer in module.modules() if isinstance(layer, QuantizedLinear)]
+    """Build the CPU kernels' packed copy of every ``QuantizedLinear`` (and ``QuantizedHead``)
+    of ``module`` (for activations in its scales' dtype), so the first requests do not pay
+    it; returns how many layers run a CPU kernel."""
+    layers = [layer.quantized() if isinstance(layer, QuantizedHead) else layer for layer in module.modules()
+              if isinstance(layer, (QuantizedLinear, QuantizedHead))]
     return sum(layer.packed_kernel_weights(layer.scales.new_empty(0)) is not None for layer in layers)
 
 

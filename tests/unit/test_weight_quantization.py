@@ -17,7 +17,7 @@ from servelab.core.quantization import (WeightQuantization, quantization_problem
                                         quantized_weights, resolve_quantization)
 from servelab.kernels import quantized_linear
 from servelab.kernels.onednn_linear import Linear
-from servelab.kernels.quantized_linear import QuantizedLinear, pack_quantized_linears
+from servelab.kernels.quantized_linear import QuantizedHead, QuantizedLinear, pack_quantized_linears
 from servelab.kernels.quantized_weights import (dequantize_int4, dequantize_int8, pack_int4, quantize_int4,
                                                 quantize_int8, unpack_int4)
 from servelab.kernels.w8a8_cpu import w8a8_linear_reference
@@ -181,6 +181,31 @@ def test_quantize_linears_replaces_decoder_layers_and_keeps_the_head():
     assert type(model.lm_head) is Linear
 
 
+@pytest.mark.parametrize("int8_activations", [False, True])
+def test_a_quantized_head_multiplies_an_int8_copy_of_the_shared_float_weight(int8_activations):
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.layers = torch.nn.ModuleList()
+    model.model.embed_tokens = torch.nn.Embedding(40, 64)
+    model.lm_head = Linear(64, 40, bias=False)
+    model.lm_head.weight = model.model.embed_tokens.weight  # tied
+    quantize_linears(model, WeightQuantization(8, -1, int8_activations=int8_activations, lm_head=True))
+    head = model.lm_head
+    assert isinstance(head, QuantizedHead) and head.weight is model.model.embed_tokens.weight
+    assert [name for name, _ in model.named_parameters()] == ["model.embed_tokens.weight"]
+    assert pack_quantized_linears(model) == 1
+    x = torch.randn(5, 64)
+    qweight, scales = quantize_int8(head.weight.detach())
+    expected = (w8a8_linear_reference(x, qweight, scales) if int8_activations
+                else x @ dequantize_int8(qweight, scales, torch.float32).T)
+    with torch.inference_mode():
+        torch.testing.assert_close(head(x), expected, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(2)  # a new weight is quantized again
+    with torch.inference_mode():
+        torch.testing.assert_close(head(x), 2 * expected, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("mode, group_size, expected", [
     ("auto", None, None), ("none", None, None), ("int8", None, WeightQuantization(8, -1)),
     ("int4", None, WeightQuantization(4, 128)), ("int4", 64, WeightQuantization(4, 64)),
@@ -189,6 +214,16 @@ def test_quantize_linears_replaces_decoder_layers_and_keeps_the_head():
 def test_modes_resolve_on_a_float_checkpoint(mode, group_size, expected):
     config = ModelConfig(quantization=mode, quantization_group_size=group_size)
     assert resolve_quantization(config, SimpleNamespace()) == expected
+
+
+def test_the_lm_head_option_needs_int8_weights():
+    config = ModelConfig(quantization="w8a8", quantization_lm_head=True)
+    assert resolve_quantization(config, SimpleNamespace()) == WeightQuantization(8, -1, False, True, True)
+    with pytest.raises(ConfigError, match="model.quantization_lm_head=true needs int8 weights "
+                                          "\\(model.quantization=int8 or w8a8\\), got model.quantization=int4"):
+        resolve_quantization(ModelConfig(quantization="int4", quantization_lm_head=True), SimpleNamespace())
+    with pytest.raises(ConfigError, match="got model.quantization=auto$"):
+        resolve_quantization(ModelConfig(quantization_lm_head=True), SimpleNamespace())
 
 
 @pytest.mark.parametrize("mode, group_size, message", [
