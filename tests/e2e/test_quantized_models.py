@@ -20,8 +20,8 @@ MODES = {"int8": ["model.quantization=int8"],
          "int8+head": ["model.quantization=int8", "model.quantization_lm_head=true"],
          "int4": ["model.quantization=int4", "model.quantization_group_size=32"]}
 # Relative error of the logits (Frobenius norm of the difference over the float logits')
-# on the tiny random Llama: measured 0.0070 (int8), 0.0090 (w8a8), 0.0092 (int8 with the LM head) and 0.0843 (int4,
-# groups of 32) on 2026-12-01.
+# on the tiny random Llama: measured 0.0070 (int8), 0.0090 (w8a8), 0.0092 (int8 with the
+# LM head) and 0.0843 (int4, groups of 32) on 2026-12-01.
 LOGIT_TOLERANCE = {"int8": 0.015, "w8a8": 0.02, "int8+head": 0.02, "int4": 0.12}
 needs_w8a8 = pytest.mark.skipif(w8a8_unavailable_reason() is not None, reason=str(w8a8_unavailable_reason()))
 PROMPTS = mixed_prompts(200, lengths=(5, 23, 40, 11))
