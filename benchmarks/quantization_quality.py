@@ -1,5 +1,6 @@
 """Perplexity and greedy agreement of quantized weights (``model.quantization`` none, int8,
-int4) on the default model's held-out sets, scored by servelab itself.
+w8a8, int4; ``int8+head`` / ``w8a8+head`` add ``model.quantization_lm_head=true``) on the
+default model's held-out sets, scored by servelab itself.
 
     python benchmarks/quantization_quality.py --venv .venv --out /tmp/quality.json
 
@@ -68,7 +69,10 @@ def evaluate(mode: str, args, sets: dict, prompts: list[list[int]]) -> dict:
     """One mode's perplexities, argmax tokens and greedy completions."""
     from servelab import LLM, SamplingParams
 
-    overrides = ["device=cpu", f"model.quantization={mode}"]
+    quantization, _, head = mode.partition("+")
+    overrides = ["device=cpu", f"model.quantization={quantization}"]
+    if head:
+        overrides.append("model.quantization_lm_head=true")
     if mode == "int4":
         overrides.append(f"model.quantization_group_size={args.group_size}")
     llm = LLM(str(args.model), overrides=overrides)
@@ -105,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", type=Path, default=REPO / "checkpoints/tiny")
     parser.add_argument("--venv", type=Path, required=True, help="a venv holding servelab's [test] dependencies")
     parser.add_argument("--scratch", type=Path, default=Path.home() / ".cache/servelab-tiny-model")
-    parser.add_argument("--modes", nargs="+", default=["none", "int8", "int4"])
+    parser.add_argument("--modes", nargs="+", default=["none", "int8", "w8a8", "int8+head", "w8a8+head", "int4"])
     parser.add_argument("--group-size", type=int, default=128)
     parser.add_argument("--row-tokens", type=int, default=511)
     parser.add_argument("--val-rows", type=int, default=None, help="validation rows at even strides (all)")

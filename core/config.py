@@ -47,10 +47,13 @@ class ModelConfig:
     ``dtype``: auto | float32 | bfloat16 | float16 (auto = float32 on CPU, the checkpoint's
     dtype on GPU and in simulation). ``max_model_len``: prompt + output limit per sequence
     (default: the model's ``max_position_embeddings``). ``seed``: random weights' seed.
-    ``quantization``: auto | none | int8 | int4, the decoder's linear weights (auto = as
-    the checkpoint holds them: a folder saved quantized loads quantized, else float);
+    ``quantization``: auto | none | int8 | w8a8 | int4, the decoder's linear weights (auto =
+    as the checkpoint holds them: a folder saved quantized loads quantized, else float;
+    w8a8: int8 weights and activations quantized to int8 per row, CPUs with AVX512-VNNI);
     ``quantization_group_size``: input features per int4 scale (default 128; a saved int4
-    folder's own). See docs/quantization.md.
+    folder's own); ``quantization_lm_head``: int8 and w8a8 also multiply the LM head with
+    int8 weights, quantized at load (default false: the head stays float). See
+    docs/quantization.md.
     """
 
     path: Optional[str] = None
@@ -59,6 +62,7 @@ class ModelConfig:
     dtype: str = "auto"
     quantization: str = "auto"
     quantization_group_size: Optional[int] = None
+    quantization_lm_head: bool = False
     max_model_len: Optional[int] = None
     seed: int = 0
 

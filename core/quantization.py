@@ -2,14 +2,17 @@
 checks, the checkpoint tensors it rewrites and the layers it replaces (docs/quantization.md).
 
 ``model.quantization``: auto (the folder's own: quantized when its config.json has a
-servelab ``quantization_config``, else float) | none | int8 | int4, and
+servelab ``quantization_config``, else float) | none | int8 | w8a8 | int4, and
 ``model.quantization_group_size`` (int4 only, default 128). Every linear layer inside the
 decoder layers (``model.layers.*``: attention and MLP projections) is quantized; the
-embeddings, norms and LM head stay in floating point.
+embeddings, norms and LM head stay in floating point. ``w8a8`` stores int8 weights as
+``int8`` does and also quantizes each activation row to int8 at every call (CPUs with
+AVX512-VNNI only).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
@@ -18,7 +21,7 @@ import torch
 
 from servelab.core.errors import ConfigError
 
-MODES = ("auto", "none", "int8", "int4")
+MODES = ("auto", "none", "int8", "w8a8", "int4")
 DEFAULT_GROUP_SIZE = 128
 QUANT_METHOD = "servelab"
 DECODER_PREFIX = "model.layers."
@@ -30,16 +33,22 @@ class WeightQuantization:
     """How the decoder's linear layers store their weights: ``bits`` 8 (int8, one scale per
     output channel; ``group_size`` -1) or 4 (int4 in groups of ``group_size`` input
     features). ``prequantized``: the checkpoint already holds the integers (a folder
-    written by ``python -m servelab.core.quantize``), else they are computed at load."""
+    written by ``python -m servelab.core.quantize``), else they are computed at load.
+    ``int8_activations`` (int8 weights only): activation rows are quantized to int8 at
+    every call and multiplied with int8 dot products (``model.quantization=w8a8``).
+    ``lm_head`` (int8 weights only): the LM head multiplies with int8 weights too, quantized
+    at load from its float weight (``model.quantization_lm_head``)."""
 
     bits: int
     group_size: int
     prequantized: bool = False
+    int8_activations: bool = False
+    lm_head: bool = False
 
     @property
     def mode(self) -> str:
-        """``int8`` or ``int4``: the ``model.quantization`` value."""
-        return f"int{self.bits}"
+        """``int8``, ``w8a8`` or ``int4``: the ``model.quantization`` value."""
+        return "w8a8" if self.int8_activations else f"int{self.bits}"
 
     def bytes_per_weight(self, in_features: int, scale_bytes: float) -> float:
         """Stored bytes per weight of a layer with ``in_features`` inputs: the integer and
@@ -77,6 +86,8 @@ def resolve_quantization(model_config: Any, hf_config: Any | None) -> WeightQuan
     if group_size is not None and (group_size <= 0 or group_size % 2):
         problems.append(f"model.quantization_group_size must be a positive even number, got {group_size}")
     stored = stored_quantization(hf_config) if hf_config is not None else None
+    if stored is not None and stored.bits == 8 and mode == "w8a8":
+        stored = WeightQuantization(8, stored.group_size, prequantized=True, int8_activations=True)
     if stored is not None and mode not in ("auto", stored.mode):
         problems.append(f"model.quantization={mode} but the checkpoint holds {stored.mode} weights "
                         f"(quantization_config in its config.json): use model.quantization=auto or {stored.mode}, "
@@ -84,13 +95,18 @@ def resolve_quantization(model_config: Any, hf_config: Any | None) -> WeightQuan
     if stored is not None and stored.bits == 4 and group_size not in (None, stored.group_size):
         problems.append(f"model.quantization_group_size={group_size} but the checkpoint's int4 weights are in "
                         f"groups of {stored.group_size}")
+    quantization = stored
+    if stored is None and mode in ("int8", "w8a8"):
+        quantization = WeightQuantization(8, -1, int8_activations=mode == "w8a8")
+    elif stored is None and mode == "int4":
+        quantization = WeightQuantization(4, group_size or DEFAULT_GROUP_SIZE)
+    lm_head = bool(getattr(model_config, "quantization_lm_head", False))
+    if lm_head and (quantization is None or quantization.bits != 8):
+        problems.append(f"model.quantization_lm_head=true needs int8 weights (model.quantization=int8 or w8a8), "
+                        f"got model.quantization={mode}" + (f" ({quantization.mode} weights)" if quantization else ""))
     if problems:
         raise ConfigError(problems)
-    if stored is not None:
-        return stored
-    if mode in ("int8", "int4"):
-        return WeightQuantization(8, -1) if mode == "int8" else WeightQuantization(4, group_size or DEFAULT_GROUP_SIZE)
-    return None
+    return dataclasses.replace(quantization, lm_head=True) if lm_head else quantization
 
 
 def quantization_problems(quantization: WeightQuantization | None, shape: Any, tensor_parallel_size: int,
@@ -102,12 +118,19 @@ def quantization_problems(quantization: WeightQuantization | None, shape: Any, t
         return []
     mode = quantization.mode
     problems = []
-    if runs_model and device.type == "cuda" and importlib.util.find_spec("triton") is None:
+    if runs_model and quantization.int8_activations:
+        from servelab.kernels.w8a8_cpu import w8a8_unavailable_reason
+
+        reason = w8a8_unavailable_reason() if device.type == "cpu" else f"it runs on the CPU only, not on {device}"
+        if reason is not None:
+            problems.append(f"model.quantization=w8a8 cannot run here: {reason}; model.quantization=int8 keeps "
+                            f"the activations in floating point and runs everywhere")
+    elif runs_model and device.type == "cuda" and importlib.util.find_spec("triton") is None:
         problems.append(f"model.quantization={mode} on device={device} needs the 'triton' package for its "
                         f"matmul kernel, which is not installed")
     elif runs_model and device.type not in ("cpu", "cuda"):
         problems.append(f"model.quantization={mode} has no kernel on device={device}: quantized weights run on "
-                        f"the CPU (torch's kernels) and CUDA (Triton)")
+                        f"the CPU and CUDA (Triton)")
     if quantization.bits == 4:
         layers: dict[tuple[int, int], list[str]] = {}  # (in_features, ranks sharing them) -> layer names
         for name, in_features in shape.linear_in_features(tensor_parallel_size).items():
@@ -130,12 +153,15 @@ def group_problems(layer: str, in_features: int, group_size: int, ranks: int = 1
 
 def weight_memory_bytes(shape: Any, quantization: WeightQuantization | None, dtype_bytes: float) -> float:
     """Bytes of every weight of a model of ``shape`` (a ``ModelShape``) in ``dtype_bytes``
-    floats, its decoder linear layers stored as ``quantization`` asks (None: floats)."""
+    floats, its decoder linear layers stored as ``quantization`` asks (None: floats), plus
+    the int8 copy of the LM head that ``lm_head`` keeps beside its float weight."""
     total = shape.num_parameters * dtype_bytes
     if quantization is None:
         return total
     for outputs, inputs in shape.linear_shapes().values():
         total -= shape.num_layers * outputs * inputs * (dtype_bytes - quantization.bytes_per_weight(inputs, dtype_bytes))
+    if quantization.lm_head:
+        total += shape.vocab_size * shape.hidden_size * quantization.bytes_per_weight(shape.hidden_size, dtype_bytes)
     return total
 
 
@@ -171,8 +197,13 @@ def quantized_weights(weights: Iterable[tuple[str, torch.Tensor]],
 def quantize_linears(model: torch.nn.Module, quantization: WeightQuantization) -> int:
     """Replace every ``nn.Linear`` inside ``model``'s decoder layers by an empty
     ``QuantizedLinear`` of the same size, dtype and device (``load_weights`` fills it from
-    ``quantized_weights``' tensors); returns how many were replaced."""
-    from servelab.kernels.quantized_linear import QuantizedLinear
+    ``quantized_weights``' tensors), and with ``quantization.lm_head`` the model's
+    ``lm_head`` by a ``QuantizedHead`` over the same float weight; returns how many
+    decoder layers were replaced."""
+    from servelab.kernels.quantized_linear import QuantizedHead, QuantizedLinear
+
+    if quantization.lm_head and isinstance(getattr(model, "lm_head", None), torch.nn.Linear):
+        model.lm_head = QuantizedHead(model.lm_head, quantization.int8_activations)
 
     replaced = 0
     for name, module in list(model.named_modules()):
@@ -183,7 +214,7 @@ def quantize_linears(model: torch.nn.Module, quantization: WeightQuantization) -
             raise ConfigError(problems)
         parent, _, child = name.rpartition(".")
         layer = QuantizedLinear(module.in_features, module.out_features, module.bias is not None, quantization.bits,
-                                quantization.group_size, module.weight.dtype)
+                                quantization.group_size, module.weight.dtype, quantization.int8_activations)
         setattr(model.get_submodule(parent), child, layer.to(module.weight.device))
         replaced += 1
     return replaced

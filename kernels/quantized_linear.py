@@ -1,15 +1,18 @@
 """Linear layers with quantized weights (int8 per output channel, int4 group-wise).
 
 The weights are stored in servelab's format (``kernels/quantized_weights.py``, what the
-checkpoint holds). On the CPU the matmul runs through torch's weight-only kernels:
-``aten._weight_int8pack_mm`` (int8 weight, float activations, the scale applied per output
-channel after the dot product) and ``aten._weight_int4pack_mm_for_cpu`` (a copy of the
-weight repacked once by ``aten._convert_weight_to_int4pack_for_cpu``, groups of 32, 64,
-128 or 256), for single rows (``CPU_KERNEL_MAX_ROWS``). On CUDA, servelab's Triton kernel (``kernels/quantized_matmul.py``, int4
-groups of multiples of 32) dequantizes the weight tile by tile inside the matmul.
-Elsewhere (more rows, another device or dtype, a torch without the op,
-``SERVELAB_NATIVE_CPU=0`` on the CPU) the reference runs: dequantize the whole weight,
-then ``F.linear``; tests use it as the oracle.
+checkpoint holds). On the CPU, int8 layers multiply through servelab's native weight-only
+kernel (``kernels/quantized_cpu.py``: a copy of the weight repacked once, widened to
+float32 in registers, any number of rows), or, with ``int8_activations`` (w8a8), its int8
+x int8 kernel (``kernels/w8a8_cpu.py``: each input row quantized to int8, int8 dot
+products; its torch reference where the kernel is missing); int4 layers through torch's
+``aten._weight_int4pack_mm_for_cpu`` (a copy repacked once by
+``aten._convert_weight_to_int4pack_for_cpu``, groups of 32, 64, 128 or 256) for single
+rows (``INT4_KERNEL_MAX_ROWS``). On CUDA, servelab's Triton kernel
+(``kernels/quantized_matmul.py``, int4 groups of multiples of 32) dequantizes the weight
+tile by tile inside the matmul. Elsewhere (more int4 rows, another device or dtype, no
+native CPU ops or ``SERVELAB_NATIVE_CPU=0`` on the CPU) the reference runs: dequantize
+the whole weight, then ``F.linear``; tests use it as the oracle.
 """
 
 from __future__ import annotations
@@ -18,18 +21,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from servelab.kernels.cpu_ops import native_cpu_enabled
-from servelab.kernels.quantized_weights import dequantize_int4, dequantize_int8, unpack_int4
+from servelab.kernels.cpu_ops import native_cpu_available, native_cpu_enabled
+from servelab.kernels.quantized_cpu import int8_linear, pack_int8
+from servelab.kernels.quantized_weights import dequantize_int4, dequantize_int8, quantize_int8, unpack_int4
+from servelab.kernels.w8a8_cpu import pack_w8a8, w8a8_linear, w8a8_linear_reference, w8a8_unavailable_reason
 
 BITS = (8, 4)
 FAST_DTYPES = (torch.float32, torch.bfloat16)
 INT4_KERNEL_GROUP_SIZES = (32, 64, 128, 256)
 """The group sizes ``aten._weight_int4pack_mm_for_cpu`` supports."""
-CPU_KERNEL_MAX_ROWS = 1
-"""Rows up to which the CPU kernels multiply. torch 2.13's weight-only CPU kernels take
-one input row at a time (their time grows linearly with the rows); from two rows on,
-dequantizing the weight and one oneDNN float matmul is as fast or faster on the machine
-measured (docs/results/quantization.md)."""
+INT4_KERNEL_MAX_ROWS = 1
+"""Rows up to which torch's int4 CPU kernel multiplies. It takes one input row at a time
+(its time grows linearly with the rows); from two rows on, dequantizing the weight and
+one oneDNN float matmul is as fast or faster on the machine measured
+(docs/results/quantization.md)."""
 TRITON_GROUP_MULTIPLE = 32
 """int4 group sizes the Triton kernel takes: multiples of its K tile."""
 
@@ -38,18 +43,22 @@ class QuantizedLinear(nn.Module):
     """``y = x @ w.T + bias`` with ``w`` [out_features, in_features] stored as ``bits``-bit
     integers: ``qweight``, ``scales`` (and ``zeros`` for int4, groups of ``group_size``
     input features) as parameters named like the checkpoint's tensors; ``bias`` and the
-    scales in ``dtype`` (the activations' dtype). The CPU kernels' packed copy is built on
+    scales in ``dtype`` (the activations' dtype). ``int8_activations`` (int8 only): each
+    input row is quantized to int8 as well (w8a8). The CPU kernels' packed copy is built on
     first use (or by ``pack_quantized_linears``) and rebuilt when a weight changes."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, bits: int, group_size: int,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, int8_activations: bool = False):
         super().__init__()
         if bits not in BITS:
             raise ValueError(f"bits must be one of {BITS}, got {bits}")
+        if int8_activations and bits != 8:
+            raise ValueError(f"int8 activations need int8 weights, got bits={bits}")
         if bits == 4 and (group_size <= 0 or group_size % 2 or in_features % group_size):
             raise ValueError(f"int4 needs an even group size that divides in_features={in_features}, "
                              f"got group_size={group_size}")
         self.in_features, self.out_features, self.bits, self.group_size = in_features, out_features, bits, group_size
+        self.int8_activations = int8_activations
         if bits == 8:
             self.qweight = _frozen(torch.zeros(out_features, in_features, dtype=torch.int8))
             self.scales = _frozen(torch.ones(out_features, dtype=dtype))
@@ -64,8 +73,9 @@ class QuantizedLinear(nn.Module):
     def extra_repr(self) -> str:
         """``in_features, out_features, bits, group_size, bias``."""
         group = f", group_size={self.group_size}" if self.bits == 4 else ""
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}{group}, "
-                f"bias={self.bias is not None}")
+        activations = ", int8_activations=True" if self.int8_activations else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}{group}"
+                f"{activations}, bias={self.bias is not None}")
 
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The float weight [out_features, in_features] these integers stand for."""
@@ -77,27 +87,41 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., in_features] -> [..., out_features] in x's dtype."""
         rows = x.reshape(-1, self.in_features)
+        if self.int8_activations:
+            return self._w8a8(x, rows)
         triton = x.device.type == "cuda" and (self.bits == 8 or self.group_size % TRITON_GROUP_MULTIPLE == 0)
-        packed = None if triton or rows.shape[0] > CPU_KERNEL_MAX_ROWS else self.packed_kernel_weights(x)
+        fits_kernel = self.bits == 8 or rows.shape[0] <= INT4_KERNEL_MAX_ROWS
+        packed = self.packed_kernel_weights(x) if not triton and fits_kernel else None
         if not triton and packed is None:
             return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
-        rows = rows.contiguous()
         if triton:
             from servelab.kernels.quantized_matmul import quantized_matmul
 
-            out = quantized_matmul(rows, self.qweight, self.scales, self.zeros if self.bits == 4 else None,
-                                   self.group_size)
+            out = quantized_matmul(rows.contiguous(), self.qweight, self.scales,
+                                   self.zeros if self.bits == 4 else None, self.group_size)
         elif self.bits == 8:
-            out = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, packed[0])
+            out = int8_linear(rows.float().contiguous(), *packed, self.out_features).to(x.dtype)
         else:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed[0], self.group_size, packed[1])
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.contiguous(), packed[0], self.group_size, packed[1])
         if self.bias is not None:
             out += self.bias
         return out.view(*x.shape[:-1], self.out_features)
 
+    def _w8a8(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        packed = self.packed_kernel_weights(x)
+        rows = rows.float().contiguous()
+        if packed is None:
+            out = w8a8_linear_reference(rows, self.qweight, self.scales)
+        else:
+            out = w8a8_linear(rows, *packed, self.out_features)
+        if self.bias is not None:
+            out += self.bias
+        return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
     def packed_kernel_weights(self, x: torch.Tensor) -> tuple | None:
-        """What the CPU kernel multiplies ``x`` with: (scales,) for int8, (packed weight,
-        scales and zeros [groups, N, 2]) for int4; None where the reference runs."""
+        """What the CPU kernel multiplies ``x`` with: ``pack_int8``'s (packed weight,
+        scales) for int8, ``pack_w8a8``'s for w8a8, (packed weight, scales and zeros
+        [groups, N, 2]) for int4; None where the reference runs."""
         if x.device.type != "cpu" or x.dtype not in FAST_DTYPES or x.dtype != self.scales.dtype:
             return None
         if not native_cpu_enabled():
@@ -110,8 +134,16 @@ class QuantizedLinear(nn.Module):
 
     def _pack(self) -> tuple | None:
         aten = torch.ops.aten
+        if self.int8_activations:
+            if w8a8_unavailable_reason() is not None:
+                return None
+            with torch.inference_mode(False):  # normal tensors, usable in and out of inference mode
+                return pack_w8a8(self.qweight, self.scales)
         if self.bits == 8:
-            return (self.scales,) if hasattr(aten, "_weight_int8pack_mm") else None
+            if not native_cpu_available():
+                return None
+            with torch.inference_mode(False):
+                return pack_int8(self.qweight, self.scales)
         if self.group_size not in INT4_KERNEL_GROUP_SIZES or not hasattr(aten, "_weight_int4pack_mm_for_cpu"):
             return None
         with torch.inference_mode(False):  # normal tensors, usable in and out of inference mode
@@ -123,11 +155,46 @@ class QuantizedLinear(nn.Module):
         return packed, scales_and_zeros
 
 
+class QuantizedHead(nn.Module):
+    """An LM head that multiplies with int8 weights (one scale per vocabulary row): its
+    float ``weight`` (the embedding's when tied) stays the parameter the checkpoint fills,
+    and an int8 ``QuantizedLinear`` quantized from it is built on first use (rebuilt when
+    it changes), so saved folders and the embedding lookup keep float weights."""
+
+    def __init__(self, head: nn.Linear, int8_activations: bool):
+        super().__init__()
+        self.in_features, self.out_features = head.in_features, head.out_features
+        self.weight, self.bias = head.weight, head.bias
+        self.int8_activations = int8_activations
+        self._quantized: tuple[tuple, QuantizedLinear] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., in_features] -> [..., out_features] in x's dtype."""
+        return self.quantized()(x)
+
+    def quantized(self) -> QuantizedLinear:
+        """The int8 layer quantized from the current float weight."""
+        weight = self.weight
+        key = (weight._version, weight.data_ptr())
+        if self._quantized is None or self._quantized[0] != key:
+            with torch.inference_mode(False), torch.no_grad():  # normal tensors, usable in and out of inference mode
+                layer = QuantizedLinear(self.in_features, self.out_features, self.bias is not None, 8, -1,
+                                        weight.dtype, self.int8_activations).to(weight.device)
+                qweight, scales = quantize_int8(weight.detach())
+                layer.qweight.copy_(qweight)
+                layer.scales.copy_(scales)
+                if self.bias is not None:
+                    layer.bias.copy_(self.bias)
+            self._quantized = (key, layer)
+        return self._quantized[1]
+
+
 def pack_quantized_linears(module: nn.Module) -> int:
-    """Build the CPU kernels' packed copy of every ``QuantizedLinear`` of ``module`` (for
-    activations in its scales' dtype), so the first requests do not pay it; returns how
-    many layers run a CPU kernel."""
-    layers = [layer for layer in module.modules() if isinstance(layer, QuantizedLinear)]
+    """Build the CPU kernels' packed copy of every ``QuantizedLinear`` (and ``QuantizedHead``)
+    of ``module`` (for activations in its scales' dtype), so the first requests do not pay
+    it; returns how many layers run a CPU kernel."""
+    layers = [layer.quantized() if isinstance(layer, QuantizedHead) else layer for layer in module.modules()
+              if isinstance(layer, (QuantizedLinear, QuantizedHead))]
     return sum(layer.packed_kernel_weights(layer.scales.new_empty(0)) is not None for layer in layers)
 
 

@@ -1,6 +1,7 @@
 // Native CPU kernels for servelab: paged attention over the block table, fresh-prefill
-// attention, and the fused element-wise ops of a Llama layer (residual add + RMSNorm,
-// rotary embedding, SiLU x up, greedy argmax), registered as torch.ops.servelab_cpu.*.
+// attention, the fused element-wise ops of a Llama layer (residual add + RMSNorm, rotary
+// embedding, SiLU x up, greedy argmax) and the int8 matmuls (weight-only, and with int8
+// activations), registered as torch.ops.servelab_cpu.*.
 //
 // Built on first use by kernels/cpu_ops.py (torch.utils.cpp_extension, -O3 -march=native,
 // CPU_CAPABILITY set to torch's so at::vec::Vectorized uses the widest SIMD of the host)
@@ -21,6 +22,9 @@ TORCH_LIBRARY(servelab_cpu, m) {
   m.def("rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("argmax_rows(Tensor(a!) out, Tensor logits) -> ()");
+  m.def("int8_linear(Tensor(a!) out, Tensor x, Tensor packed, Tensor scales) -> ()");
+  m.def("supports_w8a8() -> bool");
+  m.def("w8a8_linear(Tensor(a!) out, Tensor x, Tensor packed, Tensor offsets, Tensor scales) -> ()");
   m.def("causal_prefill_attention(Tensor(a!) out, Tensor q, Tensor k, Tensor v, int[] starts, int[] lengths, "
         "float scale) -> ()");
 }
@@ -28,6 +32,7 @@ TORCH_LIBRARY(servelab_cpu, m) {
 TORCH_LIBRARY_IMPL(servelab_cpu, CatchAll, m) {
   m.impl("supports_head_dim", &servelab_cpu::supports_head_dim);
   m.impl("bf16_key_pairs", &servelab_cpu::bf16_key_pairs);
+  m.impl("supports_w8a8", &servelab_cpu::supports_w8a8);
 }
 
 TORCH_LIBRARY_IMPL(servelab_cpu, CPU, m) {
@@ -38,5 +43,7 @@ TORCH_LIBRARY_IMPL(servelab_cpu, CPU, m) {
   m.impl("rotary_embedding", &servelab_cpu::rotary_embedding);
   m.impl("silu_and_mul", &servelab_cpu::silu_and_mul);
   m.impl("argmax_rows", &servelab_cpu::argmax_rows);
+  m.impl("int8_linear", &servelab_cpu::int8_linear);
+  m.impl("w8a8_linear", &servelab_cpu::w8a8_linear);
   m.impl("causal_prefill_attention", &servelab_cpu::causal_prefill_attention);
 }

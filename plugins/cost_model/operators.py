@@ -77,6 +77,13 @@ class Widths:
             return self.wb
         return self.quantization.bytes_per_weight(inputs, self.ab)
 
+    @property
+    def head_weight_bytes(self) -> float:
+        """Bytes per weight the LM head reads: int8 with ``model.quantization_lm_head``."""
+        if self.quantization is None or not self.quantization.lm_head:
+            return self.wb
+        return self.quantization.bytes_per_weight(self.hidden, self.ab)
+
 
 def matmul(name: str, rows: int, inputs: int, outputs: int, w: Widths) -> Operator:
     """A decoder linear layer ``[rows, inputs] x [inputs, outputs]``: the weight read once
@@ -156,6 +163,6 @@ def last_stage_operators(num_tokens: int, num_logits_rows: int, w: Widths) -> li
     if not rows:
         return [elementwise("final_norm", num_tokens * w.hidden, 1, 1, w, 4.0, w.hidden * w.wb)]
     head = Operator("lm_head", 2.0 * rows * w.hidden * w.vocab,
-                    w.hidden * w.vocab * w.wb + rows * w.hidden * w.ab + rows * w.vocab * 4)
+                    w.hidden * w.vocab * w.head_weight_bytes + rows * w.hidden * w.ab + rows * w.vocab * 4)
     sampling = Operator("sampling", 5.0 * rows * w.full_vocab, 2.0 * rows * w.full_vocab * 4)
     return [elementwise("final_norm", num_tokens * w.hidden, 1, 1, w, 4.0, w.hidden * w.wb), head, sampling]

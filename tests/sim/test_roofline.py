@@ -9,9 +9,10 @@ from servelab import ConfigError
 from servelab.core.config import HardwareConfig, ParallelConfig
 from servelab.core.cost_model import BatchShape, CostModelContext
 from servelab.core.model import ModelShape
-from servelab.core.quantization import WeightQuantization
+from servelab.core.quantization import WeightQuantization, weight_memory_bytes
 from servelab.plugins.cost_model.collectives import all_reduce_time, stage_layer_counts
-from servelab.plugins.cost_model.operators import Widths, attended_keys, attention_operators, layer_operators
+from servelab.plugins.cost_model.operators import (Widths, attended_keys, attention_operators, last_stage_operators,
+                                                   layer_operators)
 from servelab.plugins.cost_model.roofline import RooflineCostModel, RooflineCostModelConfig
 
 # hidden 32, 4 query heads and 2 KV heads of 8, MLP 64, 4 layers, vocabulary 100
@@ -56,6 +57,16 @@ def test_quantized_weights_are_read_at_their_stored_width():
     assert int8["attn_pre_proj"].flops == float_ops["attn_pre_proj"].flops
     assert int8["input_layernorm"] == float_ops["input_layernorm"], "norm weights stay in floating point"
     assert int4["mlp_down_proj"].bytes == 64 * 32 * 0.5 + 32 * (64 // 16) * 2 * 2 + 4 * (64 + 32) * 2
+
+
+def test_an_int8_lm_head_is_read_and_kept_beside_its_float_weight():
+    float_head = {op.name: op for op in last_stage_operators(1, 1, Widths.of(SHAPE, 1, 2.0, 2.0, 2.0))}
+    int8_head = {op.name: op for op in last_stage_operators(1, 1, Widths.of(
+        SHAPE, 1, 2.0, 2.0, 2.0, WeightQuantization(8, -1, lm_head=True)))}
+    assert float_head["lm_head"].bytes - int8_head["lm_head"].bytes == 32 * 100 * 2 - (32 * 100 + 100 * 2)
+    body = weight_memory_bytes(SHAPE, WeightQuantization(8, -1), 2.0)
+    assert weight_memory_bytes(SHAPE, WeightQuantization(8, -1, lm_head=True), 2.0) == body + 32 * 100 + 100 * 2
+    assert body < weight_memory_bytes(SHAPE, None, 2.0)
 
 
 def test_memory_bound_decode_speeds_up_with_quantized_weights():

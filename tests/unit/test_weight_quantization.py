@@ -17,9 +17,10 @@ from servelab.core.quantization import (WeightQuantization, quantization_problem
                                         quantized_weights, resolve_quantization)
 from servelab.kernels import quantized_linear
 from servelab.kernels.onednn_linear import Linear
-from servelab.kernels.quantized_linear import QuantizedLinear, pack_quantized_linears
+from servelab.kernels.quantized_linear import QuantizedHead, QuantizedLinear, pack_quantized_linears
 from servelab.kernels.quantized_weights import (dequantize_int4, dequantize_int8, pack_int4, quantize_int4,
                                                 quantize_int8, unpack_int4)
+from servelab.kernels.w8a8_cpu import w8a8_linear_reference
 
 SHAPE = ModelShape(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, sliding_window=None, max_positions=64,
                    vocab_size=32, hidden_size=64, intermediate_size=192)
@@ -56,10 +57,11 @@ def test_int4_error_is_at_most_half_a_step_per_group_and_zero_rows_stay_zero():
 
 
 def quantized_layer(bits: int, group_size: int, dtype: torch.dtype, bias: bool = True, seed: int = 0,
-                    in_features: int = 256, out_features: int = 96) -> tuple[QuantizedLinear, torch.Tensor]:
+                    in_features: int = 256, out_features: int = 96,
+                    int8_activations: bool = False) -> tuple[QuantizedLinear, torch.Tensor]:
     torch.manual_seed(seed)
     weight = torch.randn(out_features, in_features) * 0.05
-    layer = QuantizedLinear(in_features, out_features, bias, bits, group_size, dtype)
+    layer = QuantizedLinear(in_features, out_features, bias, bits, group_size, dtype, int8_activations)
     tensors = dict(quantized_weights([("model.layers.0.mlp.down_proj.weight", weight)],
                                      WeightQuantization(bits, group_size)))
     with torch.no_grad():
@@ -76,7 +78,7 @@ def quantized_layer(bits: int, group_size: int, dtype: torch.dtype, bias: bool =
 @pytest.mark.parametrize("bits, group_size", [(8, -1), (4, 32), (4, 128), (4, 256)])
 @pytest.mark.parametrize("rows", [1, 7, 33])
 def test_cpu_kernel_equals_dequantized_reference(monkeypatch, bits, group_size, dtype, rows):
-    monkeypatch.setattr(quantized_linear, "CPU_KERNEL_MAX_ROWS", 1 << 20)  # the kernel at every row count
+    monkeypatch.setattr(quantized_linear, "INT4_KERNEL_MAX_ROWS", 1 << 20)  # the kernel at every row count
     layer, _ = quantized_layer(bits, group_size, dtype)
     x = torch.randn(rows, 256).to(dtype)
     with torch.inference_mode():
@@ -88,9 +90,9 @@ def test_cpu_kernel_equals_dequantized_reference(monkeypatch, bits, group_size, 
     torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
 
 
-@pytest.mark.parametrize("bits, group_size", [(8, -1), (4, 64)])
-def test_quantized_layer_is_close_to_the_float_layer(bits, group_size):
-    layer, weight = quantized_layer(bits, group_size, torch.float32, bias=False)
+@pytest.mark.parametrize("bits, group_size, int8_activations", [(8, -1, False), (8, -1, True), (4, 64, False)])
+def test_quantized_layer_is_close_to_the_float_layer(bits, group_size, int8_activations):
+    layer, weight = quantized_layer(bits, group_size, torch.float32, bias=False, int8_activations=int8_activations)
     x = torch.randn(16, 256)
     with torch.inference_mode():
         out = layer(x)
@@ -99,8 +101,25 @@ def test_quantized_layer_is_close_to_the_float_layer(bits, group_size):
     assert relative < (0.01 if bits == 8 else 0.1), relative
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w8a8_layer_equals_its_reference_with_or_without_the_kernel(monkeypatch, dtype):
+    layer, _ = quantized_layer(8, -1, dtype, int8_activations=True)
+    x = torch.randn(2, 9, 256).to(dtype)
+    with torch.inference_mode():
+        fast = layer(x)
+    expected = (w8a8_linear_reference(x.reshape(-1, 256).float(), layer.qweight, layer.scales)
+                + layer.bias.float()).to(dtype).view(2, 9, 96)
+    assert fast.dtype == dtype and torch.equal(fast, expected)
+    monkeypatch.setenv("SERVELAB_NATIVE_CPU", "0")
+    assert layer.packed_kernel_weights(x) is None
+    with torch.inference_mode():
+        assert torch.equal(layer(x), expected)
+    with pytest.raises(ValueError, match="int8 activations need int8 weights, got bits=4"):
+        QuantizedLinear(256, 8, False, 4, 32, torch.float32, True)
+
+
 def test_reference_path_runs_without_the_native_switch_and_follows_weight_updates(monkeypatch):
-    monkeypatch.setattr(quantized_linear, "CPU_KERNEL_MAX_ROWS", 1 << 20)
+    monkeypatch.setattr(quantized_linear, "INT4_KERNEL_MAX_ROWS", 1 << 20)
     layer, _ = quantized_layer(4, 32, torch.float32)
     x = torch.randn(3, 5, 256)
     with torch.inference_mode():
@@ -162,17 +181,53 @@ def test_quantize_linears_replaces_decoder_layers_and_keeps_the_head():
     assert type(model.lm_head) is Linear
 
 
+@pytest.mark.parametrize("int8_activations", [False, True])
+def test_a_quantized_head_multiplies_an_int8_copy_of_the_shared_float_weight(int8_activations):
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.layers = torch.nn.ModuleList()
+    model.model.embed_tokens = torch.nn.Embedding(40, 64)
+    model.lm_head = Linear(64, 40, bias=False)
+    model.lm_head.weight = model.model.embed_tokens.weight  # tied
+    quantize_linears(model, WeightQuantization(8, -1, int8_activations=int8_activations, lm_head=True))
+    head = model.lm_head
+    assert isinstance(head, QuantizedHead) and head.weight is model.model.embed_tokens.weight
+    assert [name for name, _ in model.named_parameters()] == ["model.embed_tokens.weight"]
+    assert pack_quantized_linears(model) == 1
+    x = torch.randn(5, 64)
+    qweight, scales = quantize_int8(head.weight.detach())
+    expected = (w8a8_linear_reference(x, qweight, scales) if int8_activations
+                else x @ dequantize_int8(qweight, scales, torch.float32).T)
+    with torch.inference_mode():
+        torch.testing.assert_close(head(x), expected, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(2)  # a new weight is quantized again
+    with torch.inference_mode():
+        torch.testing.assert_close(head(x), 2 * expected, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("mode, group_size, expected", [
     ("auto", None, None), ("none", None, None), ("int8", None, WeightQuantization(8, -1)),
     ("int4", None, WeightQuantization(4, 128)), ("int4", 64, WeightQuantization(4, 64)),
+    ("w8a8", None, WeightQuantization(8, -1, int8_activations=True)),
 ])
 def test_modes_resolve_on_a_float_checkpoint(mode, group_size, expected):
     config = ModelConfig(quantization=mode, quantization_group_size=group_size)
     assert resolve_quantization(config, SimpleNamespace()) == expected
 
 
+def test_the_lm_head_option_needs_int8_weights():
+    config = ModelConfig(quantization="w8a8", quantization_lm_head=True)
+    assert resolve_quantization(config, SimpleNamespace()) == WeightQuantization(8, -1, False, True, True)
+    with pytest.raises(ConfigError, match="model.quantization_lm_head=true needs int8 weights "
+                                          "\\(model.quantization=int8 or w8a8\\), got model.quantization=int4"):
+        resolve_quantization(ModelConfig(quantization="int4", quantization_lm_head=True), SimpleNamespace())
+    with pytest.raises(ConfigError, match="got model.quantization=auto$"):
+        resolve_quantization(ModelConfig(quantization_lm_head=True), SimpleNamespace())
+
+
 @pytest.mark.parametrize("mode, group_size, message", [
-    ("int3", None, "model.quantization must be one of auto, none, int8, int4, got 'int3'"),
+    ("int3", None, "model.quantization must be one of auto, none, int8, w8a8, int4, got 'int3'"),
     ("int4", 0, "model.quantization_group_size must be a positive even number, got 0"),
     ("int4", 33, "model.quantization_group_size must be a positive even number, got 33"),
 ])
@@ -192,6 +247,10 @@ def test_a_saved_folder_decides_unless_the_config_contradicts_it():
     with pytest.raises(ConfigError, match="quantization_group_size=128 but the checkpoint's int4 weights are in "
                                           "groups of 64"):
         resolve_quantization(ModelConfig(quantization_group_size=128), stored)
+    int8 = SimpleNamespace(quantization_config={"quant_method": "servelab", "bits": 8, "group_size": -1})
+    assert resolve_quantization(ModelConfig(quantization="w8a8"), int8) == WeightQuantization(8, -1, True, True)
+    with pytest.raises(ConfigError, match="model.quantization=w8a8 but the checkpoint holds int4 weights"):
+        resolve_quantization(ModelConfig(quantization="w8a8"), stored)
     gptq = SimpleNamespace(quantization_config={"quant_method": "gptq", "bits": 4, "group_size": 128})
     with pytest.raises(ConfigError, match="quant_method='servelab'"):
         resolve_quantization(ModelConfig(), gptq)
@@ -205,6 +264,9 @@ def test_start_up_checks_name_the_device_layer_and_ranks():
     assert "model.quantization=int8 has no kernel on device=mps" in mps
     assert quantization_problems(WeightQuantization(8, -1), SHAPE, 1, torch.device("mps"), False) == [], \
         "an executor that runs no model needs no kernel"
+    [w8a8_cuda] = quantization_problems(WeightQuantization(8, -1, int8_activations=True), SHAPE, 1,
+                                        torch.device("cuda"), True)
+    assert "model.quantization=w8a8 cannot run here: it runs on the CPU only, not on cuda" in w8a8_cuda
     problems = quantization_problems(WeightQuantization(4, 128), SHAPE, 1, cpu, True)
     assert problems == [
         "model.quantization_group_size=128 does not divide in_features=64 of model.layers.*.self_attn.q_proj, "

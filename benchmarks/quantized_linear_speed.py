@@ -1,0 +1,96 @@
+"""Time per call of one linear layer with float32, int8 weight-only and int8 x int8
+(weights and dynamically quantized activations) matmuls, at the 0.5B model's layer shapes.
+
+Each method cycles through enough copies of the layer that their weights (float32:
+about 3x the last-level cache) come from memory on every call, as a model's 24 layers
+do in a decode step; a single copy would stay in the cache and show its speed instead.
+Methods run interleaved per shape and row count, so their ratios share the machine's
+moment. Prints a markdown table of the median ms per call (and ratios to float32):
+
+    python benchmarks/quantized_linear_speed.py --threads 1 2 --rows 1 4 16 64 256
+
+Methods: ``float32`` servelab's oneDNN ``Linear`` (weight prepacked), ``int8`` servelab's
+weight-only kernel (``torch.ops.servelab_cpu.int8_linear``), ``w8a8`` servelab's int8 x
+int8 kernel (``w8a8_linear``: activations quantized per row), ``dynamic`` torch's quantized
+``linear_dynamic`` (x86 engine: activations quantized per tensor, int8 dot products).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from servelab.kernels.onednn_linear import Linear
+from servelab.kernels.quantized_cpu import int8_linear, pack_int8
+from servelab.kernels.quantized_weights import quantize_int8
+from servelab.kernels.w8a8_cpu import pack_w8a8, w8a8_linear
+
+SHAPES = ((4864, 896), (896, 4864), (896, 896), (128, 896))
+"""(out, in) features: the 0.5B model's MLP up and down, attention output and one KV head group."""
+CACHE_BYTES = 96 << 20
+
+
+def methods(out_features: int, in_features: int, copies: int) -> dict[str, list]:
+    """Per method, ``copies`` callables x -> y over independent copies of one random layer."""
+    torch.manual_seed(0)
+    result: dict[str, list] = {"float32": [], "int8": [], "w8a8": [], "dynamic": []}
+    for _ in range(copies):
+        weight = torch.randn(out_features, in_features) * 0.02
+        linear = Linear(in_features, out_features, bias=False)
+        with torch.no_grad():
+            linear.weight.copy_(weight)
+        result["float32"].append(linear)
+        qweight, scales = quantize_int8(weight)
+        packed, padded_scales = pack_int8(qweight, scales)
+        result["int8"].append(lambda x, p=packed, s=padded_scales: int8_linear(x, p, s, out_features))
+        result["w8a8"].append(lambda x, p=pack_w8a8(qweight, scales): w8a8_linear(x, *p, out_features))
+        qtensor = torch._make_per_channel_quantized_tensor(qweight, scales.double(),
+                                                           torch.zeros(out_features, dtype=torch.long), 0)
+        prepacked = torch.ops.quantized.linear_prepack(qtensor, None)
+        result["dynamic"].append(lambda x, p=prepacked: torch.ops.quantized.linear_dynamic(x, p, False))
+    return result
+
+
+def median_ms(calls: dict[str, list], x: torch.Tensor, rounds: int) -> dict[str, float]:
+    """Per method, the median time of one call over ``rounds`` passes through every copy
+    (the methods take turns within each round)."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, copies in calls.items():
+            start = time.perf_counter()
+            for call in copies:
+                call(x)
+            times[name].append((time.perf_counter() - start) / len(copies))
+    return {name: statistics.median(values) * 1e3 for name, values in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256])
+    parser.add_argument("--rounds", type=int, default=9)
+    args = parser.parse_args()
+    torch.backends.quantized.engine = "x86"
+    print("| threads | layer N x K | M | float32 ms | int8 ms | w8a8 ms | dynamic ms | int8 speed-up | w8a8 speed-up "
+          "| dynamic speed-up |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for out_features, in_features in SHAPES:
+        copies = max(1, -(-CACHE_BYTES // (4 * out_features * in_features)))
+        calls = methods(out_features, in_features, copies)
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            for rows in args.rows:
+                x = torch.randn(rows, in_features)
+                with torch.inference_mode():
+                    median_ms(calls, x, 1)  # warm up: oneDNN compiles a kernel per row count
+                    ms = median_ms(calls, x, args.rounds)
+                times = " | ".join(f"{ms[name]:.3f}" for name in calls)
+                ratios = " | ".join(f"{ms['float32'] / ms[name]:.2f}x" for name in list(calls)[1:])
+                print(f"| {threads} | {out_features}x{in_features} | {rows} | {times} | {ratios} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
