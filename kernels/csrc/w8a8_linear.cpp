@@ -61,22 +61,37 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t padded_k, uint8
 template <int R>
 void tile_rows(const uint8_t* xu, int64_t padded_k, const float* x_scale, const int8_t* w, const int32_t* offsets,
                const float* w_scale, float* out, int64_t ldo, int64_t channels) {
+  // Fully unrolled, inputs broadcast first, then one weight vector at a time: 24
+  // accumulators, 6 broadcasts and the weight fit the 32 registers. (Left to itself GCC
+  // keeps the accumulator array on the stack, or hoists the epilogue's loads into the loop's
+  // registers, and loads and stores accumulators around every vpdpbusd.)
   __m512i acc[R][kTileVecs];
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
     for (int v = 0; v < kTileVecs; ++v) acc[r][v] = _mm512_setzero_si512();
   const int64_t block_stride = padded_k * kBlock;
   for (int64_t k = 0; k < padded_k; k += 4) {
-    __m512i weights[kTileVecs];
-    for (int v = 0; v < kTileVecs; ++v) weights[v] = _mm512_loadu_si512(w + v * block_stride + k * kBlock);
-    for (int r = 0; r < R; ++r) {
-      const __m512i xs = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xu + r * padded_k + k));
-      for (int v = 0; v < kTileVecs; ++v) acc[r][v] = _mm512_dpbusd_epi32(acc[r][v], xs, weights[v]);
+    __m512i xs[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) xs[r] = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xu + r * padded_k + k));
+#pragma GCC unroll 8
+    for (int v = 0; v < kTileVecs; ++v) {
+      const __m512i weights = _mm512_loadu_si512(w + v * block_stride + k * kBlock);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[r][v] = _mm512_dpbusd_epi32(acc[r][v], xs[r], weights);
     }
   }
+  alignas(64) int32_t sums[R][kTileVecs * kBlock];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int v = 0; v < kTileVecs; ++v) _mm512_store_si512(sums[r] + v * kBlock, acc[r][v]);
   for (int r = 0; r < R; ++r) {
     float result[kTileVecs * kBlock];
     for (int v = 0; v < kTileVecs; ++v) {
-      const __m512i exact = _mm512_sub_epi32(acc[r][v], _mm512_loadu_si512(offsets + v * kBlock));
+      const __m512i exact = _mm512_sub_epi32(_mm512_load_si512(sums[r] + v * kBlock),
+                                             _mm512_loadu_si512(offsets + v * kBlock));
       const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(x_scale[r]), _mm512_loadu_ps(w_scale + v * kBlock));
       _mm512_storeu_ps(result + v * kBlock, _mm512_mul_ps(_mm512_cvtepi32_ps(exact), scale));
     }
