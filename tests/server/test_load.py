@@ -100,7 +100,7 @@ def test_cancelled_requests_free_their_cache(server, http, greedy):
 def test_streamed_chunks_are_openai_sse(server, http):
     with http.stream("POST", "/v1/chat/completions", json={
             "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "n": 2,
-            "stream": True, "stream_options": {"include_usage": True}}) as response:
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
         events = [line for line in response.iter_lines() if line]
     assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
