@@ -22,7 +22,7 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slo
 
 def dequantized(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Cache rows [..., Hkv, D] in ``dtype``: dequantized when the cache is quantized."""
-    return dequantize_kv(rows, dtype) if is_quantized(rows.dtype) else rows
+    return dequantize_kv(rows, dtype) if is_quantized(rows.dtype) else rows.to(dtype)
 
 
 def context_slots(block_row: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
