@@ -1,8 +1,10 @@
 """Perplexity and greedy agreement of quantized weights (``model.quantization`` none, int8,
-w8a8, int4; ``int8+head`` / ``w8a8+head`` add ``model.quantization_lm_head=true``) on the
-default model's held-out sets, scored by servelab itself.
+w8a8, int4; ``int8+head`` / ``w8a8+head`` add ``model.quantization_lm_head=true``) and of a
+quantized KV cache (modes ``kv-int8``, ``kv-fp8_e4m3``: ``cache.kv_dtype``, float weights)
+on the default model's held-out sets, scored by servelab itself.
 
     python benchmarks/quantization_quality.py --venv .venv --out /tmp/quality.json
+    python benchmarks/quantization_quality.py --venv .venv --modes none kv-int8 kv-fp8_e4m3
 
 Sets: the validation files of the tiny pair's corpus (``examples/tiny_model/corpus.py``,
 rebuilt from ``--venv``'s site-packages and this Python's standard library: the split is a
@@ -60,6 +62,23 @@ def score(llm, rows) -> tuple[float, list[int]]:
     return nll, argmax
 
 
+KV_PREFIX = "kv-"
+"""Modes ``kv-<cache.kv_dtype>`` quantize the KV cache instead of the weights."""
+
+
+def mode_overrides(mode: str, group_size: int) -> list[str]:
+    """The config overrides of one mode."""
+    if mode.startswith(KV_PREFIX):
+        return ["model.quantization=none", f"cache.kv_dtype={mode[len(KV_PREFIX):]}"]
+    quantization, _, head = mode.partition("+")
+    overrides = [f"model.quantization={quantization}"]
+    if head:
+        overrides.append("model.quantization_lm_head=true")
+    if mode == "int4":
+        overrides.append(f"model.quantization_group_size={group_size}")
+    return overrides
+
+
 def weight_bytes(llm) -> int:
     """Bytes of the model's parameters (quantized layers count their integers and scales)."""
     return sum(p.numel() * p.element_size() for p in llm.engine.executor.model.parameters())
@@ -69,15 +88,10 @@ def evaluate(mode: str, args, sets: dict, prompts: list[list[int]]) -> dict:
     """One mode's perplexities, argmax tokens and greedy completions."""
     from servelab import LLM, SamplingParams
 
-    quantization, _, head = mode.partition("+")
-    overrides = ["device=cpu", f"model.quantization={quantization}"]
-    if head:
-        overrides.append("model.quantization_lm_head=true")
-    if mode == "int4":
-        overrides.append(f"model.quantization_group_size={args.group_size}")
-    llm = LLM(str(args.model), overrides=overrides)
+    llm = LLM(str(args.model), overrides=["device=cpu", *mode_overrides(mode, args.group_size)])
     started = time.perf_counter()
-    result: dict = {"mode": mode, "weight_bytes": weight_bytes(llm)}
+    result: dict = {"mode": mode, "weight_bytes": weight_bytes(llm),
+                    "kv_bytes_per_token": llm.engine.cache.spec.bytes_per_token}
     for name, rows in sets.items():
         nll, argmax = score(llm, rows)
         result[name] = {"perplexity": math.exp(nll / len(argmax)), "positions": len(argmax), "argmax": argmax}
@@ -89,7 +103,7 @@ def evaluate(mode: str, args, sets: dict, prompts: list[list[int]]) -> dict:
 
 def compare(result: dict, reference: dict, set_names) -> dict:
     """``result``'s summary against the float model's (``reference``)."""
-    summary = {"mode": result["mode"], "weight_bytes": result["weight_bytes"], "seconds": result["seconds"]}
+    summary = {key: result[key] for key in ("mode", "weight_bytes", "kv_bytes_per_token", "seconds")}
     for name in set_names:
         ppl, float_ppl = result[name]["perplexity"], reference[name]["perplexity"]
         same = sum(a == b for a, b in zip(result[name]["argmax"], reference[name]["argmax"]))
@@ -109,7 +123,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", type=Path, default=REPO / "checkpoints/tiny")
     parser.add_argument("--venv", type=Path, required=True, help="a venv holding servelab's [test] dependencies")
     parser.add_argument("--scratch", type=Path, default=Path.home() / ".cache/servelab-tiny-model")
-    parser.add_argument("--modes", nargs="+", default=["none", "int8", "w8a8", "int8+head", "w8a8+head", "int4"])
+    parser.add_argument("--modes", nargs="+", default=["none", "int8", "w8a8", "int8+head", "w8a8+head", "int4"],
+                        help="weight modes (none, int8, w8a8, int8+head, w8a8+head, int4) and KV cache modes "
+                             "(kv-int8, kv-fp8_e4m3)")
     parser.add_argument("--group-size", type=int, default=128)
     parser.add_argument("--row-tokens", type=int, default=511)
     parser.add_argument("--val-rows", type=int, default=None, help="validation rows at even strides (all)")
@@ -134,12 +150,13 @@ def main(argv: list[str] | None = None) -> None:
     summaries = [compare(result, results[0], sets) for result in results]
     report = {"command": " ".join(sys.argv), "corpus": corpus.summary(), "row_tokens": args.row_tokens,
               "group_size": args.group_size, "modes": summaries}
-    print("| mode | weights MB | val ppl | change | val top-1 agree | torch ppl | change | torch top-1 agree "
-          "| greedy tokens equal | completions equal |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| mode | weights MB | KV bytes/token | val ppl | change | val top-1 agree | torch ppl | change "
+          "| torch top-1 agree | greedy tokens equal | completions equal |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for s in summaries:
         val, held = s["val"], s["torch"]
-        print(f"| {s['mode']} | {s['weight_bytes'] / 1e6:.2f} | {val['perplexity']:.3f} | {val['change_percent']:+.2f}% "
+        print(f"| {s['mode']} | {s['weight_bytes'] / 1e6:.2f} | {s['kv_bytes_per_token']} | {val['perplexity']:.3f} "
+              f"| {val['change_percent']:+.3f}% "
               f"| {val['top1_agreement']:.2%} | {held['perplexity']:.3f} | {held['change_percent']:+.2f}% "
               f"| {held['top1_agreement']:.2%} | {s['greedy_token_agreement']:.2%} | {s['greedy_completions_equal']} |")
     if args.out:

@@ -8,12 +8,14 @@ from typing import Any
 
 import torch
 
+from servelab.core.kv_cache_dtype import SCALE_BYTES, is_quantized
 
 @dataclass(frozen=True, slots=True)
 class AttentionSpec:
     """The attention shape of one model: ``num_heads`` query heads and ``num_kv_heads``
-    KV heads of ``head_dim``, softmax ``scale``, compute ``dtype`` on ``device``, and an
-    optional ``sliding_window`` (None = full attention)."""
+    KV heads of ``head_dim``, softmax ``scale``, compute ``dtype`` on ``device``, an
+    optional ``sliding_window`` (None = full attention) and ``kv_dtype``, the KV cache's
+    element type (None = ``dtype``; int8 or float8_e4m3fn: quantized, ``cache.kv_dtype``)."""
 
     num_heads: int
     num_kv_heads: int
@@ -22,6 +24,17 @@ class AttentionSpec:
     dtype: torch.dtype
     device: torch.device
     sliding_window: int | None = None
+    kv_dtype: torch.dtype | None = None
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The element type of the KV cache tensors."""
+        return self.kv_dtype or self.dtype
+
+    @property
+    def kv_quantized(self) -> bool:
+        """True when the cache stores one-byte values with a float32 scale per slot and head."""
+        return is_quantized(self.cache_dtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,10 +89,16 @@ class AttentionBackend(abc.ABC):
     #: The axis of ``kv_cache_shape`` that indexes blocks: block copies (copy-on-write,
     #: swapping) move the slices along it.
     kv_cache_block_axis = 1
+    #: True when ``forward`` reads a quantized cache (``AttentionSpec.kv_quantized``); the
+    #: executor refuses ``cache.kv_dtype=int8 | fp8_e4m3`` with a backend that does not.
+    reads_quantized_kv = False
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """Shape of one layer's cache tensor: K and V stacked on the first axis."""
-        return (2, num_blocks, block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        """Shape of one layer's cache tensor (dtype ``spec.cache_dtype``): K and V stacked on
+        the first axis; a quantized cache's rows hold D values then the 4 bytes of their
+        float32 scale, so block copies, swapping and prefix caching carry the scales."""
+        row = self.spec.head_dim + (SCALE_BYTES if self.spec.kv_quantized else 0)
+        return (2, num_blocks, block_size, self.spec.num_kv_heads, row)
 
     @classmethod
     def resolve(cls, config: Any, spec: AttentionSpec, registry: Any) -> Any:

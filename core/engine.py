@@ -15,6 +15,7 @@ from servelab.core.decoding import DecodingContext
 from servelab.core.errors import ConfigError, InvalidRequestError
 from servelab.core.executor import ExecutedStep, ExecutorContext
 from servelab.core.kv_cache import CacheContext
+from servelab.core.kv_cache_dtype import kv_dtype_name, resolve_kv_dtype
 from servelab.core.output_processor import OUTPUT_KINDS, OutputProcessor
 from servelab.core.outputs import RequestOutput
 from servelab.core.quantization import quantization_problems
@@ -68,17 +69,21 @@ class LLMEngine:
         self.shape = shape
         self.max_model_len = cfg.model.max_model_len or shape.max_positions
         self.vocab_size = shape.vocab_size
-        attention_spec = shape.attention_spec(self.dtype, self.device, self.max_model_len)
+        problems: list[str] = []
+        kv_dtype = build_collecting(problems, lambda: resolve_kv_dtype(kv_dtype_name(cfg.cache), self.dtype))
+        kv_dtype = kv_dtype or self.dtype
+        attention_spec = shape.attention_spec(self.dtype, self.device, self.max_model_len, kv_dtype=kv_dtype)
         cfg.attention = registry.spec_for_config("attention", cfg.attention).cls.resolve(
             cfg.attention, attention_spec, registry)
         parallel = cfg.parallel
-        problems = shape.parallel_problems(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
+        problems += shape.parallel_problems(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
         problems += quantization_problems(checkpoint.quantization, shape, parallel.tensor_parallel_size, self.device,
                                           executor_cls.runs_model)
         executor = None if problems else build_collecting(problems, lambda: registry.build(
             "executor", cfg.executor, ExecutorContext(checkpoint, shape, model_cls, self.dtype, self.device,
-                                                      self.max_model_len, cfg.attention, cfg, registry, self.clock)))
-        kv_spec = shape.kv_cache_spec(self.dtype, self.max_model_len, parallel.tensor_parallel_size,
+                                                      self.max_model_len, cfg.attention, cfg, registry, self.clock,
+                                                      kv_dtype)))
+        kv_spec = shape.kv_cache_spec(kv_dtype, self.max_model_len, parallel.tensor_parallel_size,
                                       parallel.pipeline_parallel_size)
         budget = build_collecting(problems, lambda: executor.kv_cache_budget_bytes(kv_spec)) if executor else None
         cache = build_collecting(problems, lambda: registry.build(

@@ -61,7 +61,8 @@ class ExecutorContext:
     ``shape``: its sizes; ``model_cls``: the registered ``CausalLM`` class; ``dtype`` and
     ``device``; ``max_model_len``; ``attention_config``: the resolved attention backend's
     config; ``engine_cfg``: the whole composed config (``hardware``, ``cost_model`` and
-    ``parallel`` nodes included); ``registry``; ``clock``: the engine's time.
+    ``parallel`` nodes included); ``registry``; ``clock``: the engine's time; ``kv_dtype``:
+    the KV cache's element type (``cache.kv_dtype``; None = ``dtype``).
     """
 
     checkpoint: Checkpoint
@@ -74,6 +75,7 @@ class ExecutorContext:
     engine_cfg: Any
     registry: Registry
     clock: Clock
+    kv_dtype: torch.dtype | None = None
 
 
 class Executor(abc.ABC):

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from servelab.core.kv_cache_dtype import SCALE_BYTES, is_quantized
 from servelab.core.request import Request
 
 if TYPE_CHECKING:
@@ -19,7 +20,9 @@ class KVCacheSpec:
     """What one model needs stored per token.
 
     Fields: ``num_layers`` attention layers, each caching ``num_kv_heads`` x ``head_dim``
-    keys and values in ``dtype``; ``max_model_len`` tokens at most per sequence.
+    keys and values in ``dtype`` (the cache's element type: the model's, or int8 /
+    float8_e4m3fn with a float32 scale per slot and KV head, ``cache.kv_dtype``);
+    ``max_model_len`` tokens at most per sequence.
     """
 
     num_layers: int
@@ -30,9 +33,10 @@ class KVCacheSpec:
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes of K and V for one token across all layers."""
+        """Bytes of K and V for one token across all layers (scales included)."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+        row = self.head_dim * itemsize + (SCALE_BYTES if is_quantized(self.dtype) else 0)
+        return 2 * self.num_layers * self.num_kv_heads * row
 
 
 @dataclass(frozen=True, slots=True)

@@ -64,17 +64,19 @@ class ModelShape:
         return {name: inputs for name, (_, inputs) in self.linear_shapes(tensor_parallel_size).items()}
 
     def attention_spec(self, dtype: torch.dtype, device: torch.device, max_model_len: int,
-                       tensor_parallel_size: int = 1) -> AttentionSpec:
+                       tensor_parallel_size: int = 1, kv_dtype: torch.dtype | None = None) -> AttentionSpec:
         """The attention backend's spec on one of ``tensor_parallel_size`` ranks (a window as
-        long as the context is no window)."""
+        long as the context is no window); ``kv_dtype``: the cache's element type (None: ``dtype``)."""
         window = self.sliding_window if self.sliding_window and self.sliding_window < max_model_len else None
         return AttentionSpec(self.num_heads // tensor_parallel_size, self.kv_heads_per_rank(tensor_parallel_size),
-                             self.head_dim, self.head_dim ** -0.5, dtype, device, window)
+                             self.head_dim, self.head_dim ** -0.5, dtype, device, window,
+                             None if kv_dtype == dtype else kv_dtype)
 
     def kv_cache_spec(self, dtype: torch.dtype, max_model_len: int, tensor_parallel_size: int = 1,
                       pipeline_parallel_size: int = 1) -> KVCacheSpec:
-        """What one device's KV cache stores per token: the layers of the largest pipeline
-        stage and the KV heads of one tensor-parallel rank (see ``kv_heads_per_rank``)."""
+        """What one device's KV cache stores per token in element type ``dtype``: the layers
+        of the largest pipeline stage and the KV heads of one tensor-parallel rank (see
+        ``kv_heads_per_rank``)."""
         layers = -(-self.num_layers // pipeline_parallel_size)
         return KVCacheSpec(layers, self.kv_heads_per_rank(tensor_parallel_size), self.head_dim, dtype, max_model_len)
 

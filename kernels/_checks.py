@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from servelab.core.kv_cache_dtype import SCALE_BYTES, is_quantized, quantized_kv_dtypes
 from servelab.kernels.availability import triton_interpret_enabled, triton_unavailable_reason
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -45,13 +46,24 @@ def check_same_device(device: torch.device, **tensors: torch.Tensor) -> None:
 
 
 def check_kv_cache(kv_cache: torch.Tensor) -> tuple[int, int, int, int]:
-    """Validate ``[2, num_blocks, block_size, num_kv_heads, head_dim]``; return its last 4 sizes."""
+    """Validate ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (``head_dim + 4``
+    bytes per row when int8 / float8_e4m3fn: values, then their float32 scale); return
+    (num_blocks, block_size, num_kv_heads, head_dim)."""
     check(kv_cache.dim() == 5 and kv_cache.shape[0] == 2,
           f"kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim], got {tuple(kv_cache.shape)}")
-    check(kv_cache.dtype in FLOAT_DTYPES, f"kv_cache dtype {kv_cache.dtype} not in {FLOAT_DTYPES}")
+    allowed = FLOAT_DTYPES + quantized_kv_dtypes()
+    check(kv_cache.dtype in allowed, f"kv_cache dtype {kv_cache.dtype} not in {allowed}")
     check(kv_cache.stride(-1) == 1, "kv_cache must be contiguous in head_dim (stride(-1) == 1)")
-    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    _, num_blocks, block_size, num_kv_heads, row = kv_cache.shape
+    head_dim = row - SCALE_BYTES if is_quantized(kv_cache.dtype) else row
+    check(head_dim >= 1, f"a quantized kv_cache row holds head_dim values and a 4-byte scale, got {row} bytes")
     return num_blocks, block_size, num_kv_heads, head_dim
+
+
+def check_cache_dtype(kv_cache: torch.Tensor, dtype: torch.dtype, name: str) -> None:
+    """The cache holds ``dtype`` (``name``'s) or quantized values."""
+    check(kv_cache.dtype == dtype or is_quantized(kv_cache.dtype),
+          f"kv_cache dtype {kv_cache.dtype} must be {name}'s dtype {dtype}, int8 or float8_e4m3fn")
 
 
 def check_index_tensor(t: torch.Tensor, name: str, shape: tuple, dtype: torch.dtype) -> None:

@@ -30,7 +30,8 @@ def load_kv_tile(
 ):
     """Gather keys ``[BLOCK_D, BLOCK_N]`` (transposed) and values ``[BLOCK_N, BLOCK_D]`` of
     context positions ``start_n .. start_n + BLOCK_N`` through a block-table row
-    (positions >= hi read as 0); returns (k_t, v, k_pos, k_valid).
+    (positions >= hi read as 0); returns (k_t, v, k_pos, k_valid, row_off), ``row_off``
+    the positions' row offsets for ``load_kv_scales``.
 
     Each key is looked up through its own block id, so any block size works (1,
     16, ..., one block per sequence).  Offsets are int32 (fewer registers) unless
@@ -46,7 +47,17 @@ def load_kv_tile(
                   mask=k_valid[None, :] & d_valid[:, None], other=0.0)
     v = tl.load(kv_ptr + stride_c0 + row_off[:, None] + offs_d[None, :],
                 mask=k_valid[:, None] & d_valid[None, :], other=0.0)
-    return k_t, v, k_pos, k_valid
+    return k_t, v, k_pos, k_valid, row_off
+
+
+@triton.jit
+def load_kv_scales(kv_ptr, row_off, k_valid, stride_c0, HEAD_DIM: tl.constexpr):
+    """Key and value scales [BLOCK_N] (float32, 0 where not ``k_valid``) of a quantized
+    cache's rows ``row_off``: the 4 bytes after each row's HEAD_DIM values."""
+    k_scale = tl.load((kv_ptr + row_off + HEAD_DIM).to(tl.pointer_type(tl.float32)), mask=k_valid, other=0.0)
+    v_scale = tl.load((kv_ptr + stride_c0 + row_off + HEAD_DIM).to(tl.pointer_type(tl.float32)),
+                      mask=k_valid, other=0.0)
+    return k_scale, v_scale
 
 
 def check_launchable(kernel, device: torch.device) -> None:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from servelab.core.kv_cache_dtype import is_quantized
+from servelab.kernels.kv_quantization import quantize_kv
+
 
 def write_kv_cache_reference(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
@@ -11,8 +14,13 @@ def write_kv_cache_reference(
     """Write ``key[t]``/``value[t]`` ([T, Hkv, D]) into slot ``slot_mapping[t]`` of ``kv_cache``.
 
     ``kv_cache`` is ``[2, num_blocks, block_size, Hkv, D]`` and slot = block_id *
-    block_size + offset; rows whose slot is negative are skipped.  In place.
+    block_size + offset; rows whose slot is negative are skipped.  In place.  An int8 /
+    float8_e4m3fn cache (rows of D + 4) gets ``kv_quantization.quantize_kv``'s rows.
     """
+    if is_quantized(kv_cache.dtype):
+        key = quantize_kv(key, kv_cache.dtype).view(torch.uint8)
+        value = quantize_kv(value, kv_cache.dtype).view(torch.uint8)
+        kv_cache = kv_cache.view(torch.uint8)
     block_size = kv_cache.shape[2]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()

@@ -17,11 +17,13 @@ import torch
 import triton
 import triton.language as tl
 
+from servelab.core.kv_cache_dtype import is_quantized
 from servelab.kernels._checks import (
     FLOAT_DTYPES,
     check,
     check_attention_out,
     check_block_table,
+    check_cache_dtype,
     check_index_tensor,
     check_kv_cache,
     check_runnable,
@@ -32,6 +34,7 @@ from servelab.kernels._triton_utils import (
     check_launchable,
     dot_flags,
     kv_tile_size,
+    load_kv_scales,
     load_kv_tile,
     mma,
     offsets_i64,
@@ -57,6 +60,7 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, OFFSETS_I64: tl.constexpr,
+    QUANTIZED: tl.constexpr,                     # int8 / float8 cache rows: D values, then a float32 scale
 ):
     """Grid (requests, KV heads, splits): attention of a KV group's heads over one split."""
     req = tl.program_id(0)
@@ -80,15 +84,23 @@ def _decode_split_kernel(
     table_row = block_table_ptr + req.to(tl.int64) * stride_bt
     head_off = kv_head * stride_ch
     for start_n in range(lo, hi, BLOCK_N):
-        k_t, v, k_pos, k_valid = load_kv_tile(
+        k_t, v, k_pos, k_valid, row_off = load_kv_tile(
             kv_ptr, table_row, start_n, hi, offs_d, d_valid, stride_c0, stride_cb, stride_cs, head_off,
             BLOCK_SIZE, BLOCK_N, OFFSETS_I64)
+        if QUANTIZED:  # one-byte values to q's dtype (exact), their scales applied to scores and weights
+            k_scale, v_scale = load_kv_scales(kv_ptr, row_off, k_valid, stride_c0, HEAD_DIM)
+            k_t = k_t.to(tl.float32).to(q.dtype)  # through float32: the interpreter's int8 -> bfloat16 is wrong
+            v = v.to(tl.float32).to(q.dtype)
         s = mma(q, k_t, DOT_PRECISION, DOT_UPCAST) * qk_scale_log2
+        if QUANTIZED:
+            s = s * k_scale[None, :]
         s = tl.where(k_valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
+        if QUANTIZED:
+            p = p * v_scale[None, :]
         acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
         m_i = m_new
 
@@ -169,8 +181,8 @@ def paged_decode_attention(
     num_reqs, num_heads, q_head_dim = q.shape
     check(q_head_dim == head_dim, f"q head_dim {q_head_dim} != kv_cache head_dim {head_dim}")
     check(num_heads % num_kv_heads == 0, f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
-    check(q.dtype in FLOAT_DTYPES and q.dtype == kv_cache.dtype,
-          f"q dtype {q.dtype} must be one of {FLOAT_DTYPES} and match kv_cache dtype {kv_cache.dtype}")
+    check(q.dtype in FLOAT_DTYPES, f"q dtype {q.dtype} must be one of {FLOAT_DTYPES}")
+    check_cache_dtype(kv_cache, q.dtype, "q")
     check(q.stride(-1) == 1, "q must be contiguous in head_dim")
     check_index_tensor(seq_lens, "seq_lens", (num_reqs,), torch.int32)
     check_block_table(block_table, num_reqs)
@@ -211,6 +223,7 @@ def paged_decode_attention(
         GROUP=group, BLOCK_H=max(16, next_pow2(group)), BLOCK_N=block_n,
         num_warps=num_warps, num_stages=1 if interp else 2,
         OFFSETS_I64=offsets_i64(kv_cache),
+        QUANTIZED=is_quantized(kv_cache.dtype),
         **dot_flags(q.dtype),
     )
     _decode_reduce_kernel[(num_reqs, num_heads)](

@@ -17,11 +17,13 @@ import torch
 import triton
 import triton.language as tl
 
+from servelab.core.kv_cache_dtype import is_quantized
 from servelab.kernels._checks import (
     FLOAT_DTYPES,
     check,
     check_attention_out,
     check_block_table,
+    check_cache_dtype,
     check_index_tensor,
     check_kv_cache,
     check_runnable,
@@ -32,6 +34,7 @@ from servelab.kernels._triton_utils import (
     check_launchable,
     dot_flags,
     kv_tile_size,
+    load_kv_scales,
     load_kv_tile,
     mma,
     offsets_i64,
@@ -62,6 +65,7 @@ def _varlen_paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,    # see _triton_utils.mma
     OFFSETS_I64: tl.constexpr,   # int64 cache offsets (huge caches)
+    QUANTIZED: tl.constexpr,     # int8 / float8 cache rows: D values, then a float32 scale
 ):
     """Grid (query tiles, requests, KV heads); see the module docstring."""
     q_tile = tl.program_id(0)
@@ -100,16 +104,24 @@ def _varlen_paged_attention_kernel(
     table_row = block_table_ptr + req.to(tl.int64) * stride_bt
     head_off = kv_head * stride_ch
     for start_n in range(0, hi, BLOCK_N):
-        k_t, v, k_pos, k_valid = load_kv_tile(
+        k_t, v, k_pos, k_valid, row_off = load_kv_tile(
             kv_ptr, table_row, start_n, hi, offs_d, d_valid, stride_c0, stride_cb, stride_cs, head_off,
             BLOCK_SIZE, BLOCK_N, OFFSETS_I64)
+        if QUANTIZED:  # one-byte values to q's dtype (exact), their scales applied to scores and weights
+            k_scale, v_scale = load_kv_scales(kv_ptr, row_off, k_valid, stride_c0, HEAD_DIM)
+            k_t = k_t.to(tl.float32).to(q.dtype)  # through float32: the interpreter's int8 -> bfloat16 is wrong
+            v = v.to(tl.float32).to(q.dtype)
         s = mma(q, k_t, DOT_PRECISION, DOT_UPCAST) * qk_scale_log2
+        if QUANTIZED:
+            s = s * k_scale[None, :]
         keep = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
         s = tl.where(keep, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
+        if QUANTIZED:
+            p = p * v_scale[None, :]
         acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
         m_i = m_new
 
@@ -155,8 +167,8 @@ def varlen_paged_attention(
     num_tokens, num_heads, q_head_dim = q.shape
     check(q_head_dim == head_dim, f"q head_dim {q_head_dim} != kv_cache head_dim {head_dim}")
     check(num_heads % num_kv_heads == 0, f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
-    check(q.dtype in FLOAT_DTYPES and q.dtype == kv_cache.dtype,
-          f"q dtype {q.dtype} must be one of {FLOAT_DTYPES} and match kv_cache dtype {kv_cache.dtype}")
+    check(q.dtype in FLOAT_DTYPES, f"q dtype {q.dtype} must be one of {FLOAT_DTYPES}")
+    check_cache_dtype(kv_cache, q.dtype, "q")
     check(q.stride(-1) == 1, "q must be contiguous in head_dim")
     check(query_start_loc.dim() == 1 and query_start_loc.shape[0] >= 1, "query_start_loc must be [R+1]")
     num_reqs = query_start_loc.shape[0] - 1
@@ -192,6 +204,7 @@ def varlen_paged_attention(
         GROUP=group,
         GROUP_PAD=group_pad,
         OFFSETS_I64=offsets_i64(kv_cache),
+        QUANTIZED=is_quantized(kv_cache.dtype),
         **dot_flags(q.dtype),
         **cfg,
     )

@@ -10,18 +10,26 @@ from __future__ import annotations
 
 import torch
 
+from servelab.core.kv_cache_dtype import is_quantized
+from servelab.kernels.kv_quantization import dequantize_kv
+
 
 def gather_context(
     kv_cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return one request's keys and values ``[seq_len, Hkv, D]`` in position order."""
-    block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
+    """Return one request's keys and values ``[seq_len, Hkv, D]`` in position order
+    (dequantized to float32 from an int8 / float8_e4m3fn cache)."""
+    block_size, num_kv_heads, row = kv_cache.shape[2:]
     num_blocks = -(-seq_len // block_size)
     if num_blocks > block_table_row.shape[0]:
         raise ValueError(f"seq_len {seq_len} needs {num_blocks} blocks, table has {block_table_row.shape[0]}")
     blocks = block_table_row[:num_blocks].long()
-    k = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-    v = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+    quantized = is_quantized(kv_cache.dtype)
+    raw = kv_cache.view(torch.uint8) if quantized else kv_cache
+    k = raw[0, blocks].reshape(-1, num_kv_heads, row)[:seq_len].view(kv_cache.dtype)
+    v = raw[1, blocks].reshape(-1, num_kv_heads, row)[:seq_len].view(kv_cache.dtype)
+    if quantized:
+        return dequantize_kv(k, torch.float32), dequantize_kv(v, torch.float32)
     return k, v
 
 

@@ -37,6 +37,7 @@ struct AttentionScratch {
   std::vector<uint32_t> query_pairs;  // bfloat16 query pairs, for pair dot products
   std::vector<Segment> segments;
   std::vector<int64_t> value_offsets;  // element offset of each span position's value row
+  std::vector<float> value_scales;     // each span position's value scale (quantized caches)
 };
 
 // Turns the scores of `vectors` query vectors into softmax weights over the span (online:
@@ -75,7 +76,9 @@ inline void softmax_span(AttentionScratch& s, int64_t vectors, int64_t count, in
   }
 }
 
-template <typename T>
+// Queries and outputs of T, a cache of C (T, or int8 / float8_e4m3fn with scales: key
+// scales multiply the scores, value scales the softmax weights).
+template <typename T, typename C>
 void paged_attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
                             const at::Tensor& block_table, const at::Tensor& query_start_loc,
                             const at::Tensor& seq_lens, const at::Tensor& requests, double scale,
@@ -83,21 +86,21 @@ void paged_attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tens
   const int64_t num_heads = q.size(1);
   const int64_t head_dim = q.size(2);
   const int64_t num_kv_heads = kv_cache.size(1);
-  const int64_t block_size = kv_cache.size(3) / head_dim;
+  const int64_t block_size = cache_block_size(kv_cache, head_dim);
   const int64_t group = num_heads / num_kv_heads;
   const int64_t q_row_stride = q.stride(0);
   const int64_t q_head_stride = q.stride(1);
   const int64_t out_row_stride = out.stride(0);
   const int64_t out_head_stride = out.stride(1);
-  const int64_t tile_size = block_size * head_dim;
-  const int64_t block_stride = num_kv_heads * 2 * tile_size;
+  const int64_t part = part_elements<C>(block_size, head_dim);
+  const int64_t block_stride = num_kv_heads * 2 * part;
   const int64_t table_stride = block_table.stride(0);
-  const AccumulateFn<T> accumulate = accumulate_loop<T>(head_dim / kLanes);
+  const AccumulateFn<C> accumulate = accumulate_loop<C>(head_dim / kLanes);
   // bfloat16 keys in pairs are scored by pair dot products of the unscaled bfloat16 query.
-  constexpr bool kPairScores = kBf16KeyPairs && std::is_same_v<T, c10::BFloat16>;
+  constexpr bool kPairScores = kBf16KeyPairs && std::is_same_v<C, c10::BFloat16>;
 
   const T* q_data = q.data_ptr<T>();
-  const T* cache = kv_cache.data_ptr<T>();
+  const C* cache = kv_cache.data_ptr<C>();
   T* out_data = out.data_ptr<T>();
   const int32_t* table = block_table.data_ptr<int32_t>();
   const int32_t* starts = query_start_loc.data_ptr<int32_t>();
@@ -123,6 +126,7 @@ void paged_attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tens
 #endif
     AttentionScratch s;
     s.value_offsets.resize(kSpan);
+    if constexpr (kQuantized<C>) s.value_scales.resize(kSpan);
     s.keys.resize(head_dim * kLanes);
     const Vec scale_vec(static_cast<float>(scale));
     for (int64_t w = begin; w < end; ++w) {
@@ -155,8 +159,8 @@ void paged_attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tens
       const int64_t last_pos = first_pos + rows - 1;
       const int64_t lowest = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
       const int32_t* blocks = table + item.request * table_stride;
-      const T* key_tiles = cache + item.kv_head * 2 * tile_size;
-      const T* value_tiles = key_tiles + tile_size;
+      const C* key_tiles = cache + item.kv_head * 2 * part;
+      const C* value_tiles = key_tiles + part;
 
       for (int64_t span_begin = lowest; span_begin <= last_pos; span_begin += kSpan) {
         const int64_t count = std::min(kSpan, last_pos + 1 - span_begin);
@@ -169,6 +173,10 @@ void paged_attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tens
           s.segments.push_back({block, slot, length, t});
           for (int64_t l = 0; l < length; ++l)
             s.value_offsets[t + l] = block * block_stride + (slot + l) * head_dim;
+          if constexpr (kQuantized<C>) {
+            const float* scales = tile_scales(value_tiles + block * block_stride, block_size, head_dim) + slot;
+            std::copy(scales, scales + length, s.value_scales.data() + t);
+          }
           t += length;
         }
         for (int64_t i = 0; i < rows; ++i) {
@@ -204,6 +212,10 @@ void paged_attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tens
           }
         }
         softmax_span(s, vectors, count, head_dim);
+        if constexpr (kQuantized<C>) {
+          for (int64_t j = 0; j < vectors; ++j)
+            for (int64_t t = 0; t < count; ++t) s.scores[j * kSpan + t] *= s.value_scales[t];
+        }
         accumulate(value_tiles, s.value_offsets.data(), count, s.scores.data(), vectors, s.acc.data());
       }
       for (int64_t j = 0; j < vectors; ++j) {
@@ -229,8 +241,9 @@ void check_attention_args(const at::Tensor& out, const at::Tensor& q, const at::
   TORCH_CHECK(head_dim_supported(q.size(2)), "paged_attention: head_dim ", q.size(2), " is not supported here");
   check_cache(kv_cache, kv_cache.size(1), q.size(2), "paged_attention");
   TORCH_CHECK(q.size(1) % kv_cache.size(1) == 0, "paged_attention: query heads must be a multiple of KV heads");
-  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() && out.scalar_type() == q.scalar_type(),
-              "paged_attention: q, out and kv_cache must share a dtype");
+  TORCH_CHECK(out.scalar_type() == q.scalar_type() &&
+                  (kv_cache.scalar_type() == q.scalar_type() || quantized_cache(kv_cache)),
+              "paged_attention: q and out must share a dtype, kv_cache the same or int8 / float8_e4m3fn");
   for (const at::Tensor* t : {&block_table, &query_start_loc, &seq_lens, &requests})
     TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(),
                 "paged_attention: block_table, query_start_loc, seq_lens and requests must be contiguous int32");
@@ -247,8 +260,10 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv_c
   check_attention_args(out, q, kv_cache, block_table, query_start_loc, seq_lens, requests);
   dispatch_dtype(q.scalar_type(), "paged_attention", [&](auto tag) {
     using scalar_t = decltype(tag);
-    paged_attention_kernel<scalar_t>(out, q, kv_cache, block_table, query_start_loc, seq_lens, requests,
-                                     scale, window);
+    dispatch_cache_dtype<scalar_t>(kv_cache.scalar_type(), "paged_attention", [&](auto cache_tag) {
+      paged_attention_kernel<scalar_t, decltype(cache_tag)>(out, q, kv_cache, block_table, query_start_loc,
+                                                            seq_lens, requests, scale, window);
+    });
   });
 }
 

@@ -185,7 +185,8 @@ void score_pair_span_amx(const c10::BFloat16* key_tiles, int64_t block_stride, i
 #endif
 
 // Scores of every span position for `vectors` query vectors against one KV head's key
-// tiles (`key_tiles` + block * block_stride); `keys` is scratch of D * kLanes floats.
+// tiles (`key_tiles` + block * block_stride), times each position's key scale when the
+// cache is quantized; `keys` is scratch of D * kLanes floats.
 template <typename T>
 void score_span(const T* key_tiles, int64_t block_stride, int64_t block_size, int64_t head_dim,
                 const std::vector<Segment>& segments, const float* query, int64_t vectors, float* keys,
@@ -205,6 +206,11 @@ void score_span(const T* key_tiles, int64_t block_stride, int64_t block_size, in
     for (; j + 4 <= vectors; j += 4) score_lanes<4>(keys, head_dim, query + j * head_dim, lanes, out + j * kSpan);
     for (; j + 2 <= vectors; j += 2) score_lanes<2>(keys, head_dim, query + j * head_dim, lanes, out + j * kSpan);
     for (; j < vectors; ++j) score_lanes<1>(keys, head_dim, query + j * head_dim, lanes, out + j * kSpan);
+    if constexpr (kQuantized<T>) {
+      const Vec scales = Vec::loadu(tile_scales(tile, block_size, head_dim) + slot, static_cast<int>(lanes));
+      for (j = 0; j < vectors; ++j)
+        (Vec::loadu(out + j * kSpan, static_cast<int>(lanes)) * scales).store(out + j * kSpan, static_cast<int>(lanes));
+    }
   });
 }
 

@@ -17,7 +17,9 @@
 #include <ATen/cpu/vec/vec.h>
 #include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Float8_e4m3fn.h>
 
+#include <array>
 #include <cstdint>
 #include <tuple>
 #include <type_traits>
@@ -64,10 +66,38 @@ inline float to_float(T x) { return static_cast<float>(x); }
 template <typename T>
 inline float round_to(float x) { return static_cast<float>(static_cast<T>(x)); }
 
+// float32 of each of the 256 float8_e4m3fn bit patterns (the KV cache's fp8 values).
+inline const float* fp8_e4m3_table() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> values{};
+    for (int bits = 0; bits < 256; ++bits)
+      values[bits] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(bits), c10::Float8_e4m3fn::from_bits()));
+    return values;
+  }();
+  return table.data();
+}
+
+// kLanes values of T from src, as float32 (T: float, bfloat16, float16, or the one-byte
+// values of a quantized KV cache, int8 and float8_e4m3fn).
 template <typename T>
 inline Vec load_vec(const T* src) {
   if constexpr (std::is_same_v<T, float>) {
     return Vec::loadu(src);
+  } else if constexpr (std::is_same_v<T, int8_t>) {
+#if defined(CPU_CAPABILITY_AVX512)
+    return Vec(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)))));
+#elif defined(CPU_CAPABILITY_AVX2)
+    return Vec(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)))));
+#else
+    float values[kLanes];
+    for (int64_t l = 0; l < kLanes; ++l) values[l] = src[l];
+    return Vec::loadu(values);
+#endif
+  } else if constexpr (std::is_same_v<T, c10::Float8_e4m3fn>) {
+    const float* table = fp8_e4m3_table();
+    float values[kLanes];
+    for (int64_t l = 0; l < kLanes; ++l) values[l] = table[src[l].x];
+    return Vec::loadu(values);
   } else {
     Vec out;
     at::vec::load_to_float<T>(src, out);

@@ -1,15 +1,28 @@
-"""Torch operations on the ``[2, num_blocks, block_size, Hkv, D]`` cache layout."""
+"""Torch operations on the ``[2, num_blocks, block_size, Hkv, D]`` cache layout (rows of
+``D + 4`` bytes, values then scale, when quantized: ``kernels/kv_quantization.py``)."""
 
 from __future__ import annotations
 
 import torch
 
+from servelab.core.kv_cache_dtype import is_quantized
+from servelab.kernels.kv_quantization import dequantize_kv, quantize_kv
+
 
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store key/value rows [T, Hkv, D] at their slots [T] (int64)."""
+    """Store key/value rows [T, Hkv, D] at their slots [T] (int64), quantized when the cache is."""
+    if is_quantized(kv_cache.dtype):
+        key = quantize_kv(key, kv_cache.dtype).view(torch.uint8)
+        value = quantize_kv(value, kv_cache.dtype).view(torch.uint8)
+        kv_cache = kv_cache.view(torch.uint8)
     flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
     flat[0].index_copy_(0, slot_mapping, key)
     flat[1].index_copy_(0, slot_mapping, value)
+
+
+def dequantized(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows [..., Hkv, D] in ``dtype``: dequantized when the cache is quantized."""
+    return dequantize_kv(rows, dtype) if is_quantized(rows.dtype) else rows.to(dtype)
 
 
 def context_slots(block_row: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
@@ -18,10 +31,12 @@ def context_slots(block_row: torch.Tensor, block_size: int, length: int) -> torc
     return block_row[positions // block_size].long() * block_size + positions % block_size
 
 
-def gather_kv(kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values at ``slots`` (any shape S) -> two tensors [*S, Hkv, D]."""
-    flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
-    return flat[0][slots], flat[1][slots]
+def gather_kv(kv_cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values at ``slots`` (any shape S) -> two tensors [*S, Hkv, D] in ``dtype``."""
+    raw = kv_cache.view(torch.uint8) if is_quantized(kv_cache.dtype) else kv_cache
+    flat = raw.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
+    keys, values = flat[0][slots].view(kv_cache.dtype), flat[1][slots].view(kv_cache.dtype)
+    return dequantized(keys, dtype), dequantized(values, dtype)
 
 
 def attention_mask(query_len: int, seq_len: int, sliding_window: int | None, device: torch.device) -> torch.Tensor:

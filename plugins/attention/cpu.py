@@ -8,7 +8,9 @@ import torch
 
 from servelab.core.attention import AttentionBackend, AttentionSpec, BatchLayout
 from servelab.core.component import ComponentSpec
+from servelab.core.kv_cache_dtype import SCALE_BYTES
 from servelab.kernels.cpu_ops import native_cpu_ops, native_cpu_unavailable_reason
+from servelab.kernels.kv_quantization import round_trip
 from servelab.plugins.attention.cache_ops import reads_only_new_tokens
 
 
@@ -38,10 +40,13 @@ class CpuAttention(AttentionBackend):
     in float32, threads over (request, KV head, query tile). Fresh prefills attend over
     their new keys and values only (``servelab_cpu.causal_prefill_attention``): on the AMX
     tile unit in bfloat16, otherwise torch's fused SDPA, short prompts side by side on the
-    threads.
+    threads. A quantized cache (``cache.kv_dtype`` int8 / fp8_e4m3) is written quantized
+    and read with its scales applied to the scores and the softmax weights; fresh prefills
+    then attend over their keys and values rounded as the cache stores them.
     """
 
     kv_cache_block_axis = 0  # the tiled layout puts blocks first (kv_cache_shape)
+    reads_quantized_kv = True
 
     @classmethod
     def unsupported_reasons(cls, config, spec: AttentionSpec) -> list[str]:
@@ -67,8 +72,11 @@ class CpuAttention(AttentionBackend):
         followed by a tile of values row-major ([block_size][D]). A block's keys and values
         for all its heads are one contiguous stretch of memory, which the work items of a
         request read one after another: decode attention over scattered blocks is 6-9%
-        faster than with keys and values in separate halves of the tensor."""
-        return (num_blocks, self.spec.num_kv_heads, 2, block_size * self.spec.head_dim)
+        faster than with keys and values in separate halves of the tensor.
+        A quantized cache (int8 / float8_e4m3fn) follows each tile by its block_size float32
+        scales, one per slot: ``[num_blocks, Hkv, 2, block_size * (D + 4)]``."""
+        row = self.spec.head_dim + (SCALE_BYTES if self.spec.kv_quantized else 0)
+        return (num_blocks, self.spec.num_kv_heads, 2, block_size * row)
 
     def build_metadata(self, layout: BatchLayout) -> CpuMetadata:
         """Sort requests into fresh prefills and cached-context requests."""
@@ -90,6 +98,8 @@ class CpuAttention(AttentionBackend):
         self._ops.write_kv_cache(kv_cache, k, v, layout.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.fresh_starts:
+            if self.spec.kv_quantized:  # the values the cache holds, as every later step reads them
+                k, v = round_trip(k, self.spec.kv_dtype), round_trip(v, self.spec.kv_dtype)
             self._ops.causal_prefill_attention(out, q, k, v, meta.fresh_starts, meta.fresh_lengths, self.spec.scale)
         if meta.cached.numel():
             self._ops.paged_attention(out, q, kv_cache, layout.block_table, layout.query_start_loc, layout.seq_lens,

@@ -10,6 +10,9 @@ import torch
 from servelab.core.attention import AttentionBackend, AttentionSpec, BatchLayout
 from servelab.core.component import ComponentSpec
 
+FP8_MIN_CAPABILITY = (8, 9)
+"""CUDA devices from Ada / Hopper on convert to and from float8 in hardware."""
+
 
 @dataclass
 class FlashAttentionConfig:
@@ -22,7 +25,10 @@ class FlashAttentionConfig:
 class FlashAttention(AttentionBackend):
     """Writes k/v with the cache-write kernel, then runs the varlen kernel over the block
     table, or the flash-decoding kernel for pure-decode steps. Runs on CUDA, or on CPU
-    inside Triton's interpreter when ``TRITON_INTERPRET=1``."""
+    inside Triton's interpreter when ``TRITON_INTERPRET=1``. Quantized caches (int8,
+    float8_e4m3) are written quantized and their scales applied inside the kernels."""
+
+    reads_quantized_kv = True
 
     def __init__(self, config: FlashAttentionConfig, spec: AttentionSpec):
         super().__init__(config, spec)
@@ -46,6 +52,10 @@ class FlashAttention(AttentionBackend):
         if spec.sliding_window is not None:
             reasons.append(f"sliding-window attention (window {spec.sliding_window}) is not supported; "
                            "use attention=sdpa or attention=naive")
+        if (spec.kv_dtype == getattr(torch, "float8_e4m3fn", None) and spec.device.type == "cuda"
+                and torch.cuda.get_device_capability(spec.device) < FP8_MIN_CAPABILITY):
+            reasons.append("cache.kv_dtype=fp8_e4m3 needs a GPU of compute capability 8.9 or newer for Triton's "
+                           "float8 conversions; use cache.kv_dtype=int8")
         return reasons
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,

@@ -17,8 +17,11 @@ class NaiveAttentionConfig:
 
 
 class NaiveAttention(AttentionBackend):
-    """Loops over requests, gathers each context through its block table, and computes
-    softmax(q k^T * scale) v with the causal mask; grouped-query heads are repeated."""
+    """Loops over requests, gathers each context through its block table (dequantized to
+    float32 from a quantized cache), and computes softmax(q k^T * scale) v with the causal
+    mask; grouped-query heads are repeated."""
+
+    reads_quantized_kv = True
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: BatchLayout, layer_index: int) -> torch.Tensor:
@@ -29,9 +32,9 @@ class NaiveAttention(AttentionBackend):
         start = 0
         for r, (query_len, seq_len) in enumerate(zip(meta.query_lens, meta.seq_lens_list)):
             slots = context_slots(meta.block_table[r], meta.block_size, seq_len)
-            keys, values = gather_kv(kv_cache, slots)
-            keys = keys.float().repeat_interleave(group, dim=1)
-            values = values.float().repeat_interleave(group, dim=1)
+            keys, values = gather_kv(kv_cache, slots, torch.float32)
+            keys = keys.repeat_interleave(group, dim=1)
+            values = values.repeat_interleave(group, dim=1)
             query = q[start:start + query_len].float()
             scores = torch.einsum("qhd,khd->hqk", query, keys) * self.spec.scale
             allowed = attention_mask(query_len, seq_len, self.spec.sliding_window, q.device)

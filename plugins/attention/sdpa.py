@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from servelab.core.attention import AttentionBackend, BatchLayout
 from servelab.core.component import ComponentSpec
-from servelab.plugins.attention.cache_ops import attention_mask, reads_only_new_tokens, write_kv
+from servelab.kernels.kv_quantization import round_trip
+from servelab.plugins.attention.cache_ops import attention_mask, dequantized, reads_only_new_tokens, write_kv
 
 
 @dataclass
@@ -70,8 +71,12 @@ class SdpaAttention(AttentionBackend):
     and runs the others one by one (plain causal SDPA when nothing is cached yet).
 
     Contexts are gathered block by block into a persistent workspace: a fresh buffer per
-    layer and step would cost more in page faults than the copy itself.
+    layer and step would cost more in page faults than the copy itself. A quantized cache
+    is gathered and dequantized to the model's dtype; a fresh prefill then attends over
+    its keys and values rounded as the cache stores them, like every later step.
     """
+
+    reads_quantized_kv = True
 
     def __init__(self, config, spec):
         super().__init__(config, spec)
@@ -118,8 +123,14 @@ class SdpaAttention(AttentionBackend):
         return DecodeBucket(rows, layout.block_table[index, :num_blocks].long(), valid[:, None, None, :])
 
     def _gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of ``blocks`` (any shape S) -> two views [*S * block_size, Hkv, D]
-        into the workspace (valid until the next call)."""
+        """Keys and values of ``blocks`` (any shape S) -> two tensors [*S * block_size, Hkv, D]:
+        views into the workspace (valid until the next call), or dequantized copies."""
+        if self.spec.kv_quantized:
+            raw = kv_cache.view(torch.uint8)
+            flat = blocks.reshape(-1)
+            tokens = (*blocks.shape[:-1], blocks.shape[-1] * kv_cache.shape[2], *kv_cache.shape[3:])
+            return tuple(dequantized(raw[i].index_select(0, flat).view(kv_cache.dtype).view(tokens), self.spec.dtype)
+                         for i in (0, 1))
         count = blocks.numel()
         if self._workspace is None or self._workspace[0].shape[0] < count or \
                 self._workspace[0].dtype != kv_cache.dtype or self._workspace[0].device != kv_cache.device:
@@ -142,7 +153,9 @@ class SdpaAttention(AttentionBackend):
         gqa = self.spec.num_heads != self.spec.num_kv_heads
         for part in meta.prefills:
             rows = slice(part.start, part.start + part.query_len)
-            if part.blocks is None:
+            if part.blocks is None and self.spec.kv_quantized:  # the values the cache holds
+                keys, values = round_trip(k[rows], self.spec.kv_dtype), round_trip(v[rows], self.spec.kv_dtype)
+            elif part.blocks is None:
                 keys, values = k[rows], v[rows]
             else:
                 keys, values = self._gather(kv_cache, part.blocks)

@@ -32,12 +32,14 @@ class ContiguousCacheConfig:
     tokens, or as much as fits ``memory_bytes`` when ``num_slots`` is null, or the
     executor's budget when both are null. ``reservation``: max | pow2 | oracle (module
     docstring). ``block_size``: the allocation unit of a reservation; null = the whole
-    ``max_model_len`` under ``max`` (one region per request), 16 tokens otherwise."""
+    ``max_model_len`` under ``max`` (one region per request), 16 tokens otherwise.
+    ``kv_dtype``: auto | int8 | fp8_e4m3, as for ``cache=paged``."""
 
     num_slots: Optional[int] = None
     memory_bytes: Optional[int] = None
     reservation: str = "max"
     block_size: Optional[int] = None
+    kv_dtype: str = "auto"
 
 
 def next_power_of_two(n: int) -> int:

@@ -23,7 +23,9 @@ class PagedCacheConfig:
     as fit ``memory_bytes`` when null, or, when that is null too, the executor's budget
     (512 MiB on the CPU; the device memory left after the weights in simulation). ``enable_prefix_caching`` reuses full blocks across
     requests, evicting with the registered policy ``eviction``. ``swap_space_bytes`` sizes
-    the host pool used by ``scheduler.preemption=swap``."""
+    the host pool used by ``scheduler.preemption=swap``. ``kv_dtype``: auto (the model's
+    dtype) | int8 | fp8_e4m3, the stored element type (docs/quantization.md); sizes from
+    memory count its smaller blocks."""
 
     block_size: int = 16
     num_blocks: Optional[int] = None
@@ -31,6 +33,7 @@ class PagedCacheConfig:
     enable_prefix_caching: bool = False
     eviction: str = "lru"
     swap_space_bytes: int = 0
+    kv_dtype: str = "auto"
 
 
 class PagedKVCacheManager(KVCacheManager):

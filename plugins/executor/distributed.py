@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from servelab.core.attention import BatchLayout
+from servelab.core.kv_cache_dtype import is_quantized, kv_dtype_name, resolve_kv_dtype
 from servelab.core.model import ModelParallel
 
 log = logging.getLogger(__name__)
@@ -263,15 +264,18 @@ class ModelShard:
         model_cls = registry.get("model", checkpoint.architecture).cls
         shape = model_cls.shape_of(checkpoint.hf_config)
         max_len = cfg.model.max_model_len or shape.max_positions
-        return cls.load(registry, checkpoint, model_cls, shape, cfg.attention, dtype, device, max_len, parallel)
+        kv_dtype = resolve_kv_dtype(kv_dtype_name(cfg.cache), dtype)
+        return cls.load(registry, checkpoint, model_cls, shape, cfg.attention, dtype, device, max_len, parallel,
+                        kv_dtype)
 
     @classmethod
     def load(cls, registry: Any, checkpoint: Any, model_cls: type, shape: Any, attention_config: Any,
-             dtype: torch.dtype, device: torch.device, max_len: int, parallel: ModelParallel) -> "ModelShard":
-        """The shard from an already read checkpoint."""
+             dtype: torch.dtype, device: torch.device, max_len: int, parallel: ModelParallel,
+             kv_dtype: torch.dtype | None = None) -> "ModelShard":
+        """The shard from an already read checkpoint; ``kv_dtype``: the cache's element type."""
         from servelab.core.checkpoint import load_model
 
-        spec = shape.attention_spec(dtype, device, max_len, parallel.tp_size)
+        spec = shape.attention_spec(dtype, device, max_len, parallel.tp_size, kv_dtype)
         attention = registry.build("attention", attention_config, spec)
         model = load_model(checkpoint, model_cls, attention, dtype, max_len, parallel)
         return cls(model.to(device).eval(), attention, dtype, device, parallel)
@@ -281,10 +285,11 @@ class ModelShard:
         from servelab.kernels.huge_pages import huge_page_zeros
 
         layers = len(self.model.model.layers)
+        dtype = self.attention.spec.cache_dtype
         shape = self.attention.kv_cache_shape(num_blocks, block_size)
-        self.kv_caches = [huge_page_zeros(shape, self.dtype, self.device) for _ in range(layers)]
+        self.kv_caches = [huge_page_zeros(shape, dtype, self.device) for _ in range(layers)]
         host = self.attention.kv_cache_shape(host_blocks, block_size)
-        self.host_caches = [torch.zeros(host, dtype=self.dtype) for _ in range(layers if host_blocks else 0)]
+        self.host_caches = [torch.zeros(host, dtype=dtype) for _ in range(layers if host_blocks else 0)]
 
     def move_blocks(self, moves: tuple) -> None:
         """Swap in, swap out, then copy-on-write. Swapping in first reads every host block
@@ -333,11 +338,14 @@ class ModelShard:
 
 def copy_blocks(attention: Any, sources: list[torch.Tensor], destinations: list[torch.Tensor], pairs) -> None:
     """Copy blocks ``pairs`` (source, destination) from each source to each destination
-    layer, along the attention backend's ``kv_cache_block_axis``."""
+    layer, along the attention backend's ``kv_cache_block_axis`` (a quantized cache as
+    bytes: its values and scales together; torch has no float8 ``index_copy_``)."""
     if not pairs:
         return
     axis = attention.kv_cache_block_axis
     for source, destination in zip(sources, destinations):
+        if is_quantized(source.dtype):
+            source, destination = source.view(torch.uint8), destination.view(torch.uint8)
         src = torch.tensor([s for s, _ in pairs], device=source.device)
         dst = torch.tensor([d for _, d in pairs], device=destination.device)
         blocks = source.index_select(axis, src).to(destination.device, non_blocking=True)

@@ -20,6 +20,7 @@ from servelab.core.decoding import DecodeBatch, DecodingStrategy, lookahead_allo
 from servelab.core.errors import ConfigError
 from servelab.core.executor import ExecutedStep, Executor, ExecutorContext
 from servelab.core.kv_cache import KVCacheManager, KVCacheSpec
+from servelab.core.kv_cache_dtype import kv_dtype_name
 from servelab.core.model import ModelParallel
 from servelab.core.scheduler import SchedulerOutput
 from servelab.kernels.heap_retention import retain_freed_heap_memory
@@ -67,10 +68,14 @@ class ModelExecutor(Executor):
         super().__init__(config, context)
         registry, checkpoint, parallel_cfg = context.registry, context.checkpoint, context.engine_cfg.parallel
         topology = Topology(parallel_cfg.tensor_parallel_size, parallel_cfg.pipeline_parallel_size)
-        spec = context.shape.attention_spec(context.dtype, context.device, context.max_model_len, topology.tp)
+        spec = context.shape.attention_spec(context.dtype, context.device, context.max_model_len, topology.tp,
+                                            context.kv_dtype)
         backend = registry.spec_for_config("attention", context.attention_config)
         problems = [f"attention={backend.name}: {reason}" for reason in
                     backend.cls.unsupported_reasons(OmegaConf.to_object(context.attention_config), spec)]
+        if spec.kv_quantized and not backend.cls.reads_quantized_kv:
+            problems.append(f"cache.kv_dtype={kv_dtype_name(context.engine_cfg.cache)}: attention={backend.name} "
+                            f"does not read a quantized KV cache; use attention=auto, cpu, sdpa, naive or flash")
         if checkpoint.weights is None:
             problems.append(f"the model ({checkpoint.architecture} shape, {context.shape.num_parameters / 1e9:.1f}B "
                             f"parameters) has no weights: executor=model runs checkpoints; use executor=simulated "
@@ -90,7 +95,7 @@ class ModelExecutor(Executor):
                 parallel = self._start_workers(parallel_cfg)
             self.shard = ModelShard.load(registry, checkpoint, context.model_cls, context.shape,
                                          context.attention_config, context.dtype, self.device, self.max_model_len,
-                                         parallel)
+                                         parallel, context.kv_dtype)
         except BaseException:
             self.shutdown()
             raise

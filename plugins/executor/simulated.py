@@ -81,8 +81,10 @@ class SimulatedExecutor(Executor):
     def _cost_model(self, shape: ModelShape, quantization: WeightQuantization | None = None) -> CostModel:
         cfg = self.context.engine_cfg
         bytes_ = self.element_bytes
+        kv_spec = shape.kv_cache_spec(self.context.kv_dtype or self.context.dtype, self.context.max_model_len)
+        kv_bytes = kv_spec.bytes_per_token / (2 * kv_spec.num_layers * kv_spec.num_kv_heads * kv_spec.head_dim)
         return self.context.registry.build("cost_model", cfg.cost_model, CostModelContext(
-            shape, self.hardware, self.parallel, weight_bytes=bytes_, kv_bytes=bytes_, activation_bytes=bytes_,
+            shape, self.hardware, self.parallel, weight_bytes=bytes_, kv_bytes=kv_bytes, activation_bytes=bytes_,
             quantization=quantization))
 
     def kv_cache_budget_bytes(self, spec: KVCacheSpec) -> int:
@@ -180,7 +182,7 @@ class SimulatedExecutor(Executor):
     def _block_moves_time(self, output: SchedulerOutput) -> float:
         """Swapping over the host link, copy-on-write within device memory."""
         block_bytes = self.context.shape.kv_cache_spec(
-            self.context.dtype, self.context.max_model_len, self.parallel.tensor_parallel_size,
+            self.context.kv_dtype or self.context.dtype, self.context.max_model_len, self.parallel.tensor_parallel_size,
             self.parallel.pipeline_parallel_size).bytes_per_token * self.cache.block_size
         swapped = len(output.blocks_to_swap_out) + len(output.blocks_to_swap_in)
         return (swapped * block_bytes / self.hardware.host_bandwidth
