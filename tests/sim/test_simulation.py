@@ -122,6 +122,15 @@ def test_quantized_weights_leave_more_kv_memory_and_decode_faster():
     assert seconds["int4"] < seconds["int8"] < 0.65 * seconds["none"]
 
 
+def test_a_one_byte_kv_cache_holds_twice_the_blocks_and_reads_half_the_bytes():
+    engines = {kv: LLMEngine(compose_config([*LLAMA_7B, f"cache.kv_dtype={kv}"])) for kv in ("auto", "int8")}
+    # float16 keys and values (256 bytes per head and token) against 128 int8 bytes and a 4-byte scale
+    assert engines["int8"].cache.num_blocks / engines["auto"].cache.num_blocks == pytest.approx(256 / 132, rel=0.01)
+    long_decodes = BatchShape((1,) * 64, (2048,) * 64, 64)
+    seconds = {kv: engine.executor.cost_model.forward_cost(long_decodes).total for kv, engine in engines.items()}
+    assert seconds["int8"] < 0.7 * seconds["auto"], "64 decodes over 2,048 tokens read mostly KV cache"
+
+
 def test_the_model_executor_refuses_a_shape_without_weights():
     with pytest.raises(ConfigError, match="has no weights: executor=model runs checkpoints"):
         LLMEngine(compose_config(["model=llama-2-7b"]))
