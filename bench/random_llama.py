@@ -2,12 +2,17 @@
 ``cpu_roofline.py``, ``profile_engine.py``): their shapes, their matmul work per token, and
 a folder both engines load.
 
-Seed-0 random weights, vocabulary 2048, 512 positions, saved by transformers in float32,
-with a word-level tokenizer whose every id decodes (``<i>``), so both engines detokenize
-whatever they generate:
+Seed-0 random weights, vocabulary 2048 unless named, 512 positions, saved by transformers
+in float32, with a word-level tokenizer whose every id decodes (``<i>``), so both engines
+detokenize whatever they generate:
 
 - ``26m``: hidden 512, 8 layers, 8 heads, 2 KV heads, intermediate 1536, untied embeddings;
-- ``3m``: hidden 256, 4 layers, 8 heads, 4 KV heads, intermediate 688, tied embeddings.
+- ``3m``: hidden 256, 4 layers, 8 heads, 4 KV heads, intermediate 688, tied embeddings;
+- ``05b``: the shape of Qwen2.5-0.5B (hidden 896, 24 layers, 14 heads, 2 KV heads,
+  intermediate 4864, vocabulary 151,936, tied embeddings; 494M parameters), for the
+  quantization comparison.
+
+The workloads draw prompt ids below 2048, which every model's vocabulary holds.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ MODELS: dict[str, dict[str, Any]] = {
             "intermediate_size": 1536, "tie_word_embeddings": False},
     "3m": {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
            "intermediate_size": 688, "tie_word_embeddings": True},
+    "05b": {"hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+            "intermediate_size": 4864, "tie_word_embeddings": True, "vocab_size": 151936},
 }
 VOCAB = 2048
 MAX_POSITIONS = 512
@@ -45,10 +52,10 @@ def make_checkpoint(folder: str, name: str) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, max_position_embeddings=MAX_POSITIONS, bos_token_id=0, eos_token_id=1,
-                         **MODELS[name])
+    shape = {"vocab_size": VOCAB, **MODELS[name]}
+    config = LlamaConfig(max_position_embeddings=MAX_POSITIONS, bos_token_id=0, eos_token_id=1, **shape)
     LlamaForCausalLM(config).save_pretrained(folder)
-    word_tokenizer(VOCAB).save_pretrained(folder)
+    word_tokenizer(shape["vocab_size"]).save_pretrained(folder)
     return folder
 
 
@@ -59,4 +66,4 @@ def matmul_parameters(name: str) -> int:
     hidden, inter, layers = m["hidden_size"], m["intermediate_size"], m["num_hidden_layers"]
     kv = m["num_key_value_heads"] * (hidden // m["num_attention_heads"])
     per_layer = hidden * (hidden + 2 * kv) + hidden * hidden + 3 * hidden * inter
-    return layers * per_layer + hidden * VOCAB
+    return layers * per_layer + hidden * m.get("vocab_size", VOCAB)
