@@ -8,8 +8,9 @@ prefills up to the scheduler's step budget, decode batches at several context le
 prefill chunks over a cached context, several prompts in one step, decodes mixed with a
 chunk, and random held-out steps; every step is timed ``repeats`` times in shuffled
 rounds (a noisy machine then slows all points alike) and its median kept; the spread of
-the repeats around their medians is recorded (``meta.dispersion``) for
-``cost_model.jitter``. Then real
+the repeats around their medians and how long a stray persists in time are recorded
+(``meta.dispersion``, ``plugins/cost_model/step_jitter.py``) for ``cost_model.jitter``.
+Then real
 requests run through the engine step by step to measure its host time outside the
 executor (scheduling, stop checks, output rendering). ``step_table.py`` fits the step
 model and the table is written to the job folder (``profile.json``) and ``mode.out``.
@@ -181,8 +182,8 @@ def profile(cfg: DictConfig, folder: Path, command: str) -> dict[str, Any]:
     from servelab.core.cost_model import BatchShape
     from servelab.core.errors import ConfigError
     from servelab.core.sampling_params import SamplingParams
-    from servelab.plugins.cost_model.step_table import (StepTableModel, build_step_series, dispersion_quantiles,
-                                                        fit_step_model, relative_errors)
+    from servelab.plugins.cost_model.step_jitter import dispersion_quantiles, fit_persistence, lag_correlations
+    from servelab.plugins.cost_model.step_table import StepTableModel, build_step_series, fit_step_model, relative_errors
     from servelab.plugins.cost_model.table import CostTable, save_table
 
     mode = cfg.mode
@@ -198,13 +199,16 @@ def profile(cfg: DictConfig, folder: Path, command: str) -> dict[str, Any]:
         plan = _plan(engine, mode, rng)
         params = SamplingParams(temperature=cfg.workload.temperature, max_tokens=1, ignore_eos=True, seed=mode.seed)
         times: list[list[float]] = [[] for _ in plan]
+        starts: list[list[float]] = [[] for _ in plan]
         machine = _machine()
         order = list(range(len(plan)))
+        began = time.perf_counter()
         with tqdm(total=len(plan) * mode.repeats + mode.overhead_rounds, desc="profile", unit="step",
                   disable=not cfg.use_tqdm, dynamic_ncols=True) as bar:
             for _ in range(mode.repeats):
                 rng.shuffle(order)
                 for index in order:
+                    starts[index].append(time.perf_counter() - began)
                     times[index].append(_time_step(engine, plan[index][1], params, rng))
                     bar.update(1)
             overhead_grid, overhead = _engine_overhead(system, mode, bar)
@@ -213,6 +217,9 @@ def profile(cfg: DictConfig, folder: Path, command: str) -> dict[str, Any]:
     batches = [BatchShape(tuple(q for q, _, _ in s), tuple(c for _, c, _ in s), sum(x for _, _, x in s))
                for _, s in plan]
     medians = [statistics.median(t) for t in times]
+    correlations = lag_correlations([(start, index, seconds / medians[index]) for index in range(len(plan))
+                                     for start, seconds in zip(starts[index], times[index])])
+    persistence = fit_persistence(correlations)
     fit = [i for i, (role, _) in enumerate(plan) if role == "fit"]
     buckets = _row_buckets(engine)
     grid = sorted({n for n in mode.token_grid if n <= engine.max_step_tokens})
@@ -226,7 +233,9 @@ def profile(cfg: DictConfig, folder: Path, command: str) -> dict[str, Any]:
                        "quantization": engine.quantization.mode if engine.quantization else "none",
                        "repeats": mode.repeats},
             "dispersion": {"step_time_over_median": dispersion_quantiles(times) if mode.repeats > 1 else [],
-                           "samples": len(plan) * mode.repeats},
+                           "samples": len(plan) * mode.repeats,
+                           "persistence": [list(component) for component in persistence],
+                           "lag_correlations": [[round(s, 4), round(r, 4), n] for s, r, n in correlations]},
             "measurements": [{"role": role, "steps": [list(x) for x in _runs(step)], "seconds": round(m, 6),
                               "min": round(min(t), 6), "max": round(max(t), 6)}
                              for (role, step), m, t in zip(plan, medians, times)]}
@@ -244,7 +253,9 @@ def profile(cfg: DictConfig, folder: Path, command: str) -> dict[str, Any]:
     if mode.out:
         save_table(table, Path(mode.out))
     return {"table": str(path), "out": mode.out, "points": len(plan), "repeats": mode.repeats,
-            "fit": meta["fit"], "scalars": scalars, "engine_overhead_s": dict(zip(overhead_grid, overhead)),
+            "fit": meta["fit"], "scalars": scalars,
+            "persistence": [list(component) for component in persistence],
+            "engine_overhead_s": dict(zip(overhead_grid, overhead)),
             "machine": machine}
 
 

@@ -21,11 +21,13 @@ from servelab.core.quantization import WeightQuantization
 class BatchShape:
     """The work of one forward pass: per request, ``query_lens[i]`` new tokens ending a
     context of ``context_lens[i]`` tokens (cached + new; a decode has one new token), and
-    ``num_logits_rows`` rows that go through the LM head and sampling."""
+    ``num_logits_rows`` rows that go through the LM head and sampling; ``start_s``, the
+    clock time at which the pass starts (for cost models whose prices drift in time)."""
 
     query_lens: tuple[int, ...]
     context_lens: tuple[int, ...]
     num_logits_rows: int
+    start_s: float = 0.0
 
     @property
     def num_tokens(self) -> int:

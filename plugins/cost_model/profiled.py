@@ -14,8 +14,9 @@ Two kinds of table drive it:
 - ``steps`` (a machine measured by ``servelab-bench mode=profile``): the whole step and
   the engine's host time around it (``step_table.py``). With ``jitter`` (the default)
   and a table that records its dispersion, each step's time is multiplied by a factor
-  drawn (seeded by ``seed``) from the spread the profile measured across repeats. A
-  step table covers the ``model.quantization`` it was measured with.
+  drawn (seeded by ``seed``) with the spread and the persistence in time that the profile
+  measured (``step_jitter.py``). A step table covers the ``model.quantization`` it was
+  measured with.
 
 With ``table`` unset the shipped table for the configured hardware and model is used; a
 model, split, dtype or hardware no table covers is refused with a ``ConfigError`` naming
@@ -34,7 +35,8 @@ from servelab.core.cost_model import BatchShape, CostModelContext, StepCost
 from servelab.core.errors import ConfigError
 from servelab.plugins.cost_model.operators import LAYER_OPERATORS, LINEAR_OPERATORS
 from servelab.plugins.cost_model.roofline import RooflineCostModel, RooflineCostModelConfig
-from servelab.plugins.cost_model.step_table import StepJitter, StepTableModel
+from servelab.plugins.cost_model.step_jitter import StepJitter
+from servelab.plugins.cost_model.step_table import StepTableModel
 from servelab.plugins.cost_model.table import CostTable, load_table, shipped_tables
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8": 1}
@@ -57,8 +59,8 @@ class ProfiledCostModelConfig(RooflineCostModelConfig):
     one; null: the shipped table that covers the hardware and model); ``collectives``, an
     all-reduce table the same way (null: the shipped one of the hardware, if any). The
     roofline's fields price what an operator table lacks. ``jitter``: draw each step's
-    time from a step table's measured dispersion (``meta.dispersion``) rather than using its
-    median; ``seed`` seeds those draws."""
+    time from a step table's measured dispersion and its persistence (``meta.dispersion``)
+    rather than using its median; ``seed`` seeds those draws."""
 
     table: Optional[str] = None
     collectives: Optional[str] = None
@@ -168,10 +170,11 @@ class ProfiledCostModel(RooflineCostModel):
             if measured_on and this_cpu() and measured_on != this_cpu():
                 log.warning("cost table %s was measured on %s, this machine is %s: its times are that machine's",
                             self.table.path, measured_on, this_cpu())
-            quantiles = self.table.meta.get("dispersion", {}).get("step_time_over_median")
+            dispersion = self.table.meta.get("dispersion", {})
+            quantiles = dispersion.get("step_time_over_median")
             if config.jitter and quantiles:
                 try:
-                    self.jitter = StepJitter(quantiles, config.seed)
+                    self.jitter = StepJitter(quantiles, config.seed, dispersion.get("persistence", ()))
                 except ValueError as error:
                     raise ConfigError([f"cost table {self.table.path}: meta.dispersion: {error}"]) from None
             return
@@ -213,7 +216,7 @@ class ProfiledCostModel(RooflineCostModel):
                  ("engine_overhead", self.steps.engine_overhead(batch) + self.config.step_overhead_s))
         total = sum(seconds for _, seconds in parts)
         if self.jitter is not None:
-            extra = total * (self.jitter.factor() - 1)
+            extra = total * (self.jitter.factor(batch.start_s) - 1)
             parts, total = (*parts, ("jitter", extra)), total + extra
         return StepCost((total,), 0.0, parts)
 

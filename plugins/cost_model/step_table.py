@@ -19,17 +19,15 @@ adjacent points that dip: more tokens never cost less). ``meta.fit`` reports the
 measured steps and on held-out random steps.
 
 A step repeated on a real machine does not take the same time twice. ``meta.dispersion``
-holds the quantiles of (one repeat's time / that step's median) over every measured step
-and repeat; ``StepJitter`` draws a factor from them for each simulated step, so queues
-build behind slow steps as they do in real runs.
+holds how far and for how long measured steps stray from their medians
+(``step_jitter.py``), from which ``StepJitter`` draws a factor for each simulated step, so
+queues build behind slow steps as they do in real runs.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
-import random
-import statistics
 from typing import Sequence
 
 from servelab.core.cost_model import BatchShape
@@ -148,43 +146,6 @@ class StepTableModel:
     def engine_overhead(self, batch: BatchShape) -> float:
         """Host seconds of the step outside the executor."""
         return self.overhead.at(batch.num_requests)
-
-
-DISPERSION_QUANTILES = 101
-"""How many evenly spaced quantiles (0 to 1) of the step-time ratio a profile records."""
-
-
-def dispersion_quantiles(repeats: Sequence[Sequence[float]]) -> list[float]:
-    """Quantiles of each repeat's time over its step's median, pooled over all steps."""
-    ratios = sorted(t / statistics.median(times) for times in repeats if times for t in times)
-    if not ratios:
-        return []
-    last = len(ratios) - 1
-    out = []
-    for k in range(DISPERSION_QUANTILES):
-        position = k * last / (DISPERSION_QUANTILES - 1)
-        below = int(position)
-        above = min(below + 1, last)
-        out.append(round(ratios[below] + (ratios[above] - ratios[below]) * (position - below), 6))
-    return out
-
-
-class StepJitter:
-    """Seeded per-step time factors drawn from a profile's dispersion quantiles
-    (inverse-transform sampling, linear between quantiles)."""
-
-    def __init__(self, quantiles: Sequence[float], seed: int):
-        if len(quantiles) < 2 or any(b < a for a, b in zip(quantiles, quantiles[1:])) or quantiles[0] <= 0:
-            raise ValueError(f"dispersion quantiles must be positive and non-decreasing, got {list(quantiles)[:5]}...")
-        self.quantiles = tuple(quantiles)
-        self.rng = random.Random(seed)
-
-    def factor(self) -> float:
-        """The next step's factor on its median time."""
-        position = self.rng.random() * (len(self.quantiles) - 1)
-        below = int(position)
-        low, high = self.quantiles[below], self.quantiles[min(below + 1, len(self.quantiles) - 1)]
-        return low + (high - low) * (position - below)
 
 
 def relative_errors(predicted: Sequence[float], measured: Sequence[float]) -> dict[str, float]:

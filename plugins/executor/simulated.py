@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from random import Random
 
 from omegaconf import OmegaConf
@@ -122,7 +122,7 @@ class SimulatedExecutor(Executor):
         stage_times: tuple[float, ...] = (0.0,) * len(self.stage_free)
         transfer = 0.0
         if output.scheduled:
-            cost = self.cost_model.forward_cost(batch)
+            cost = self.cost_model.forward_cost(replace(batch, start_s=start))
             stage_times, transfer = cost.stage_times, cost.transfer_time
         moment = start
         for stage, busy in enumerate(stage_times):

@@ -38,6 +38,9 @@ def test_profile_writes_a_table_the_profiled_model_simulates_with(tmp_path):
     assert load_table(tmp_path / "copy.json").series == table.series
     spread = table.meta["dispersion"]["step_time_over_median"]
     assert len(spread) == 101 and spread == sorted(spread) and spread[0] <= 1 <= spread[-1]
+    persistence = table.meta["dispersion"]["persistence"]
+    assert len(persistence) <= 2 and sum(share for share, _ in persistence) <= 1
+    assert all(share > 0 and seconds > 0 for share, seconds in persistence) and metrics["persistence"] == persistence
     llm = LLM("toy", overrides=["executor=simulated", "cost_model=profiled", f"cost_model.table={metrics['table']}",
                                 "model.max_model_len=64", "model.dtype=float32", "cache.memory_bytes=2000000"])
     out = llm.generate([[1, 2, 3]], use_tqdm=False)[0]

@@ -15,9 +15,8 @@ from servelab.core.quantization import WeightQuantization
 from servelab.plugins.cost_model.operators import LINEAR_OPERATORS
 from servelab.plugins.cost_model.roofline import RooflineCostModel, RooflineCostModelConfig
 from servelab.plugins.cost_model.profiled import ProfiledCostModel, ProfiledCostModelConfig
-from servelab.plugins.cost_model.step_table import (SCALARS, StepJitter, StepTableModel, build_step_series,
-                                                    dispersion_quantiles, fit_step_model, padded_tokens,
-                                                    step_features)
+from servelab.plugins.cost_model.step_table import (SCALARS, StepTableModel, build_step_series, fit_step_model,
+                                                    padded_tokens, step_features)
 from servelab.plugins.cost_model.table import CostTable, Series, load_table, save_table, shipped_tables
 
 LLAMA_2_7B = ModelShape(32, 32, 32, 128, None, 4096, 32000, 4096, 11008)
@@ -184,22 +183,6 @@ def test_a_step_table_prices_whole_steps_with_the_engine_overhead(tmp_path):
                                   element_bytes=4.0))
 
 
-def test_dispersion_is_the_spread_of_repeats_around_their_medians():
-    quantiles = dispersion_quantiles([[1.0, 2.0, 3.0], [10.0, 10.0, 40.0]])
-    # ratios: 0.5, 1, 1.5 and 1, 1, 4
-    assert len(quantiles) == 101 and quantiles[0] == 0.5 and quantiles[-1] == 4.0 and quantiles[50] == 1.0
-    draws = [StepJitter(quantiles, seed=3).factor() for _ in range(2)]
-    assert draws[0] == draws[1]                              # seeded
-    jitter = StepJitter(quantiles, seed=3)
-    factors = [jitter.factor() for _ in range(20000)]
-    assert 0.5 <= min(factors) and max(factors) <= 4.0
-    # the mean of the piecewise-linear quantile function
-    expected = sum((a + b) / 2 for a, b in zip(quantiles, quantiles[1:])) / 100
-    assert sum(factors) / len(factors) == pytest.approx(expected, rel=0.03)
-    with pytest.raises(ValueError, match="non-decreasing"):
-        StepJitter([1.2, 1.0], seed=0)
-
-
 def test_a_step_table_with_dispersion_draws_each_step_seeded(tmp_path):
     series = build_step_series([1, 64], [1e-3, 9e-3], dict.fromkeys(SCALARS, 0.0), [1, 8], [0.0, 0.0])
     meta = {"row_buckets": [], "dispersion": {"step_time_over_median": [0.9, 1.0, 2.0]}}
@@ -218,6 +201,14 @@ def test_a_step_table_with_dispersion_draws_each_step_seeded(tmp_path):
     assert [c.total for c in drawn] == [c.total for c in totals(seed=1)] != [c.total for c in totals(seed=2)]
     assert all(0.9e-3 <= c.total <= 2e-3 + 1e-12 for c in drawn) and len({c.total for c in drawn}) == 200
     assert all(sum(s for _, s in c.breakdown) == pytest.approx(c.total) for c in drawn)
+    meta["dispersion"]["persistence"] = [[1.0, 1.0]]
+    drifting = save_table(CostTable("steps", ("local",), series, {"num_layers": 2, "hidden_size": 32,
+                                                                  "vocab_size": 100}, "float32", meta),
+                          tmp_path / "drifting.json")
+    cm = ProfiledCostModel(ProfiledCostModelConfig(table=str(drifting)), ctx)
+    together = {cm.forward_cost(BatchShape((1,), (10,), 1, start_s=5.0)).total for _ in range(20)}
+    apart = {cm.forward_cost(BatchShape((1,), (10,), 1, start_s=100.0 * i)).total for i in range(20)}
+    assert len(together) == 1 and len(apart) == 20          # the drift follows the step's start time
     meta["dispersion"]["step_time_over_median"] = [1.0, 0.5]
     bad = save_table(CostTable("steps", ("local",), series, {"num_layers": 2, "hidden_size": 32, "vocab_size": 100},
                                "float32", meta), tmp_path / "bad.json")
