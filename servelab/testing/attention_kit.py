@@ -1,5 +1,6 @@
 """Conformance kit for attention backends: the same random flat batches through the
-backend and through ``attention=naive``, the reference, within the dtype's tolerance."""
+backend and through ``attention=naive``, the reference, within the dtype's tolerance;
+also over one-byte KV caches (``cache.kv_dtype``) for backends that read them."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from servelab.core.attention import AttentionSpec
 from servelab.core.batch_builder import build_step_inputs
+from servelab.core.kv_cache_dtype import quantized_kv_dtypes
 from servelab.core.request import Request
 from servelab.core.sampling_params import SamplingParams
 from servelab.core.scheduler import ScheduledRequest
@@ -36,6 +38,14 @@ HEAD_DIM = 32
 CASES = [(scenario, block_size, HEADS[i % len(HEADS)], DTYPES[i % len(DTYPES)])
          for i, (block_size, scenario) in enumerate(itertools.product(BLOCK_SIZES, SCENARIOS))]
 """Every (block size, scenario) pair once, cycling the head layout and dtype through them."""
+QUANTIZED_TOLERANCE = {torch.int8: 1e-2, getattr(torch, "float8_e4m3fn", torch.int8): 5e-2}
+"""Tolerance against the reference over the same one-byte cache: a backend may round a
+value to the neighbouring code (one int8 step is 1/127 of its row's largest value; fp8
+keeps three mantissa bits)."""
+QUANTIZED_CASES = [(scenario, kv_dtype, DTYPES[i % len(DTYPES)])
+                   for i, (kv_dtype, scenario) in enumerate(itertools.product(
+                       quantized_kv_dtypes(), ("chunked_prefill", "decode", "speculative_verify", "mixed")))]
+"""Each one-byte cache dtype this torch has, under the scenarios that read cached keys."""
 
 
 def case_id(case: tuple) -> str:
@@ -65,7 +75,7 @@ def run_steps(backend: Any, steps: list[tuple[list[ScheduledRequest], dict]], nu
               block_size: int) -> list[torch.Tensor]:
     """Each step's outputs through ``backend``, over a fresh cache in its own layout."""
     spec = backend.spec
-    kv_cache = torch.zeros(backend.kv_cache_shape(num_blocks, block_size), dtype=spec.dtype)
+    kv_cache = torch.zeros(backend.kv_cache_shape(num_blocks, block_size), dtype=spec.cache_dtype)
     outputs = []
     for grants, tensors in steps:
         inputs = build_step_inputs(grants, (), block_size, spec.device)
@@ -106,8 +116,9 @@ def random_steps(pairs: list[tuple[int, int]], spec: AttentionSpec, block_size: 
 class AttentionConformance(ConformanceKit):
     """The ``AttentionBackend`` contract: prefill, chunked prefill, decode, speculative
     verification and mixed steps over paged and contiguous layouts, multi-head,
-    grouped-query and multi-query, float32 and bfloat16, equal to ``attention=naive``.
-    A backend that reports ``unsupported_reasons`` for a case is skipped with them."""
+    grouped-query and multi-query, float32 and bfloat16, equal to ``attention=naive``; a
+    backend that sets ``reads_quantized_kv`` also over int8 and fp8 caches. A backend that
+    reports ``unsupported_reasons`` for a case is skipped with them."""
 
     kind = "attention"
 
@@ -122,15 +133,25 @@ class AttentionConformance(ConformanceKit):
         spec = AttentionSpec(4, 2, HEAD_DIM, HEAD_DIM ** -0.5, torch.float32, torch.device("cpu"), window)
         self.check(component, spec, SCENARIOS["mixed"], 16)
 
+    @pytest.mark.parametrize("case", QUANTIZED_CASES,
+                             ids=[f"{c[0]}-{str(c[1]).removeprefix('torch.')}-{str(c[2]).removeprefix('torch.')}"
+                                  for c in QUANTIZED_CASES])
+    def test_quantized_cache_matches_the_reference(self, component, case):
+        scenario, kv_dtype, dtype = case
+        spec = AttentionSpec(4, 2, HEAD_DIM, HEAD_DIM ** -0.5, dtype, torch.device("cpu"), kv_dtype=kv_dtype)
+        self.check(component, spec, SCENARIOS[scenario], 16)
+
     @staticmethod
     def check(name: str, spec: AttentionSpec, pairs: list[tuple[int, int]], block_size: int) -> None:
         """Both backends on the same steps; every step's output within tolerance."""
         backend = build_backend(name, spec)
+        if spec.kv_quantized and not backend.reads_quantized_kv:
+            pytest.skip(f"attention={name} does not read one-byte KV caches (reads_quantized_kv is False)")
         reference = build_backend("naive", spec)
         steps, num_blocks = random_steps(pairs, spec, block_size, seed=hash((tuple(pairs), block_size)) % 2**31)
         got = run_steps(backend, steps, num_blocks, block_size)
         expected = run_steps(reference, steps, num_blocks, block_size)
-        tolerance = TOLERANCE[spec.dtype]
+        tolerance = max(TOLERANCE[spec.dtype], QUANTIZED_TOLERANCE.get(spec.cache_dtype, 0.0))
         for step, (actual, wanted) in enumerate(zip(got, expected)):
             assert actual.shape == wanted.shape and actual.dtype == spec.dtype
             assert not torch.isnan(actual).any(), f"step {step}: NaN in the output"
