@@ -14,9 +14,9 @@ Two kinds of table drive it:
 - ``steps`` (a machine measured by ``servelab-bench mode=profile``): the whole step and
   the engine's host time around it (``step_table.py``). With ``jitter`` (the default)
   and a table that records its dispersion, each step's time is multiplied by a factor
-  drawn (seeded by ``seed``) with the spread and the persistence in time that the profile
-  measured (``step_jitter.py``). A step table covers the ``model.quantization`` it was
-  measured with.
+  drawn (seeded by ``seed``) with the spread the profile measured across repeats, and with
+  ``jitter_persistence`` the persistence in time it measured too (``step_jitter.py``). A
+  step table covers the ``model.quantization`` it was measured with.
 
 With ``table`` unset the shipped table for the configured hardware and model is used; a
 model, split, dtype or hardware no table covers is refused with a ``ConfigError`` naming
@@ -59,12 +59,16 @@ class ProfiledCostModelConfig(RooflineCostModelConfig):
     one; null: the shipped table that covers the hardware and model); ``collectives``, an
     all-reduce table the same way (null: the shipped one of the hardware, if any). The
     roofline's fields price what an operator table lacks. ``jitter``: draw each step's
-    time from a step table's measured dispersion and its persistence (``meta.dispersion``)
-    rather than using its median; ``seed`` seeds those draws."""
+    time from a step table's measured dispersion (``meta.dispersion``) rather than using its
+    median; ``jitter_persistence``: also give the draws the persistence in time the profile
+    measured (off by default: on the two-core VM it widened the spread between simulated
+    runs past the real runs' and did not lower the error, docs/results/simulation.md);
+    ``seed`` seeds the draws."""
 
     table: Optional[str] = None
     collectives: Optional[str] = None
     jitter: bool = True
+    jitter_persistence: bool = False
     seed: int = 0
 
 
@@ -174,7 +178,8 @@ class ProfiledCostModel(RooflineCostModel):
             quantiles = dispersion.get("step_time_over_median")
             if config.jitter and quantiles:
                 try:
-                    self.jitter = StepJitter(quantiles, config.seed, dispersion.get("persistence", ()))
+                    persistence = dispersion.get("persistence", ()) if config.jitter_persistence else ()
+                    self.jitter = StepJitter(quantiles, config.seed, persistence)
                 except ValueError as error:
                     raise ConfigError([f"cost table {self.table.path}: meta.dispersion: {error}"]) from None
             return

@@ -205,10 +205,12 @@ def test_a_step_table_with_dispersion_draws_each_step_seeded(tmp_path):
     drifting = save_table(CostTable("steps", ("local",), series, {"num_layers": 2, "hidden_size": 32,
                                                                   "vocab_size": 100}, "float32", meta),
                           tmp_path / "drifting.json")
-    cm = ProfiledCostModel(ProfiledCostModelConfig(table=str(drifting)), ctx)
+    cm = ProfiledCostModel(ProfiledCostModelConfig(table=str(drifting), jitter_persistence=True), ctx)
     together = {cm.forward_cost(BatchShape((1,), (10,), 1, start_s=5.0)).total for _ in range(20)}
     apart = {cm.forward_cost(BatchShape((1,), (10,), 1, start_s=100.0 * i)).total for i in range(20)}
     assert len(together) == 1 and len(apart) == 20          # the drift follows the step's start time
+    independent = ProfiledCostModel(ProfiledCostModelConfig(table=str(drifting)), ctx)   # the default
+    assert len({independent.forward_cost(BatchShape((1,), (10,), 1, start_s=5.0)).total for _ in range(20)}) == 20
     meta["dispersion"]["step_time_over_median"] = [1.0, 0.5]
     bad = save_table(CostTable("steps", ("local",), series, {"num_layers": 2, "hidden_size": 32, "vocab_size": 100},
                                "float32", meta), tmp_path / "bad.json")
