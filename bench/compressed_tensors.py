@@ -10,9 +10,7 @@ and the LM head stay as they are.
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 
 LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -45,25 +43,16 @@ def write_w8a8_checkpoint(source: str, folder: str) -> str:
     it already holds one) and return ``folder``."""
     if os.path.exists(os.path.join(folder, "config.json")):
         return folder
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
+    from servelab.core.quantize import WEIGHT_FILE, write_quantized_folder
     from servelab.kernels.quantized_weights import quantize_int8
 
-    os.makedirs(folder, exist_ok=True)
     tensors = {}
-    for name, tensor in load_file(os.path.join(source, "model.safetensors")).items():
+    for name, tensor in load_file(os.path.join(source, WEIGHT_FILE)).items():
         if not is_quantized_linear(name):
             tensors[name] = tensor
             continue
         tensors[name], scales = quantize_int8(tensor)
         tensors[name + "_scale"] = scales[:, None]
-    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
-    for entry in os.listdir(source):
-        if entry not in ("model.safetensors", "config.json"):
-            shutil.copy(os.path.join(source, entry), os.path.join(folder, entry))
-    with open(os.path.join(source, "config.json")) as f:
-        config = json.load(f)
-    config["quantization_config"] = QUANTIZATION_CONFIG
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    return folder
+    return write_quantized_folder(source, folder, tensors, QUANTIZATION_CONFIG)

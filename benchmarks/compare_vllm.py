@@ -67,20 +67,17 @@ def tokens_per_second(runs: list[dict]) -> list[float]:
 def append_results(path: str, label: str, rows: list[dict]) -> None:
     """Append ``rows`` to the results list at ``path`` (created if missing) as entries of
     ``run`` (the label), ``model``, ``dtype``, ``servelab_tok_s``, ``vllm_tok_s`` and
-    ``first_outputs_equal`` (and ``servelab_overrides`` and ``vllm_setting`` when either
-    engine ran other than float weights in ``dtype``)."""
+    ``first_outputs_equal``, ``servelab_overrides`` and ``vllm_setting``."""
     results = []
     if os.path.exists(path):
         with open(path) as f:
             results = json.load(f)
     for row in rows:
-        entry = {"run": label, "model": row["model"], "dtype": row["dtype"],
-                 "servelab_tok_s": [round(x, 1) for x in tokens_per_second(row["servelab"])],
-                 "vllm_tok_s": [round(x, 1) for x in tokens_per_second(row["vllm"])],
-                 "first_outputs_equal": row["first_outputs_equal"]}
-        if row["vllm_setting"] != row["dtype"] or any("quantization" in o for o in row["servelab_overrides"]):
-            entry.update(servelab_overrides=row["servelab_overrides"], vllm_setting=row["vllm_setting"])
-        results.append(entry)
+        results.append({"run": label, "model": row["model"], "dtype": row["dtype"],
+                        "servelab_tok_s": [round(x, 1) for x in tokens_per_second(row["servelab"])],
+                        "vllm_tok_s": [round(x, 1) for x in tokens_per_second(row["vllm"])],
+                        "first_outputs_equal": row["first_outputs_equal"],
+                        "servelab_overrides": row["servelab_overrides"], "vllm_setting": row["vllm_setting"]})
     with open(path, "w") as f:
         json.dump(results, f, indent=1)
 

@@ -30,8 +30,6 @@ def save_quantized(model_path: str, out: str, quantization: str, group_size: int
     int8 | int4, int4 in groups of ``group_size`` input features, default 128) into the
     folder ``out``; returns ``out``. Raises ``ConfigError`` for a bad mode, group size or
     an already quantized source."""
-    from safetensors.torch import save_file
-
     from servelab.core.checkpoint import load_checkpoint
     from servelab.core.config import ModelConfig
     from servelab.core.errors import ConfigError
@@ -43,6 +41,15 @@ def save_quantized(model_path: str, out: str, quantization: str, group_size: int
     if checkpoint.quantization.prequantized:
         raise ConfigError([f"{model_path} is quantized already; quantize its floating-point checkpoint"])
     tensors = {name: tensor.contiguous() for name, tensor in checkpoint.weights()}
+    return write_quantized_folder(model_path, out, tensors, checkpoint.quantization.config_entry())
+
+
+def write_quantized_folder(model_path: str, out: str, tensors: dict, quantization_config: dict) -> str:
+    """Write ``tensors`` as the weights of the folder ``out``, a copy of the Hugging Face
+    folder ``model_path``'s other files (tokenizer, generation config) and its
+    ``config.json`` with ``quantization_config`` added; returns ``out``."""
+    from safetensors.torch import save_file
+
     os.makedirs(out, exist_ok=True)
     save_file(tensors, os.path.join(out, WEIGHT_FILE), metadata={"format": "pt"})
     for name in sorted(os.listdir(model_path)):
@@ -51,7 +58,7 @@ def save_quantized(model_path: str, out: str, quantization: str, group_size: int
             shutil.copyfile(source, os.path.join(out, name))
     with open(os.path.join(model_path, "config.json")) as f:
         config = json.load(f)
-    config["quantization_config"] = checkpoint.quantization.config_entry()
+    config["quantization_config"] = quantization_config
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
         f.write("\n")

@@ -162,14 +162,14 @@ class StepJitter:
                              f"at most 1 and positive times, got {components}")
         self.quantiles = tuple(quantiles)
         self.components = components
+        self.independent_share = max(1.0 - sum(share for share, _ in components), 0.0)
         self.rng = random.Random(seed)
         self.drifts = [self.rng.gauss(0.0, 1.0) for _ in components]
         self.last_s: float | None = None
 
     def factor(self, now_s: float = 0.0) -> float:
         """The factor on the median time of the step that starts at ``now_s``."""
-        independent = max(1.0 - sum(share for share, _ in self.components), 0.0)
-        score = math.sqrt(independent) * self.rng.gauss(0.0, 1.0)
+        score = math.sqrt(self.independent_share) * self.rng.gauss(0.0, 1.0)
         apart = 0.0 if self.last_s is None else max(now_s - self.last_s, 0.0)
         self.last_s = now_s
         for k, (share, tau) in enumerate(self.components):
