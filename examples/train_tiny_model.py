@@ -11,6 +11,8 @@ and step are saved under ``--scratch`` every few minutes, and a rerun continues.
     nice -n 19 python examples/train_tiny_model.py --venv /tmp/corpus-venv   # both models
     python examples/train_tiny_model.py --venv /tmp/corpus-venv --only draft # the draft
     python examples/train_tiny_model.py --venv /tmp/corpus-venv --smoke      # fast check
+    python examples/train_tiny_model.py --venv /tmp/corpus-venv --init-from checkpoints \
+        --steps-target 1800 --lr-target 1e-3                                 # train on
 
 The checkpoints land in checkpoints/tiny and checkpoints/tiny-draft (bfloat16 safetensors,
 tokenizer files, generation_config.json and a training.json record).
@@ -36,7 +38,7 @@ import transformers  # noqa: E402
 
 from tiny_model.corpus import build_corpus, read_text  # noqa: E402
 from tiny_model.evaluation import EvalSets, evaluate_checkpoint, load_eval_sets  # noqa: E402
-from tiny_model.export import folder_bytes, greedy_sample, save_checkpoint  # noqa: E402
+from tiny_model.export import folder_bytes, greedy_sample, load_float32, save_checkpoint  # noqa: E402
 from tiny_model.model import DRAFT, TARGET, ModelSpec, build_model, count_parameters  # noqa: E402
 from tiny_model.runtime import configure_torch  # noqa: E402
 from tiny_model.tokenizer import (  # noqa: E402
@@ -48,14 +50,22 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 SAMPLE_PROMPT = "def fibonacci(n):"
 
 
-def get_tokenizer(corpus, scratch: Path, out_dir: Path):
-    """The tokenizer trained on the training files, cached as ``scratch/tokenizer.json``.
+def get_tokenizer(corpus, scratch: Path, out_dir: Path, init_from: Path | None = None):
+    """The tokenizer trained on the training files, cached as ``scratch/tokenizer.json``;
+    with ``init_from``, the tokenizer of the checkpoints the run continues (the cached one
+    must be the same).
 
-    A checkpoint folder already holding a different tokenizer is an error: target and draft
+    A checkpoint folder already holding a different tokenizer is noted: target and draft
     must share one vocabulary.
     """
     path = scratch / "tokenizer.json"
-    if path.exists():
+    if init_from is not None:
+        tokenizer = load_tokenizer(init_from / TARGET.name / "tokenizer.json")
+        if path.exists() and fingerprint(load_tokenizer(path)) != fingerprint(tokenizer):
+            raise SystemExit(f"{path} is not the tokenizer of {init_from}; use another --scratch")
+        scratch.mkdir(parents=True, exist_ok=True)
+        tokenizer.backend_tokenizer.save(str(path))
+    elif path.exists():
         tokenizer = load_tokenizer(path)
     else:
         start = time.perf_counter()
@@ -78,11 +88,18 @@ def run_model(spec: ModelSpec, tokenizer, train_seqs: torch.Tensor, sets: EvalSe
     torch.manual_seed(args.seed)
     eot = tokenizer.convert_tokens_to_ids(EOT)
     model = build_model(spec, len(tokenizer), eot, max_positions=args.seq_len)
+    earlier = None
+    if args.init_from:
+        model.load_state_dict(load_float32(Path(args.init_from)).state_dict())
+        earlier = json.loads((Path(args.init_from) / "training.json").read_text())
+        earlier.pop("log", None)
     params = count_parameters(model)
     tokens = args.steps * args.batch_size * args.seq_len
+    earlier_tokens = args.data_offset * args.batch_size * args.seq_len
     print(f"[{spec.name}] {params:,} parameters; {args.steps} steps of {args.batch_size} x "
           f"{args.seq_len} tokens = {tokens / 1e6:.1f}M tokens "
-          f"({tokens / len(train_seqs) / args.seq_len:.2f} epochs)", flush=True)
+          f"({tokens / len(train_seqs) / args.seq_len:.2f} epochs)"
+          + (f" after {earlier_tokens / 1e6:.1f}M in {args.init_from}" if earlier else ""), flush=True)
     history = train(model, train_seqs, sets.val_probe, args, scratch / spec.name, spec.name)
     save_checkpoint(model, tokenizer, folder)
     losses = evaluate_checkpoint(folder, sets)
@@ -96,8 +113,9 @@ def run_model(spec: ModelSpec, tokenizer, train_seqs: torch.Tensor, sets: EvalSe
         "architecture": asdict(spec),
         "parameters": params,
         "train_args": asdict(args),
-        "tokens_seen": tokens,
+        "tokens_seen": earlier_tokens + tokens,
         "train_minutes": round(history["train_seconds"] / 60, 1),
+        **({"continues": earlier} if earlier else {}),
         "final_train_window_loss": history["log"][-1]["train_loss"],
         "losses": losses,
         "log": history["log"],
@@ -137,6 +155,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "(default: checkpoints/, or <scratch>/smoke/ with --smoke)")
     parser.add_argument("--smoke", action="store_true",
                         help="a few steps of both models and small evaluation sets")
+    parser.add_argument("--init-from", type=Path, default=None,
+                        help="parent folder of tiny/ and tiny-draft/ to train on from: their weights "
+                             "and tokenizer, a fresh optimizer and schedule, and the batches after "
+                             "those their training.json records")
     return parser.parse_args(argv)
 
 
@@ -155,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     corpus = build_corpus(args.venv)
     # Tokenizer and token streams are shared with full runs (same corpus, same cache).
-    tokenizer = get_tokenizer(corpus, args.scratch, out_dir)
+    tokenizer = get_tokenizer(corpus, args.scratch, out_dir, args.init_from)
     sets = load_eval_sets(tokenizer, corpus, args.scratch, args.seq_len, small=args.smoke)
     train_seqs = pack(sets.train_stream, args.seq_len)
     summary = {**corpus.summary(), "venv": str(args.venv),
@@ -201,9 +223,22 @@ def train_models(args, tokenizer, train_seqs, sets, scratch, out_dir, record_bas
             warmup_steps=args.warmup_steps, final_lr_ratio=args.final_lr_ratio,
             weight_decay=0.1, seed=args.seed, log_every=args.log_every,
             eval_every=args.eval_every,
+            **(continuation(args.init_from / spec.name, args) if args.init_from else {}),
         )
         run_model(spec, tokenizer, train_seqs, sets, train_args, scratch,
                   out_dir / spec.name, record_base)
+
+
+def continuation(folder: Path, args) -> dict:
+    """``TrainArgs`` fields of a run that continues the checkpoint in ``folder``: its
+    weights, and the data order from the step its own run (and those it continued) ended
+    at. The batch shape and seed must be the ones that order was read with."""
+    record = json.loads((folder / "training.json").read_text())
+    earlier = record["train_args"]
+    if (earlier["batch_size"], earlier["seq_len"], earlier["seed"]) != (args.batch_size, args.seq_len, args.seed):
+        raise SystemExit(f"{folder} was trained with batch {earlier['batch_size']}, sequence "
+                         f"{earlier['seq_len']} and seed {earlier['seed']}; continue it with the same")
+    return {"data_offset": earlier.get("data_offset", 0) + earlier["steps"], "init_from": str(folder)}
 
 
 if __name__ == "__main__":

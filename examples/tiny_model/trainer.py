@@ -2,7 +2,8 @@
 
 Batches are a pure function of ``(seed, step)``: the packed training sequences are
 permuted once per epoch by a generator seeded with ``seed`` and the epoch, and step ``s``
-reads the next ``batch_size`` of them. The loop saves model, optimizer and step to
+reads the next ``batch_size`` of them (step ``s + data_offset`` of that order when a run
+continues another: it reads on where the earlier run stopped). The loop saves model, optimizer and step to
 ``state.pt`` in its scratch folder every ``save_every_s`` seconds and at the end, and a
 rerun with the same arguments continues from there.
 """
@@ -32,6 +33,8 @@ class TrainArgs:
     seed: int
     log_every: int
     eval_every: int
+    data_offset: int = 0        # steps of the data order already read by the run continued
+    init_from: str = ""         # checkpoint folder whose weights the run starts from
 
 
 def lr_at(step: int, args: TrainArgs) -> float:
@@ -120,7 +123,7 @@ def train(model, train_seqs: torch.Tensor, eval_seqs: torch.Tensor, args: TrainA
     window_loss, window_steps = 0.0, 0
     window_start = last_save = time.perf_counter()
     while step < args.steps:
-        batch = train_seqs[batch_indices(step, len(train_seqs), args)]
+        batch = train_seqs[batch_indices(step + args.data_offset, len(train_seqs), args)]
         lr = lr_at(step, args)
         for group in optimizer.param_groups:
             group["lr"] = lr
