@@ -12,7 +12,7 @@ and step are saved under ``--scratch`` every few minutes, and a rerun continues.
     python examples/train_tiny_model.py --venv /tmp/corpus-venv --only draft # the draft
     python examples/train_tiny_model.py --venv /tmp/corpus-venv --smoke      # fast check
     python examples/train_tiny_model.py --venv /tmp/corpus-venv --init-from checkpoints \
-        --steps-target 1800 --lr-target 1e-3                                 # train on
+        --steps-target 2200 --lr-target 1.5e-3 --steps-draft 8000 --lr-draft 2e-3  # train on
 
 The checkpoints land in checkpoints/tiny and checkpoints/tiny-draft (bfloat16 safetensors,
 tokenizer files, generation_config.json and a training.json record).
@@ -89,7 +89,7 @@ def run_model(spec: ModelSpec, tokenizer, train_seqs: torch.Tensor, sets: EvalSe
     eot = tokenizer.convert_tokens_to_ids(EOT)
     model = build_model(spec, len(tokenizer), eot, max_positions=args.seq_len)
     earlier = None
-    if args.init_from:
+    if args.init_from:  # continuation() checked its record; keep it without the loss curve
         model.load_state_dict(load_float32(Path(args.init_from)).state_dict())
         earlier = json.loads((Path(args.init_from) / "training.json").read_text())
         earlier.pop("log", None)

@@ -3,9 +3,9 @@
 Batches are a pure function of ``(seed, step)``: the packed training sequences are
 permuted once per epoch by a generator seeded with ``seed`` and the epoch, and step ``s``
 reads the next ``batch_size`` of them (step ``s + data_offset`` of that order when a run
-continues another: it reads on where the earlier run stopped). The loop saves model, optimizer and step to
-``state.pt`` in its scratch folder every ``save_every_s`` seconds and at the end, and a
-rerun with the same arguments continues from there.
+continues another: it reads on where the earlier run stopped). The loop saves model,
+optimizer and step to ``state.pt`` in its scratch folder every ``save_every_s`` seconds
+and at the end, and a rerun with the same arguments continues from there.
 """
 
 from __future__ import annotations
