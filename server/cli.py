@@ -37,7 +37,7 @@ def serve(cfg: DictConfig) -> None:
 
             serve_on_ray(cfg, served_model_name(cfg))
             return
-        process = EngineProcess.launch(cfg, server_cfg.engine_threads, server_cfg.warmup_tokens)
+        process = EngineProcess.launch(cfg)
     except ConfigError as exc:
         print(f"servelab-serve: error: {exc}", file=sys.stderr)
         sys.exit(2)

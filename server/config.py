@@ -21,7 +21,10 @@ class ServerConfig:
     (default: the model preset or folder). ``drain_timeout_s``: on SIGTERM, how long
     in-flight requests may run before they are aborted. ``log_level``/``access_log``:
     uvicorn logging. The engine runs in its own process: ``engine_threads`` is its number
-    of compute threads (default: every core the server may use);
+    of compute threads (default: every core the server may use) and ``engine_nice`` how
+    much lower its scheduling priority is than the HTTP side's (a Unix nice increment,
+    0-19), so that a streamed token or a new request is handled as soon as it arrives
+    instead of after the engine's threads give up a core;
     ``warmup_tokens``: before listening, it packs the weights and compiles the CPU matmul
     kernels of steps up to this many tokens (default: the scheduler's step budget, which
     covers every step; 0: skip; larger steps compile on first use).
@@ -48,6 +51,7 @@ class ServerConfig:
     log_level: str = "info"
     access_log: bool = True
     engine_threads: Optional[int] = None
+    engine_nice: int = 5
     warmup_tokens: Optional[int] = None
     max_queued_requests: Optional[int] = 1024
     request_timeout_s: Optional[float] = None

@@ -5,7 +5,8 @@ process builds the ``LLMEngine``, compiles its CPU matmul kernels, then runs an
 ``EngineLoop``; the server process talks to it through a pipe. By default the engine
 computes on every core this process may use: the HTTP side needs little time, and at the
 online loads measured on two cores (docs/results/performance.md) one compute thread falls
-behind where two keep up.
+behind where two keep up. It runs at a lower scheduling priority (``server.engine_nice``),
+so that the little time the HTTP side needs preempts the engine's threads at once.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ log = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 30.0
 """How long ``join`` waits for the engine process to exit before killing it."""
 
+MAX_NICE = 19
+"""The largest nice increment: the lowest priority Unix schedulers give."""
+
 
 def default_engine_threads() -> int:
     """Every core this process may use."""
@@ -44,12 +48,20 @@ class EngineProcess:
         self.info = info
 
     @classmethod
-    def launch(cls, cfg: DictConfig, threads: int | None, warmup_tokens: int | None) -> "EngineProcess":
-        """Start the engine process and wait until it serves. Raises ``ConfigError`` for a
-        bad configuration and ``RuntimeError`` if the process dies while starting."""
+    def launch(cls, cfg: DictConfig, threads: int | None = None) -> "EngineProcess":
+        """Start the engine process of the ``servelab-serve`` config ``cfg`` and wait until
+        it serves: ``threads`` compute threads (default ``server.engine_threads``), the
+        warm-up of ``server.warmup_tokens``, the priority of ``server.engine_nice``.
+        Raises ``ConfigError`` for a bad configuration and ``RuntimeError`` if the process
+        dies while starting."""
+        server = cfg.server
+        threads = server.engine_threads if threads is None else threads
+        warmup_tokens, nice = server.warmup_tokens, server.engine_nice
         problems = []
         if threads is not None and threads < 1:
             problems.append(f"server.engine_threads must be at least 1 (or null for every core), got {threads}")
+        if not 0 <= nice <= MAX_NICE:
+            problems.append(f"server.engine_nice must be between 0 and {MAX_NICE} (a Unix nice increment), got {nice}")
         if warmup_tokens is not None and warmup_tokens < 0:
             problems.append(f"server.warmup_tokens must be 0 (no warm-up), more, or null (the step budget), "
                             f"got {warmup_tokens}")
@@ -60,7 +72,8 @@ class EngineProcess:
         context = multiprocessing.get_context("spawn")
         server_end, engine_end = context.Pipe()
         process = context.Process(target=_engine_main, name="servelab-engine", daemon=False,
-                                  args=(resolved(cfg), engine_end, threads or default_engine_threads(), warmup_tokens))
+                                  args=(resolved(cfg), engine_end, threads or default_engine_threads(), warmup_tokens,
+                                        nice))
         process.start()
         engine_end.close()
         try:
@@ -97,8 +110,10 @@ class EngineProcess:
         return self.process.exitcode
 
 
-def _engine_main(cfg: DictConfig, conn: Any, threads: int, warmup_tokens: int | None) -> None:
+def _engine_main(cfg: DictConfig, conn: Any, threads: int, warmup_tokens: int | None, nice: int) -> None:
     """Entry point of the engine process."""
+    if nice:
+        lower_priority(nice)  # before torch starts its compute threads, which take it over
     # The server process decides when the engine stops; a Ctrl-C reaches the whole group.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -119,6 +134,17 @@ def _engine_main(cfg: DictConfig, conn: Any, threads: int, warmup_tokens: int | 
     conn.send(EngineReady(EngineInfo.of(engine)))
     log.info("engine ready (%d compute threads)", threads)
     EngineLoop(engine, conn).run()
+
+
+def lower_priority(increment: int) -> None:
+    """Lower this process's scheduling priority by the nice ``increment`` (at most to
+    ``MAX_NICE``). Linux keeps a priority per thread and a new thread takes its creator's,
+    so every thread the process has so far is lowered (imports may have started some)."""
+    target = min(MAX_NICE, os.getpriority(os.PRIO_PROCESS, 0) + increment)
+    tasks = f"/proc/{os.getpid()}/task"
+    threads = [int(tid) for tid in os.listdir(tasks)] if os.path.isdir(tasks) else [0]
+    for thread in threads:
+        os.setpriority(os.PRIO_PROCESS, thread, target)
 
 
 def warm_up(engine: Any, max_tokens: int | None) -> None:

@@ -34,7 +34,7 @@ class EngineReplica:
 
         server = cfg.server
         threads = server.engine_threads or max(1, int(server.replica_cpus))
-        process = await asyncio.to_thread(EngineProcess.launch, cfg, threads, server.warmup_tokens)
+        process = await asyncio.to_thread(EngineProcess.launch, cfg, threads)
         self.state = ServerState(AsyncEngine(process, ServerMetrics(process.info.prefix_caching,
                                                                     process.info.speculative)), server, model_name)
         self.replica_id = serve.get_replica_context().replica_id.unique_id

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing
+import os
+import sys
 import threading
 import time
 
@@ -69,16 +71,32 @@ def test_bad_request_is_refused_by_name_and_loop_keeps_serving(offline):
 
 
 @pytest.mark.parametrize("override, field", [("server.engine_threads=0", "server.engine_threads"),
-                                             ("server.warmup_tokens=-1", "server.warmup_tokens")])
+                                             ("server.warmup_tokens=-1", "server.warmup_tokens"),
+                                             ("server.engine_nice=-1", "server.engine_nice"),
+                                             ("server.engine_nice=20", "server.engine_nice")])
 def test_bad_engine_process_settings_name_the_field(override, field):
     cfg = compose_serve_config([*ENGINE_OVERRIDES, override])
     with pytest.raises(ConfigError, match=field):
-        EngineProcess.launch(cfg, cfg.server.engine_threads, cfg.server.warmup_tokens)
+        EngineProcess.launch(cfg)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the threads of /proc/<pid>/task")
+def test_engine_threads_run_below_the_http_side_priority():
+    cfg = compose_serve_config([*ENGINE_OVERRIDES, "server.engine_threads=2", "server.engine_nice=7"])
+    process = EngineProcess.launch(cfg)  # its warm-up has run matmuls on both compute threads
+    try:
+        tasks = os.listdir(f"/proc/{process.process.pid}/task")
+        priorities = {os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in tasks}
+    finally:
+        process.send(StopEngine())
+        process.join()
+    assert len(tasks) >= 2
+    assert priorities == {min(19, os.getpriority(os.PRIO_PROCESS, 0) + 7)}
 
 
 def test_dead_engine_process_fails_requests_and_later_calls():
     cfg = compose_serve_config([*ENGINE_OVERRIDES, "server.engine_threads=1", "server.warmup_tokens=0"])
-    process = EngineProcess.launch(cfg, cfg.server.engine_threads, cfg.server.warmup_tokens)
+    process = EngineProcess.launch(cfg)
 
     async def run() -> None:
         async_engine = AsyncEngine(process, ServerMetrics())
