@@ -19,7 +19,7 @@ from servelab.core.errors import ConfigError
 from servelab.server.async_engine import AsyncEngine
 from servelab.server.config import compose_serve_config
 from servelab.server.engine_loop import EngineLoop
-from servelab.server.engine_process import EngineProcess
+from servelab.server.engine_process import MAX_NICE, EngineProcess
 from servelab.server.errors import EngineDeadError
 from servelab.server.messages import AddRequest, EngineFailed, RequestAdded, StepReport, StopEngine
 from servelab.server.metrics import ServerMetrics
@@ -91,7 +91,7 @@ def test_engine_threads_run_below_the_http_side_priority():
         process.send(StopEngine())
         process.join()
     assert len(tasks) >= 2
-    assert priorities == {min(19, os.getpriority(os.PRIO_PROCESS, 0) + 7)}
+    assert priorities == {min(MAX_NICE, os.getpriority(os.PRIO_PROCESS, 0) + 7)}
 
 
 def test_dead_engine_process_fails_requests_and_later_calls():
