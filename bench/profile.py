@@ -162,14 +162,11 @@ def _machine() -> dict[str, Any]:
 
 
 def _row_buckets(engine: Any) -> list[int]:
-    """The row counts servelab's CPU matmuls pad a step's tokens to (none off the CPU path)."""
-    import torch
+    """The row counts servelab's CPU matmuls pad a step's tokens to (none off the CPU path
+    and for float32, whose blocked matmul takes any row count)."""
+    from servelab.kernels.packed_linear import padded_rows, pads_rows
 
-    from servelab.kernels.cpu_ops import native_cpu_enabled
-    from servelab.kernels.onednn_linear import PACKED_DTYPES, padded_rows
-
-    if engine.device.type != "cpu" or engine.dtype not in PACKED_DTYPES or not native_cpu_enabled() \
-            or not torch.backends.mkldnn.is_available():
+    if engine.device.type != "cpu" or not pads_rows(engine.dtype):
         return []
     return sorted({padded_rows(n) for n in range(1, engine.max_step_tokens + 1)})
 

@@ -9,10 +9,11 @@ moment. Prints a markdown table of the median ms per call (and ratios to float32
 
     python benchmarks/quantized_linear_speed.py --threads 1 2 --rows 1 4 16 64 256
 
-Methods: ``float32`` servelab's oneDNN ``Linear`` (weight prepacked), ``int8`` servelab's
-weight-only kernel (``torch.ops.servelab_cpu.int8_linear``), ``w8a8`` servelab's int8 x
-int8 kernel (``w8a8_linear``: activations quantized per row), ``dynamic`` torch's quantized
-``linear_dynamic`` (x86 engine: activations quantized per tensor, int8 dot products).
+Methods: ``float32`` servelab's ``Linear`` (float32 weights in ``float_linear``'s blocked
+layout), ``int8`` servelab's weight-only kernel (``torch.ops.servelab_cpu.int8_linear``),
+``w8a8`` servelab's int8 x int8 kernel (``w8a8_linear``: activations quantized per row),
+``dynamic`` torch's quantized ``linear_dynamic`` (x86 engine: activations quantized per
+tensor, int8 dot products).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import time
 
 import torch
 
-from servelab.kernels.onednn_linear import Linear
+from servelab.kernels.packed_linear import Linear
 from servelab.kernels.quantized_cpu import int8_linear, pack_int8
 from servelab.kernels.quantized_weights import quantize_int8
 from servelab.kernels.w8a8_cpu import pack_w8a8, w8a8_linear

@@ -1,5 +1,6 @@
 """servelab's weight-only int8 CPU matmul (``torch.ops.servelab_cpu.int8_linear``,
-``csrc/int8_linear.cpp``) and the weight layout it reads, built once at load.
+``csrc/blocked_linear.cpp``) on the blocked weight layout of ``kernels/blocked_linear.py``,
+built once at load.
 
 The kernel widens int8 weights to float32 in registers inside a blocked matmul, so a
 weight crosses memory as one byte per value instead of four; see docs/quantization.md.
@@ -10,23 +11,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from servelab.kernels.blocked_linear import PACK_CHANNELS, pack_blocks
 from servelab.kernels.cpu_ops import native_cpu_ops
-
-BLOCK = 16
-"""Output channels per packed block (``kBlock`` in csrc/int8_linear.cpp)."""
-PACK_CHANNELS = 64
-"""The packed channel count is padded to a multiple of this (``kPackChannels``)."""
 
 
 def pack_int8(qweight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(qweight int8 [N, K], scales [N]) -> (packed int8 [N' / 16, K, 16], scales float32 [N'])
     with N' = N rounded up to a multiple of ``PACK_CHANNELS`` (zero channels past N):
     ``packed[b, k, j] = qweight[16 b + j, k]``."""
-    rows, columns = qweight.shape
-    pad = -rows % PACK_CHANNELS
-    padded = F.pad(qweight, (0, 0, 0, pad))
-    packed = padded.view(-1, BLOCK, columns).transpose(1, 2).contiguous()
-    return packed, F.pad(scales.float(), (0, pad)).contiguous()
+    return pack_blocks(qweight), F.pad(scales.float(), (0, -qweight.shape[0] % PACK_CHANNELS)).contiguous()
 
 
 def int8_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_features: int) -> torch.Tensor:

@@ -9,7 +9,8 @@
 //   rotary_embedding.cpp  rotary_embedding
 //   silu_and_mul.cpp      silu_and_mul
 //   argmax_rows.cpp       argmax_rows
-//   int8_linear.cpp       int8_linear (weight-only int8 matmul on a repacked weight)
+//   blocked_linear.cpp    float_linear, int8_linear (float32 and weight-only int8 matmuls on a
+//                         weight repacked into blocks of 16 channels)
 //   w8a8_linear.cpp       w8a8_linear, supports_w8a8 (int8 weights and per-row int8 activations)
 //
 // Shared helpers: vec.h (SIMD, dtype conversions and dispatch), amx.h (the tile unit).
@@ -34,6 +35,7 @@ void rotary_embedding(at::Tensor q, at::Tensor k, const at::Tensor& positions, c
                       const at::Tensor& sin);
 void silu_and_mul(at::Tensor out, const at::Tensor& x);
 void argmax_rows(at::Tensor out, const at::Tensor& logits);
+void float_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed);
 void int8_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales);
 bool supports_w8a8();
 void w8a8_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& offsets,

@@ -22,6 +22,7 @@ TORCH_LIBRARY(servelab_cpu, m) {
   m.def("rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("argmax_rows(Tensor(a!) out, Tensor logits) -> ()");
+  m.def("float_linear(Tensor(a!) out, Tensor x, Tensor packed) -> ()");
   m.def("int8_linear(Tensor(a!) out, Tensor x, Tensor packed, Tensor scales) -> ()");
   m.def("supports_w8a8() -> bool");
   m.def("w8a8_linear(Tensor(a!) out, Tensor x, Tensor packed, Tensor offsets, Tensor scales) -> ()");
@@ -43,6 +44,7 @@ TORCH_LIBRARY_IMPL(servelab_cpu, CPU, m) {
   m.impl("rotary_embedding", &servelab_cpu::rotary_embedding);
   m.impl("silu_and_mul", &servelab_cpu::silu_and_mul);
   m.impl("argmax_rows", &servelab_cpu::argmax_rows);
+  m.impl("float_linear", &servelab_cpu::float_linear);
   m.impl("int8_linear", &servelab_cpu::int8_linear);
   m.impl("w8a8_linear", &servelab_cpu::w8a8_linear);
   m.impl("causal_prefill_attention", &servelab_cpu::causal_prefill_attention);

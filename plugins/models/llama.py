@@ -24,7 +24,7 @@ from torch import nn
 from servelab.core.component import ComponentSpec
 from servelab.core.errors import ConfigError
 from servelab.core.model import CausalLM, ModelParallel, ModelShape
-from servelab.kernels.onednn_linear import Linear, linear_input, warm_up_linears
+from servelab.kernels.packed_linear import Linear, linear_input, warm_up_linears
 from servelab.kernels.quantized_linear import pack_quantized_linears
 from servelab.plugins.models.layers import RMSNorm, RotaryEmbedding, use_native
 

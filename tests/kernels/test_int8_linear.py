@@ -1,4 +1,4 @@
-"""servelab's weight-only int8 CPU matmul (csrc/int8_linear.cpp) against the dequantized
+"""servelab's weight-only int8 CPU matmul (csrc/blocked_linear.cpp) against the dequantized
 reference, at shapes that exercise every partial tile, row remainder and thread split."""
 
 from __future__ import annotations
@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from servelab.kernels.blocked_linear import BLOCK, PACK_CHANNELS
 from servelab.kernels.cpu_ops import native_cpu_unavailable_reason
-from servelab.kernels.quantized_cpu import BLOCK, PACK_CHANNELS, int8_linear, pack_int8
+from servelab.kernels.quantized_cpu import int8_linear, pack_int8
 from servelab.kernels.quantized_weights import dequantize_int8, quantize_int8
 
 pytestmark = pytest.mark.skipif(native_cpu_unavailable_reason() is not None,

@@ -1,14 +1,19 @@
-"""The CPU linear layer: oneDNN-prepacked weights, row buckets, kernel warm-up."""
+"""The CPU linear layer: float32 weights in the blocked layout, bfloat16 ones prepacked for
+oneDNN with row buckets and kernel warm-up."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from servelab.kernels.cpu_ops import native_cpu_enabled
-from servelab.kernels.onednn_linear import Linear, linear_input, padded_rows, warm_up_linears
+from servelab.kernels.cpu_ops import native_cpu_available, native_cpu_enabled
+from servelab.kernels.packed_linear import (Linear, bfloat16_matmul_supported, is_blocked, linear_input, padded_rows,
+                                           pads_rows, warm_up_linears)
 
 packing = pytest.mark.skipif(not (native_cpu_enabled() and torch.backends.mkldnn.is_available()),
                              reason="the prepacked oneDNN path is off here")
+blocked = pytest.mark.skipif(not native_cpu_available(), reason="the native CPU ops are unavailable here")
+bfloat16_rows_in_place = pytest.mark.skipif(not (native_cpu_enabled() and bfloat16_matmul_supported()),
+                                            reason="no bfloat16 oneDNN matmul here: bfloat16 rows go through float32")
 
 
 def test_row_buckets_are_few_and_waste_little():
@@ -34,6 +39,8 @@ def test_packed_linear_matches_f_linear(dtype, rows):
     expected = F.linear(x.float(), layer.weight.float(), layer.bias.float())
     tolerance = 1e-4 if dtype == torch.float32 else 5e-2
     torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+    if native_cpu_available():
+        assert is_blocked(layer._packed[1]) == (dtype == torch.float32)
 
 
 def test_packed_linear_keeps_leading_dims_and_follows_weight_updates():
@@ -51,11 +58,21 @@ def test_packed_linear_keeps_leading_dims_and_follows_weight_updates():
 
 
 @packing
-def test_warm_up_visits_each_distinct_shape_once_per_bucket():
-    model = torch.nn.Sequential(Linear(32, 64), Linear(32, 64), Linear(64, 32))
+def test_warm_up_visits_each_distinct_onednn_shape_once_per_bucket():
+    model = torch.nn.Sequential(Linear(32, 64), Linear(32, 64), Linear(64, 32)).to(torch.bfloat16)
     buckets = {padded_rows(rows) for rows in range(1, 41)}
     assert warm_up_linears(model, 40) == 2 * len(buckets)
     assert warm_up_linears(model, 0) == 0
+
+
+@blocked
+def test_warm_up_packs_float32_layers_and_compiles_nothing_for_them():
+    """float32 layers multiply any row count without padding (what the step profiler
+    records as the row buckets) and need no kernel compiled ahead."""
+    model = torch.nn.Sequential(Linear(32, 64), Linear(64, 32))
+    assert warm_up_linears(model, 40) == 0
+    assert all(is_blocked(layer._packed[1]) for layer in model)
+    assert not pads_rows(torch.float32) and pads_rows(torch.bfloat16) == torch.backends.mkldnn.is_available()
 
 
 @packing
@@ -77,16 +94,16 @@ def test_padded_rows_are_independent_of_what_the_reused_buffer_held():
     torch.testing.assert_close(clean.float(), F.linear(small.float(), layer.weight.float()), atol=5e-2, rtol=5e-2)
 
 
-@packing
+@bfloat16_rows_in_place
 def test_rows_with_room_in_their_memory_are_multiplied_without_a_copy(monkeypatch):
     """An input whose memory already holds the padded row count (``linear_input``, or a
     matmul's output sliced to its real rows) is multiplied in place: NaN in the rows past
     it changes nothing, and the padding buffer is not touched. Other inputs still pad."""
-    from servelab.kernels import onednn_linear as layers
+    from servelab.kernels import packed_linear as layers
 
     torch.manual_seed(0)
-    layer, first = Linear(64, 48, bias=False), Linear(64, 64, bias=False)
-    small = torch.randn(130, 64)
+    layer, first = Linear(64, 48, bias=False).to(torch.bfloat16), Linear(64, 64, bias=False).to(torch.bfloat16)
+    small = torch.randn(130, 64, dtype=torch.bfloat16)
     with torch.inference_mode():
         expected = layer(small)
         chained = layer(first(small).clone())
@@ -115,7 +132,7 @@ def test_bfloat16_without_native_matmuls_multiplies_in_float32(monkeypatch, nati
     """Where oneDNN has no bfloat16 matmul the weight is packed in float32 and the layer
     still takes and returns bfloat16: the float32 product of the same bfloat16 values,
     rounded once (up to summation order), with the bias and leading dims kept."""
-    from servelab.kernels import onednn_linear as layers
+    from servelab.kernels import packed_linear as layers
 
     if native and not layers.bfloat16_matmul_supported():
         pytest.skip("this CPU has no bfloat16 matmul instructions")
@@ -136,12 +153,12 @@ def test_bfloat16_without_native_matmuls_multiplies_in_float32(monkeypatch, nati
 
 @packing
 def test_llm_warm_up_compiles_every_bucket_and_generation_is_unchanged(llama):
-    """``LLM.warm_up(n)`` multiplies through each distinct linear shape of the model at
-    every row bucket up to n (the LM head included), leaves the outputs as they were, and
-    names a bad argument."""
+    """``LLM.warm_up(n)`` multiplies through each distinct oneDNN-packed linear shape of the
+    model at every row bucket up to n (the LM head included), leaves the outputs as they
+    were, and names a bad argument."""
     from servelab import LLM, SamplingParams
 
-    llm = LLM(llama, overrides=["model.dtype=float32", "device=cpu"])
+    llm = LLM(llama, overrides=["model.dtype=bfloat16", "device=cpu"])
     params = SamplingParams(temperature=0.0, max_tokens=6)
     before = llm.generate("hello world", params, use_tqdm=False)[0].outputs[0].token_ids
     model = llm.engine.executor.model
@@ -154,22 +171,26 @@ def test_llm_warm_up_compiles_every_bucket_and_generation_is_unchanged(llama):
 
 
 @packing
-def test_warm_up_defaults_to_the_step_budget_and_packs_every_layer(llama, monkeypatch):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_warm_up_defaults_to_the_step_budget_and_packs_every_layer(llama, monkeypatch, dtype):
     """``LLM.warm_up()`` covers every step the scheduler can form (its token budget) and
     packs the weight of every linear layer, so serving afterwards neither packs nor meets
-    a new step size; each built-in scheduler reports its budget."""
+    a new step size (float32 layers, in the blocked layout, compile no kernels); each
+    built-in scheduler reports its budget."""
     from servelab import LLM, SamplingParams
-    from servelab.kernels import onednn_linear as layers
+    from servelab.kernels import packed_linear as layers
 
-    llm = LLM(llama, overrides=["model.dtype=float32", "device=cpu", "scheduler=chunked", "scheduler.token_budget=96"])
+    llm = LLM(llama, overrides=[f"model.dtype={dtype}", "device=cpu", "scheduler=chunked", "scheduler.token_budget=96"])
     assert llm.engine.max_step_tokens == 96
     model = llm.engine.executor.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     shapes = {(m.in_features, m.out_features) for m in linears}
     buckets = {padded_rows(rows) for rows in range(1, 97)}
-    assert llm.warm_up() == len(shapes) * len(buckets)
+    blocked_layers = dtype == "float32" and native_cpu_available()
+    assert llm.warm_up() == (0 if blocked_layers else len(shapes) * len(buckets))
     assert len(linears) > len(shapes)  # layers sharing a shape are packed too
     assert all(m._packed is not None and m._packed[1] is not None for m in linears)
+    assert all(is_blocked(m._packed[1]) == blocked_layers for m in linears)
 
     def no_packing(weight):
         raise AssertionError("a weight was packed after warm_up")

@@ -1,8 +1,10 @@
-"""Linear layers that multiply through oneDNN with a weight packed once (CPU).
+"""Linear layers that multiply with a weight packed once (CPU).
 
-``torch.nn.Linear`` reorders its weight for oneDNN on every call; on the CPU that reorder
-dominates at decode batch sizes. ``Linear`` keeps a packed copy and pads its input's rows
-to a few bucket sizes, so oneDNN compiles a bounded set of kernels; see docs/cpu_kernels.md.
+``torch.nn.Linear`` reorders its weight for the matmul library on every call; on the CPU
+that reorder dominates at decode batch sizes. ``Linear`` keeps a packed copy: float32
+weights in servelab's blocked layout for ``float_linear`` (``kernels/blocked_linear.py``),
+bfloat16 ones for oneDNN, whose input rows it pads to a few bucket sizes so oneDNN compiles
+a bounded set of kernels; see docs/cpu_kernels.md.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from servelab.kernels.cpu_ops import native_cpu_enabled
+from servelab.kernels.blocked_linear import float_linear, pack_blocks
+from servelab.kernels.cpu_ops import native_cpu_available, native_cpu_enabled
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -33,9 +36,9 @@ def padded_rows(rows: int) -> int:
 
 def warm_up_linears(module: nn.Module, max_rows: int) -> int:
     """Pack every CPU ``Linear`` of ``module`` and multiply once through each distinct
-    packed shape at every row bucket up to ``max_rows`` (zeros in, nothing kept), so
+    oneDNN-packed shape at every row bucket up to ``max_rows`` (zeros in, nothing kept), so
     neither the packing nor oneDNN's kernel compilation happens during the first requests;
-    returns the kernels warmed."""
+    returns the kernels warmed (none for float32 layers: ``float_linear`` compiles nothing)."""
     buckets = sorted({padded_rows(rows) for rows in range(1, max_rows + 1)})
     shapes = set()
     with torch.inference_mode():
@@ -43,7 +46,8 @@ def warm_up_linears(module: nn.Module, max_rows: int) -> int:
             if not isinstance(layer, Linear) or layer.weight.device.type != "cpu":
                 continue
             shape = (layer.in_features, layer.out_features, layer.weight.dtype, layer.bias is not None)
-            if layer._packed_weight(layer.weight) is None or shape in shapes:
+            packed = layer._packed_weight(layer.weight)
+            if packed is None or is_blocked(packed) or shape in shapes:
                 continue
             shapes.add(shape)
             for rows in buckets:
@@ -52,12 +56,14 @@ def warm_up_linears(module: nn.Module, max_rows: int) -> int:
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` that, on the CPU, multiplies with a copy of its weight prepacked once
-    for oneDNN (``torch.ops.mkldnn``). ``F.linear`` reorders the weight on every call, which
-    dominates at decode batch sizes: the packed path is 1.5-2x faster at 16-48 rows. The copy
-    is rebuilt when the weight changes (its version counter) and costs one more weight's
-    memory (two for bfloat16 weights packed in float32, see ``_pack``);
-    ``SERVELAB_NATIVE_CPU=0`` turns it off with the other native CPU paths."""
+    """``nn.Linear`` that, on the CPU, multiplies with a copy of its weight packed once:
+    float32 weights in the blocked layout of servelab's ``float_linear`` (1.2-2.7x faster
+    than oneDNN at decode batch sizes on the development VM, and as fast on prefill
+    chunks), bfloat16 ones for oneDNN (``torch.ops.mkldnn``). ``F.linear`` reorders the
+    weight on every call, which dominates at decode batch sizes. The copy is rebuilt when
+    the weight changes (its version counter) and costs one more weight's memory (two for
+    bfloat16 weights packed in float32, see ``_pack``); ``SERVELAB_NATIVE_CPU=0`` turns it
+    off with the other native CPU paths."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -69,6 +75,11 @@ class Linear(nn.Linear):
         if packed is None:
             return F.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, x.shape[-1])
+        if is_blocked(packed):  # any row count, no padding
+            out = float_linear(rows.contiguous(), packed, self.out_features)
+            if self.bias is not None:
+                out += self.bias
+            return out.view(*x.shape[:-1], self.out_features)
         num_rows = rows.shape[0]
         padded = padded_rows(num_rows)
         bias = self.bias
@@ -140,15 +151,35 @@ def bfloat16_matmul_supported() -> bool:
     return torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+def pads_rows(dtype: torch.dtype) -> bool:
+    """True when CPU ``Linear`` layers of this dtype pad their rows to ``padded_rows``
+    buckets (the oneDNN path); float32 layers in the blocked layout multiply any row count."""
+    if not native_cpu_enabled() or dtype not in PACKED_DTYPES or not torch.backends.mkldnn.is_available():
+        return False
+    return not (dtype == torch.float32 and native_cpu_available())
+
+
+def is_blocked(packed: torch.Tensor) -> bool:
+    """True for a float32 weight in ``float_linear``'s blocked layout ([N / 16, K, 16]),
+    False for a oneDNN-packed one (2-D)."""
+    return packed.dim() == 3
+
+
 def _pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """The oneDNN-packed copy of a CPU weight, or None where that path is unavailable.
+    """The packed copy of a CPU weight, or None where no packed path is available: float32
+    in the blocked layout where the native CPU ops are built, else packed for oneDNN.
 
     A bfloat16 weight on a CPU without bfloat16 matmul instructions (AVX2, AVX-512 without
     BF16) is packed in float32: there torch's bfloat16 matmul is emulated and runs 4-7x
     slower than float32. ``Linear`` then converts its input to float32 and rounds the
     output back to bfloat16, which gives what a bfloat16 kernel gives (products of bfloat16
     values are exact in float32, sums accumulate in float32) at twice the weight memory."""
-    if weight.dtype not in PACKED_DTYPES or not torch.backends.mkldnn.is_available() or not native_cpu_enabled():
+    if not native_cpu_enabled():
+        return None
+    if weight.dtype == torch.float32 and native_cpu_available():
+        with torch.inference_mode(False):  # a normal tensor, usable in and out of inference mode
+            return pack_blocks(weight)
+    if weight.dtype not in PACKED_DTYPES or not torch.backends.mkldnn.is_available():
         return None
     if weight.dtype == torch.bfloat16 and not bfloat16_matmul_supported():
         weight = weight.float()
