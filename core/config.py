@@ -70,8 +70,10 @@ class ModelConfig:
 @dataclass
 class SamplingConfig:
     """Default ``SamplingParams`` for prompts given on the command line: nucleus sampling
-    (temperature 0.8, top-p 0.95) seeded with 0, so a command prints the same completion
-    each time; ``sampling.temperature=0`` is greedy, ``sampling.seed=null`` unseeded."""
+    (temperature 0.8, top-p 0.95) with a repetition penalty of 1.1, seeded with 0, so a
+    command prints the same completion each time; ``sampling.temperature=0`` is greedy,
+    ``sampling.repetition_penalty=1`` turns the penalty off, ``sampling.seed=null`` is
+    unseeded."""
 
     temperature: float = 0.8
     top_p: float = 0.95
@@ -80,7 +82,7 @@ class SamplingConfig:
     seed: Optional[int] = 0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: float = 1.1
     max_tokens: int = 64
     min_tokens: int = 0
     stop: list[str] = field(default_factory=list)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 
 import pytest
 import torch
@@ -49,16 +50,32 @@ def test_target_and_draft_share_one_tokenizer():
 
 STATEMENT_STARTS = ('"""', "'''", "return", "if ", "for ", "while ", "try:", "raise ", "with ", "import ",
                     "from ", "assert ", "#")
+STATEMENT = re.compile(r"^(return\b|if |elif |else:|for |while |try:|except|raise |with |import |from |assert |"
+                       r"yield\b|del |pass\b|break\b|continue\b|[A-Za-z_][\w.\[\]]*\s*(=|\+=|-=)|[A-Za-z_][\w.]*\()")
+DOCSTRING_QUOTES = ('"""', "'''")
+
+
+def statements(text: str) -> set[str]:
+    """The distinct lines of ``text`` (after the prompt's line) that are Python statements,
+    outside docstrings."""
+    found, in_docstring = set(), False
+    for line in (line.strip() for line in text.split("\n")[1:]):
+        if in_docstring or line.startswith(DOCSTRING_QUOTES):
+            in_docstring ^= sum(map(line.count, DOCSTRING_QUOTES)) % 2 == 1
+        elif STATEMENT.match(line):
+            found.add(line)
+    return found
 
 
 def test_default_preset_is_tiny_and_writes_python():
     """With the command line's default sampling, the default model continues the README's
     prompt with an indented function body that opens with a statement or docstring and does
-    not repeat one line: for most seeds, not only the one the README shows."""
+    not repeat one line, for most seeds, not only the one the README shows; within the 64
+    tokens, some also write three or more statements past the docstring."""
     llm = LLM()
     assert llm.engine.cfg.model.path == checkpoint_path("tiny")
     defaults = OmegaConf.to_container(OmegaConf.structured(SamplingConfig))
-    good = 0
+    good = with_statements = 0
     for seed in range(8):
         text = llm.generate("def fibonacci(n):", SamplingParams(**{**defaults, "seed": seed}),
                             use_tqdm=False)[0].outputs[0].text
@@ -66,7 +83,8 @@ def test_default_preset_is_tiny_and_writes_python():
         body = [line.strip() for line in text.split("\n")[1:] if line.strip()]
         opens = text.startswith("\n    ") and bool(body) and body[0].startswith(STATEMENT_STARTS)
         good += opens and len(set(body)) > len(body) // 2
-    assert good >= 6
+        with_statements += len(statements(text)) >= 3 and max(map(body.count, body), default=0) <= 2
+    assert good >= 6 and with_statements >= 2
 
 
 def test_both_checkpoints_fit_the_size_budget():

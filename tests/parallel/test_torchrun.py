@@ -25,7 +25,7 @@ def printed_completion(stdout: str) -> str:
 def test_torchrun_ranks_print_what_one_process_prints(tmp_path):
     folder = tiny_checkpoint(tmp_path / "llama", "llama")
     args = [f"model.path={folder}", "model=local", "model.dtype=float32", f"prompt='{PROMPT}'",
-            "sampling.temperature=0", "sampling.max_tokens=12", "use_tqdm=false"]
+            "sampling.temperature=0", "sampling.repetition_penalty=1", "sampling.max_tokens=12", "use_tqdm=false"]
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
                              "--nproc-per-node=2", "-m", "servelab.launch", "servelab", *args,
                              "parallel.tensor_parallel_size=2"],
