@@ -25,7 +25,7 @@ def pack_blocks(weight: torch.Tensor) -> torch.Tensor:
     ``packed[b, k, j] = weight[16 b + j, k]``."""
     rows, columns = weight.shape
     padded = F.pad(weight.detach(), (0, 0, 0, -rows % PACK_CHANNELS))
-    return padded.view(-1, BLOCK, columns).transpose(1, 2).contiguous()
+    return padded.view(padded.shape[0] // BLOCK, BLOCK, columns).transpose(1, 2).contiguous()
 
 
 def float_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:

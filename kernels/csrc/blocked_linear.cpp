@@ -117,6 +117,7 @@ void slice_remainder(int64_t rows, const float* x, int64_t ldx, const Slice<W>& 
 template <typename W>
 void blocked_linear(float* out, const float* x, int64_t M, int64_t K, const W* packed, const float* scales,
                     int64_t N) {
+  if (K == 0) return std::fill(out, out + M * N, 0.f);
   const int64_t tiles = (N + kTileChannels - 1) / kTileChannels;
   const int64_t row_blocks = (M + kMaxRows - 1) / kMaxRows;
   const int64_t wanted = (2 * at::get_num_threads() + tiles - 1) / tiles;  // two items per thread

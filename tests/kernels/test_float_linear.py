@@ -12,10 +12,10 @@ from servelab.kernels.cpu_ops import native_cpu_unavailable_reason
 pytestmark = pytest.mark.skipif(native_cpu_unavailable_reason() is not None,
                                 reason=f"native CPU ops: {native_cpu_unavailable_reason()}")
 
-# (out_features, in_features): one channel, partial vectors and tiles (one tile: rows split
+# (out_features, in_features): no inputs, one channel, partial vectors and tiles (one tile: rows split
 # into groups across the threads), several tiles, and K past one slice (2048 float32 values
 # on AVX-512, 4096 on AVX2) with a partial last slice.
-SHAPES = [(1, 1), (5, 3), (17, 31), (64, 64), (100, 37), (200, 130), (70, 4200)]
+SHAPES = [(3, 0), (1, 1), (5, 3), (17, 31), (64, 64), (100, 37), (200, 130), (70, 4200)]
 ROWS = [1, 2, 3, 5, 6, 7, 13, 49, 100]  # every remainder of the 6-row (AVX-512) and 3-row (AVX2) tiles
 
 
