@@ -21,15 +21,14 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import time
 
 import torch
 import torch.nn.functional as F
+from quantized_linear_speed import timed_cases  # the sibling script's timing loop
 
 SHAPES = ((3072, 512), (512, 1536), (768, 512), (512, 512))
 """(out, in) features of the 26m model's layer: gate/up, down, q/k/v and the attention output."""
-CACHE_BYTES = 96 << 20
 ENGINE_CASES = ((1, 140, 64), (6, 140, 64), (16, 140, 64), (8, 500, 1))
 """(requests, prompt tokens, output tokens) per engine case: decode at three batch sizes, one prefill."""
 
@@ -49,35 +48,15 @@ def layer_methods(out_features: int, in_features: int, copies: int) -> dict[str,
     return result
 
 
-def median_us(calls: dict[str, list], x: torch.Tensor, rounds: int) -> dict[str, float]:
-    """Per method, the median time of one call over ``rounds`` passes through every copy."""
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(rounds):
-        for name, copies in calls.items():
-            start = time.perf_counter()
-            for call in copies:
-                call(x)
-            times[name].append((time.perf_counter() - start) / len(copies))
-    return {name: statistics.median(values) * 1e6 for name, values in times.items()}
-
-
 def layers(args: argparse.Namespace) -> None:
     """Print the per-layer table."""
     print("| threads | layer N x K | rows | float_linear us | oneDNN us | F.linear us | vs oneDNN |")
     print("|---:|---|---:|---:|---:|---:|---:|")
-    for out_features, in_features in SHAPES:
-        copies = max(1, -(-CACHE_BYTES // (4 * out_features * in_features)))
-        calls = layer_methods(out_features, in_features, copies)
-        for threads in args.threads:
-            torch.set_num_threads(threads)
-            for rows in args.rows:
-                x = torch.randn(rows, in_features)
-                with torch.inference_mode():
-                    median_us(calls, x, 1)  # warm up: oneDNN compiles a kernel per row count
-                    us = median_us(calls, x, args.rounds)
-                print(f"| {threads} | {out_features}x{in_features} | {rows} | {us['float_linear']:.0f} | "
-                      f"{us['onednn']:.0f} | {us['F.linear']:.0f} | {us['onednn'] / us['float_linear']:.2f}x |",
-                      flush=True)
+    for threads, out_features, in_features, rows, ms in timed_cases(SHAPES, layer_methods, args.threads, args.rows,
+                                                                     args.rounds):
+        us = {name: value * 1e3 for name, value in ms.items()}
+        print(f"| {threads} | {out_features}x{in_features} | {rows} | {us['float_linear']:.0f} | "
+              f"{us['onednn']:.0f} | {us['F.linear']:.0f} | {us['onednn'] / us['float_linear']:.2f}x |", flush=True)
 
 
 def engine(args: argparse.Namespace) -> None:

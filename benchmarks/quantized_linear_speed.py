@@ -68,6 +68,22 @@ def median_ms(calls: dict[str, list], x: torch.Tensor, rounds: int) -> dict[str,
     return {name: statistics.median(values) * 1e3 for name, values in times.items()}
 
 
+def timed_cases(shapes, methods_of, threads_list: list[int], rows_list: list[int], rounds: int):
+    """For every (out, in) shape, thread count and row count, yields (threads, out_features,
+    in_features, rows, median ms per method) over ``methods_of(out, in, copies)``'s
+    callables, enough copies of each weight that every call reads it from memory."""
+    for out_features, in_features in shapes:
+        copies = max(1, -(-CACHE_BYTES // (4 * out_features * in_features)))
+        calls = methods_of(out_features, in_features, copies)
+        for threads in threads_list:
+            torch.set_num_threads(threads)
+            for rows in rows_list:
+                x = torch.randn(rows, in_features)
+                with torch.inference_mode():
+                    median_ms(calls, x, 1)  # warm up: oneDNN compiles a kernel per row count
+                    yield threads, out_features, in_features, rows, median_ms(calls, x, rounds)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
@@ -78,19 +94,11 @@ def main() -> None:
     print("| threads | layer N x K | M | float32 ms | int8 ms | w8a8 ms | dynamic ms | int8 speed-up | w8a8 speed-up "
           "| dynamic speed-up |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for out_features, in_features in SHAPES:
-        copies = max(1, -(-CACHE_BYTES // (4 * out_features * in_features)))
-        calls = methods(out_features, in_features, copies)
-        for threads in args.threads:
-            torch.set_num_threads(threads)
-            for rows in args.rows:
-                x = torch.randn(rows, in_features)
-                with torch.inference_mode():
-                    median_ms(calls, x, 1)  # warm up: oneDNN compiles a kernel per row count
-                    ms = median_ms(calls, x, args.rounds)
-                times = " | ".join(f"{ms[name]:.3f}" for name in calls)
-                ratios = " | ".join(f"{ms['float32'] / ms[name]:.2f}x" for name in list(calls)[1:])
-                print(f"| {threads} | {out_features}x{in_features} | {rows} | {times} | {ratios} |", flush=True)
+    for threads, out_features, in_features, rows, ms in timed_cases(SHAPES, methods, args.threads, args.rows,
+                                                                     args.rounds):
+        times = " | ".join(f"{value:.3f}" for value in ms.values())
+        ratios = " | ".join(f"{ms['float32'] / value:.2f}x" for value in list(ms.values())[1:])
+        print(f"| {threads} | {out_features}x{in_features} | {rows} | {times} | {ratios} |", flush=True)
 
 
 if __name__ == "__main__":
