@@ -57,9 +57,9 @@ def warm_up_linears(module: nn.Module, max_rows: int) -> int:
 
 class Linear(nn.Linear):
     """``nn.Linear`` that, on the CPU, multiplies with a copy of its weight packed once:
-    float32 weights in the blocked layout of servelab's ``float_linear`` (1.2-2.7x faster
-    than oneDNN at decode batch sizes on the development VM, and as fast on prefill
-    chunks), bfloat16 ones for oneDNN (``torch.ops.mkldnn``). ``F.linear`` reorders the
+    float32 weights in the blocked layout of servelab's ``float_linear`` (1.1-2.6x faster
+    than oneDNN at 1-16 rows on the development VM, about as fast on prefill-sized
+    inputs), bfloat16 ones for oneDNN (``torch.ops.mkldnn``). ``F.linear`` reorders the
     weight on every call, which dominates at decode batch sizes. The copy is rebuilt when
     the weight changes (its version counter) and costs one more weight's memory (two for
     bfloat16 weights packed in float32, see ``_pack``); ``SERVELAB_NATIVE_CPU=0`` turns it
