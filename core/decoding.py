@@ -140,6 +140,11 @@ class DecodingStrategy(abc.ABC):
     def on_request_finished(self, request: Request) -> None:
         """Release whatever per-request state the strategy keeps (draft caches, ...)."""
 
+    def shutdown(self) -> None:
+        """Release what the strategy holds (a draft model, its KV tensors); the engine
+        calls it once, at its own shutdown, after every request finished or was aborted.
+        Nothing by default."""
+
     def simulated_acceptance(self, allowances: tuple[int, ...], random: Random) -> list[int] | None:
         """Under ``executor=simulated``: how many of its ``allowances[i]`` drafts request i
         keeps this step (None: the strategy does not speculate)."""

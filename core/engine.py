@@ -12,7 +12,7 @@ from omegaconf import DictConfig
 from servelab.core.checkpoint import load_checkpoint, resolve_device, resolve_dtype
 from servelab.core.clock import Clock, VirtualClock, WallClock
 from servelab.core.decoding import DecodingContext
-from servelab.core.errors import ConfigError, InvalidRequestError
+from servelab.core.errors import ConfigError, EngineShutdownError, InvalidRequestError
 from servelab.core.executor import ExecutedStep, ExecutorContext
 from servelab.core.kv_cache import CacheContext
 from servelab.core.kv_cache_dtype import kv_dtype_name, resolve_kv_dtype
@@ -51,6 +51,11 @@ class LLMEngine:
     model, else the wall clock) is the only time the engine and its scheduler read. Each
     component validates its own config; the engine reports every problem of every
     component in one ``ConfigError`` before anything runs.
+
+    ``shutdown`` releases everything the engine holds (worker processes, the process
+    group, the model, KV tensors, the draft model); dropping the last reference does the
+    same, through the executor's finalizer. After it, every call raises
+    ``EngineShutdownError``.
     """
 
     def __init__(self, cfg: DictConfig, registry: Registry | None = None, clock: Clock | None = None):
@@ -99,8 +104,9 @@ class LLMEngine:
                 strategy.on_request_finished, self.clock)))
         problems += validate(self.max_model_len, shape.max_positions, cache)
         if problems:
-            if executor is not None:
-                executor.shutdown()
+            for built in (executor, strategy, cache):
+                if built is not None:
+                    built.shutdown()
             raise ConfigError(problems)
         self.cache, self.strategy, self.scheduler, self.executor = cache, strategy, scheduler, executor
         executor.attach(cache, strategy)
@@ -109,6 +115,7 @@ class LLMEngine:
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
         self.num_steps = 0
+        self.is_shut_down = False
         registry.hook.servelab_engine_started(engine=self)
 
     # -- requests ----------------------------------------------------------------------------
@@ -120,9 +127,15 @@ class LLMEngine:
             return self.tokenizer.encode(prompt, add_special_tokens=False)
         return list(prompt)
 
+    def _ensure_running(self, operation: str) -> None:
+        """Raise ``EngineShutdownError`` for ``operation`` once the engine is shut down."""
+        if self.is_shut_down:
+            raise EngineShutdownError(operation)
+
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ``InvalidRequestError`` naming the field and the limit if the request
         cannot be served; nothing enters the engine."""
+        self._ensure_running("check_request")
         if not prompt_token_ids:
             raise InvalidRequestError("prompt", "must not be empty")
         if any(not isinstance(t, int) or t < 0 or t >= self.vocab_size for t in prompt_token_ids):
@@ -148,6 +161,7 @@ class LLMEngine:
                     arrival_time: float | None = None, output_kind: str = "final") -> str:
         """Validate and queue a prompt; returns its request id. ``output_kind``: final |
         cumulative | delta (see ``OutputProcessor``)."""
+        self._ensure_running("add_request")
         params = params or SamplingParams()
         if output_kind not in OUTPUT_KINDS:
             raise InvalidRequestError("output_kind", f"must be one of {', '.join(OUTPUT_KINDS)}")
@@ -185,6 +199,7 @@ class LLMEngine:
 
     def abort_request(self, request_ids: list[str] | str) -> None:
         """Abort prompts by id; their cache is freed at once."""
+        self._ensure_running("abort_request")
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         self.scheduler.abort(self.outputs.child_ids(ids))
         for rid in ids:
@@ -201,6 +216,7 @@ class LLMEngine:
         Steps go to the executor until it holds ``max_steps_in_flight`` (more than one
         with a pipeline) or the scheduler has nothing more; then the oldest comes back
         and its result is applied."""
+        self._ensure_running("step")
         started = self.clock.now()
         executor, scheduler = self.executor, self.scheduler
         output = None
@@ -254,6 +270,7 @@ class LLMEngine:
         ``max_step_tokens``, which covers every step) now rather than on each new step
         size's first use (milliseconds per layer each on the CPU); returns the number of
         kernels prepared."""
+        self._ensure_running("warm_up")
         if max_tokens is None:
             max_tokens = self.max_step_tokens
         if max_tokens < 0:
@@ -261,7 +278,13 @@ class LLMEngine:
         return self.executor.warm_up(max_tokens)
 
     def shutdown(self) -> None:
-        """Abort everything, release the executor and tell observers the engine stopped."""
+        """Abort every request, release the executor (workers, process group, model, KV
+        tensors), the decoding strategy and the cache, and tell observers the engine
+        stopped. Calling it again does nothing."""
+        if self.is_shut_down:
+            return
         self.abort_request(list(self.outputs.groups))
-        self.executor.shutdown()
+        self.is_shut_down = True
+        for component in (self.executor, self.strategy, self.cache):
+            component.shutdown()
         self.registry.hook.servelab_engine_stopped(engine=self)

@@ -21,3 +21,16 @@ class InvalidRequestError(ValueError):
     def __reduce__(self):
         """Pickle by field and message (the server gets it from the engine process)."""
         return type(self), (self.field, self.message)
+
+
+class EngineShutdownError(RuntimeError):
+    """An engine used after ``shutdown``: it holds no model, workers or KV cache any more."""
+
+    def __init__(self, operation: str):
+        self.operation = operation
+        super().__init__(f"{operation}: this engine has been shut down (LLM.shutdown / LLMEngine.shutdown); "
+                         f"build a new LLM or LLMEngine")
+
+    def __reduce__(self):
+        """Pickle by operation (the server gets it from the engine process)."""
+        return type(self), (self.operation,)

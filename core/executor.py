@@ -135,4 +135,8 @@ class Executor(abc.ABC):
         return 0
 
     def shutdown(self) -> None:
-        """Release devices and worker processes (nothing by default)."""
+        """Release what the executor holds (worker processes, process groups, the model,
+        KV tensors, threads); calling it again does nothing. An executor that starts
+        processes or joins a process group also releases them when it is collected or the
+        interpreter exits (a ``weakref.finalize``, never an ``atexit`` reference to
+        itself). Nothing by default."""

@@ -186,3 +186,8 @@ class KVCacheManager(abc.ABC):
     def can_swap_in(self, request: Request) -> bool:
         """True when ``swap_in`` would succeed now."""
         return False
+
+    def shutdown(self) -> None:
+        """Drop every block still held or cached, and release what the manager holds
+        beyond its bookkeeping (files, host memory, connections); the engine calls it once,
+        at its own shutdown, after every request was freed. Nothing by default."""

@@ -6,10 +6,12 @@ import os
 from typing import Any, Sequence
 
 from omegaconf import DictConfig
+from tqdm.auto import tqdm
 
 from servelab.core.beam_search import BeamSearch
 from servelab.core.compose import compose_config
 from servelab.core.engine import LLMEngine
+from servelab.core.errors import EngineShutdownError
 from servelab.core.outputs import RequestOutput
 from servelab.core.sampling_params import SamplingParams
 
@@ -24,12 +26,23 @@ def model_overrides(model: str | None) -> list[str]:
     return [f"model={model}"]
 
 
+class ProgressBar(tqdm):
+    """tqdm's bar without its monitor thread, which would outlive every engine (the bar
+    is updated every step, so nothing needs the monitor's forced refreshes)."""
+
+    monitor_interval = 0
+
+
 class LLM:
     """Offline generation over one engine.
 
     ``LLM("/ckpt", scheduler="static", cache="contiguous", overrides=["cache.block_size=32"])``:
     ``model`` is a preset name or a Hugging Face folder, keyword arguments choose an option
     of a config group, ``overrides`` takes any other Hydra override.
+
+    ``shutdown()`` (or leaving ``with LLM(...) as llm:``, or dropping the last reference)
+    releases the engine's workers, process group, model and KV cache, so another engine
+    of any configuration can start in the same process.
     """
 
     def __init__(self, model: str | None = None, overrides: Sequence[str] = (), **choices: Any):
@@ -46,6 +59,17 @@ class LLM:
     def _attach(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.beam_search = BeamSearch(engine)
+
+    def shutdown(self) -> None:
+        """Release the engine (``LLMEngine.shutdown``); calling it again does nothing, and
+        ``generate`` raises ``EngineShutdownError`` after it."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.shutdown()
 
     def warm_up(self, max_tokens: int | None = None) -> int:
         """Compile the model's CPU matmul kernels for steps of up to ``max_tokens`` tokens
@@ -65,6 +89,8 @@ class LLM:
         Every prompt is validated before any enters the engine, so a bad one raises
         ``InvalidRequestError`` and nothing runs.
         """
+        if self.engine.is_shut_down:
+            raise EngineShutdownError("generate")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params or SamplingParams()] * len(prompts)
@@ -81,12 +107,10 @@ class LLM:
         return self._run(ids, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        from tqdm.auto import tqdm
-
         engine = self.engine
         finished: dict[str, RequestOutput] = {}
         start_tokens = engine.num_generated_tokens
-        with tqdm(total=len(ids), desc="Processed prompts", unit="req", disable=not use_tqdm,
+        with ProgressBar(total=len(ids), desc="Processed prompts", unit="req", disable=not use_tqdm,
                   dynamic_ncols=True) as bar:
             try:
                 while engine.has_unfinished_requests():

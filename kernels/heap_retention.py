@@ -8,6 +8,7 @@ faults and half a second of system time per 256-request offline run of the 26m m
 Raising both thresholds keeps that memory mapped: the process holds on to its peak heap
 size (plus up to 256 MiB free at the top of the heap), which a serving engine reaches again
 every step anyway. Blocks above 32 MiB (glibc's ceiling for the threshold) stay mappings.
+An engine that shuts down gives the retained memory back (``return_freed_heap_memory``).
 """
 
 from __future__ import annotations
@@ -35,3 +36,14 @@ def retain_freed_heap_memory() -> bool:
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+
+
+def return_freed_heap_memory() -> bool:
+    """Give the heap's free memory back to the OS (glibc's ``malloc_trim``), as an engine
+    that shuts down does; True when some was returned, False without glibc."""
+    trim = getattr(linux_libc(), "malloc_trim", None)
+    if trim is None:
+        return False
+    trim.argtypes = (ctypes.c_size_t,)
+    trim.restype = ctypes.c_int
+    return bool(trim(0))

@@ -146,6 +146,13 @@ def _padding_buffer(num_rows: int, rows: torch.Tensor, dtype: torch.dtype) -> to
     return buffer[:num_rows]
 
 
+def release_padding_buffers() -> int:
+    """Drop this thread's padding buffers (an engine that shuts down returns their
+    memory; the next matmul that pads makes new ones); returns the bytes released."""
+    buffers = _padding.__dict__.pop("buffers", {})
+    return sum(buffer.untyped_storage().nbytes() for buffer in buffers.values())
+
+
 def bfloat16_matmul_supported() -> bool:
     """True when oneDNN multiplies bfloat16 natively on this CPU (AVX-512 BF16 or AMX)."""
     return torch.ops.mkldnn._is_mkldnn_bf16_supported()

@@ -22,6 +22,7 @@ _EXPORTS = {
     "CompletionOutput": "servelab.core.outputs",
     "ConfigError": "servelab.core.errors",
     "InvalidRequestError": "servelab.core.errors",
+    "EngineShutdownError": "servelab.core.errors",
 }
 
 __all__ = list(_EXPORTS)

@@ -96,10 +96,9 @@ class ContiguousKVCacheManager(PagedKVCacheManager):
             self._reserved[rid] = reserve
         return allocation
 
-    def free(self, request: Request) -> None:
-        """Release the request's region (idempotent)."""
-        self._reserved.pop(request.request_id, None)
-        super().free(request)
+    def _free_id(self, rid: str) -> None:
+        self._reserved.pop(rid, None)
+        super()._free_id(rid)
 
     def truncate(self, request: Request, num_tokens: int) -> None:
         """Forget tokens past ``num_tokens``; blocks are released only past the reservation."""

@@ -142,7 +142,9 @@ class PagedKVCacheManager(KVCacheManager):
 
     def free(self, request: Request) -> None:
         """Release the request's device and host blocks (idempotent)."""
-        rid = request.request_id
+        self._free_id(request.request_id)
+
+    def _free_id(self, rid: str) -> None:
         self._forget_used(rid)
         table = self._tables.pop(rid, None)
         self._hashes.pop(rid, None)
@@ -285,6 +287,13 @@ class PagedKVCacheManager(KVCacheManager):
         self._tables[rid] = device
         self._set_used(rid, self._used_slots[rid])
         return list(zip(host, device))
+
+    def shutdown(self) -> None:
+        """Free every request's blocks and evict every cached one: the whole pool is free."""
+        for rid in {*self._tables, *self._host_tables}:
+            self._free_id(rid)
+        if self.prefix is not None:
+            self.pool.put_free([self.prefix.evict() for _ in range(self.prefix.num_evictable)])
 
 
 SPEC = ComponentSpec("cache", "paged", PagedKVCacheManager, PagedCacheConfig,

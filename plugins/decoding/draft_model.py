@@ -128,3 +128,10 @@ class DraftModel:
         sequence = self.sequences.pop(request_id, None)
         if sequence is not None:
             self.cache.free(sequence)
+
+    def close(self) -> None:
+        """Drop the draft model, its KV tensors and every request's draft state."""
+        for request_id in list(self.sequences):
+            self.release(request_id)
+        self.model = self.attention = None
+        self.kv_caches = []

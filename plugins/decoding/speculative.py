@@ -78,6 +78,11 @@ class SpeculativeDecoding(DecodingStrategy):
         if self.context.runs_model:
             self.draft.release(request.request_id)
 
+    def shutdown(self) -> None:
+        """Drop the draft model and its KV tensors."""
+        if self.context.runs_model:
+            self.draft.close()
+
     def simulated_acceptance(self, allowances: tuple[int, ...], random: Random) -> list[int]:
         """Each draft kept with probability ``simulated_acceptance_rate``."""
         return simulated_acceptance(allowances, self.config.simulated_acceptance_rate, random)

@@ -191,3 +191,7 @@ class GrammarDecoding(DecodingStrategy):
     def on_request_finished(self, request: Request) -> None:
         """Release the request's matcher."""
         self.grammars.release(request)
+
+    def shutdown(self) -> None:
+        """Drop the grammar compiler, its cache of compiled grammars and every matcher."""
+        self.grammars = GrammarConstraints(self.context)

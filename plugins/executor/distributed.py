@@ -7,8 +7,8 @@ driver sends each worker one int64 header and one int64 payload (the flat batch:
 ids, positions, query starts, context lengths, block table, slots, logits rows, block
 moves), not Python objects. A stage sends its (output, residual) pair to the same
 tensor rank of the next stage, with the stages' busy seconds; the last stage's rank 0
-sends the gathered logits back to the driver. On one node the driver spawns the workers
-(``torch.multiprocessing``); across nodes ``torchrun`` starts every rank
+sends the gathered logits back to the driver. On one node the driver starts the workers
+(``worker_group.py``); across nodes ``torchrun`` starts every rank
 (``parallel.init_method=env``) and ranks above 0 run ``serve_as_worker``.
 """
 
@@ -350,27 +350,6 @@ def copy_blocks(attention: Any, sources: list[torch.Tensor], destinations: list[
         dst = torch.tensor([d for _, d in pairs], device=destination.device)
         blocks = source.index_select(axis, src).to(destination.device, non_blocking=True)
         destination.index_copy_(axis, dst, blocks)
-
-
-def spawn_workers(cfg: Any, topology: Topology, init_method: str, backend: str, threads: int) -> list[Any]:
-    """Start ranks 1.. of ``topology`` as spawned processes of this one."""
-    import torch.multiprocessing as mp
-
-    context = mp.get_context("spawn")
-    workers = []
-    for rank in range(1, topology.world_size):
-        process = context.Process(target=serve_as_worker, name=f"servelab-worker-{rank}", daemon=True,
-                                  args=(WorkerSpec(cfg, rank, topology, init_method, backend, threads),))
-        process.start()
-        workers.append(process)
-    return workers
-
-
-def describe_dead(workers: list[Any]) -> str | None:
-    """Which spawned workers have exited, if any."""
-    dead = [f"rank {w.name.rsplit('-', 1)[1]} (pid {w.pid}, exit code {w.exitcode})" for w in workers
-            if not w.is_alive()]
-    return ", ".join(dead) or None
 
 
 def default_threads(world_size: int) -> int:

@@ -4,8 +4,8 @@ several processes joined by ``torch.distributed`` (``plugins/executor/distribute
 
 from __future__ import annotations
 
-import atexit
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -23,12 +23,14 @@ from servelab.core.kv_cache import KVCacheManager, KVCacheSpec
 from servelab.core.kv_cache_dtype import kv_dtype_name
 from servelab.core.model import ModelParallel
 from servelab.core.scheduler import SchedulerOutput
-from servelab.kernels.heap_retention import retain_freed_heap_memory
-from servelab.plugins.executor.distributed import (ATTACH, STOP, WARM_UP, ModelShard, Topology, backend_for,
-                                                   default_threads, describe_dead, drive_torchrun, free_port,
+from servelab.kernels.heap_retention import retain_freed_heap_memory, return_freed_heap_memory
+from servelab.kernels.packed_linear import release_padding_buffers
+from servelab.plugins.executor.distributed import (ATTACH, STOP, WARM_UP, ModelShard, Topology, WorkerSpec,
+                                                   backend_for, default_threads, drive_torchrun, free_port,
                                                    join_group, local_world_size, pack_moves, pack_step,
-                                                   send_header, spawn_workers, torchrun_problems)
+                                                   send_header, torchrun_problems)
 from servelab.plugins.executor.prompt_logprobs import prompt_logprobs
+from servelab.plugins.executor.worker_group import WorkerGroup, WorkerProcess, describe_dead
 
 CPU_KV_CACHE_BYTES = 512 * 1024 * 1024
 """What a cache that sets no size gets on the CPU."""
@@ -60,7 +62,9 @@ class ModelExecutor(Executor):
     (``shard``), and on several devices the worker processes: builds each step's flat
     batch, sends it to the workers, runs the forward pass and lets the decoding strategy
     choose the tokens from the gathered logits. Models without weights (shape presets)
-    are refused."""
+    are refused. ``shutdown`` (or collecting the executor, or interpreter exit) stops the
+    workers and leaves the group (``WorkerGroup``); ``shutdown`` also drops the model and
+    its KV tensors."""
 
     computes_prompt_logprobs = True
 
@@ -88,7 +92,11 @@ class ModelExecutor(Executor):
         self.device = context.device
         self.max_model_len = context.max_model_len
         self.topology = topology
-        self.workers: list[Any] = []
+        self.group = WorkerGroup(lambda ranks: send_header(STOP, ranks), topology.world_size)
+        self._release = weakref.finalize(self, self.group.close)
+        self._pending: deque[PendingStep] = deque()
+        self._sends: list[Any] = []
+        self.shard: ModelShard | None = None
         parallel = ModelParallel()
         try:
             if topology.world_size > 1:
@@ -101,30 +109,38 @@ class ModelExecutor(Executor):
             raise
         self.model, self.attention = self.shard.model, self.shard.attention
         self.max_steps_in_flight = topology.pp
-        self._pending: deque[PendingStep] = deque()
-        self._sends: list[Any] = []
 
     def _start_workers(self, parallel_cfg: Any) -> ModelParallel:
         """Spawn ranks 1.. (or find them started by torchrun) and join the group as rank 0."""
         from servelab.core.config import resolved
 
-        topology = self.topology
+        topology, group = self.topology, self.group
+        if dist.is_initialized():
+            raise ConfigError(["this process already belongs to a torch.distributed process group (another "
+                               "parallel engine that was not shut down, or the program's own): call "
+                               "LLM.shutdown() / LLMEngine.shutdown() on the engine, or destroy the group, first"])
         backend = backend_for(self.device, parallel_cfg.backend)
         cfg = resolved(self.context.engine_cfg)
+        group.joined = True
         if parallel_cfg.init_method == "env":
             problems = torchrun_problems(topology)
             if problems:
                 raise ConfigError(problems)
-            torch.set_num_threads(parallel_cfg.threads or default_threads(local_world_size(topology.world_size)))
+            group.use_threads(parallel_cfg.threads or default_threads(local_world_size(topology.world_size)))
             groups = drive_torchrun(topology, backend, cfg)
         else:
             threads = parallel_cfg.threads or default_threads(topology.world_size)
-            torch.set_num_threads(threads)
+            group.use_threads(threads)
             init_method = f"tcp://127.0.0.1:{free_port()}"
-            self.workers = spawn_workers(cfg, topology, init_method, backend, threads)
+            group.workers = [WorkerProcess.start(WorkerSpec(cfg, rank, topology, init_method, backend, threads))
+                             for rank in self._worker_ranks]
             groups = join_group(topology, 0, init_method, backend)
-        atexit.register(self.shutdown)  # workers started by torchrun wait for a stop message
         return topology.parallel(0, groups)
+
+    @property
+    def workers(self) -> list[WorkerProcess]:
+        """The worker processes this executor started (none on one device or under torchrun)."""
+        return self.group.workers
 
     def kv_cache_budget_bytes(self, spec: KVCacheSpec) -> int | None:
         """``CPU_KV_CACHE_BYTES`` on the CPU; on a GPU the free device memory times
@@ -146,8 +162,8 @@ class ModelExecutor(Executor):
 
     @property
     def kv_caches(self) -> list[torch.Tensor]:
-        """This rank's per-layer KV cache tensors."""
-        return self.shard.kv_caches
+        """This rank's per-layer KV cache tensors (none after ``shutdown``)."""
+        return self.shard.kv_caches if self.shard is not None else []
 
     @property
     def _worker_ranks(self) -> range:
@@ -265,22 +281,17 @@ class ModelExecutor(Executor):
         return self.model.warm_up(max_tokens)
 
     def shutdown(self) -> None:
-        """Stop the workers and leave the group (also at interpreter exit; once is enough)."""
-        if self.topology.world_size == 1:
-            return
-        atexit.unregister(self.shutdown)
-        if dist.is_initialized():
-            try:
-                self._to_workers(lambda: send_header(STOP, self._worker_ranks))
-            except RuntimeError:
-                pass
-        for worker in self.workers:
-            worker.join(30)
-            if worker.is_alive():
-                worker.kill()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
+        """Stop the workers, leave the group, restore the torch thread count, drop the
+        model and its KV tensors and give the freed heap back; calling it again does
+        nothing."""
+        self._release()
+        self._pending.clear()
+        self._sends = []
+        if self.shard is not None:
+            self.shard = self.model = self.attention = None
+            if self.device.type == "cpu":
+                release_padding_buffers()
+                return_freed_heap_memory()
 
 SPEC = ComponentSpec("executor", "model", ModelExecutor, ModelExecutorConfig,
                      "runs the model's forward pass for every step, on one device or several (default)")

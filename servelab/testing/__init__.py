@@ -14,8 +14,9 @@ one line per kit in its tests::
     class TestMyScheduler(SchedulerConformance): names = ("my_scheduler",)
 
 ``KVCacheConformance``, ``AttentionConformance``, ``SchedulerConformance``,
-``DecodingConformance``, ``EntryPointConformance`` and ``StressConformance``; see
-docs/plugins.md for what each checks.
+``DecodingConformance``, ``ExecutorConformance``, ``EntryPointConformance`` and
+``StressConformance``; see docs/plugins.md for what each checks. ``ProcessResources``
+and ``assert_released`` check that an engine left nothing in the process.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ _EXPORTS = {
     "AttentionConformance": "servelab.testing.attention_kit",
     "SchedulerConformance": "servelab.testing.scheduler_kit",
     "DecodingConformance": "servelab.testing.decoding_kit",
+    "ExecutorConformance": "servelab.testing.executor_kit",
+    "ProcessResources": "servelab.testing.lifecycle",
+    "assert_released": "servelab.testing.lifecycle",
     "EntryPointConformance": "servelab.testing.entry_point_kit",
     "StressConformance": "servelab.testing.stress",
     "run_stress": "servelab.testing.stress",

@@ -92,6 +92,31 @@ class KVCacheConformance(ConformanceKit):
         assert cache.allocate(request, 8, num_lookahead_tokens=8) is None
         assert snapshot(cache, [*held, request]) == before, "a refused allocate changed the cache"
 
+    def test_shutdown_drops_every_block(self, component):
+        cache = self.build(component)
+        live = [make_request(f"r{i}", 12) for i in range(3)]
+        for request in live:
+            assert compute(cache, request, 12) is not None
+        cache.free(live.pop())
+        cache.shutdown()
+        assert_empty(cache)
+        cache.shutdown()
+        assert_empty(cache)
+
+    def test_shutdown_drops_prefix_cached_blocks(self, component):
+        cache = self.build(component, *self.prefix_overrides)
+        if not cache.prefix_caching:
+            pytest.skip(f"cache={component} has no prefix caching with {list(self.prefix_overrides)}")
+        cached, live = make_request("cached", 24), make_request("live", 24, first=100)
+        for request in (cached, live):
+            assert compute(cache, request, 24) is not None
+        cache.free(cached)
+        assert cache.usage.cached_blocks > 0
+        cache.shutdown()
+        assert_empty(cache)
+        assert cache.usage.cached_blocks == 0
+        assert cache.lookup_prefix(make_request("again", 24)) == 0, "a shut-down cache still finds cached blocks"
+
     def test_free_is_idempotent(self, component):
         cache = self.build(component)
         requests = [make_request(f"r{i}", 12) for i in range(3)]

@@ -9,6 +9,9 @@ from servelab.core.sampling_params import SamplingParams
 from servelab.testing.engine_kit import EngineKit, record_steps, run_to_completion
 
 LENGTHS = (3, 17, 40, 9, 64)
+RELEASED_TENSOR_BYTES = 1 << 20
+"""What a strategy may still reach in tensors after the engine's shutdown (a draft model
+and its KV tensors are gone; small constants may stay)."""
 
 
 class DecodingConformance(EngineKit):
@@ -16,9 +19,25 @@ class DecodingConformance(EngineKit):
     equal to transformers; every sampling request of a step gets 1 to k+1 tokens
     (k = ``num_lookahead_tokens``) and the result's speculative counts agree; after every
     step each running request's blocks cover its computed tokens and nothing past its
-    tokens (rejected drafts rolled back); sampled runs end with no block held."""
+    tokens (rejected drafts rolled back); sampled runs end with no block held; after the
+    engine's ``shutdown`` the strategy reaches no draft model or KV tensors, and a second
+    ``shutdown`` does nothing."""
 
     kind = "decoding"
+
+    def test_shutdown_releases_the_strategy(self, component, kit_checkpoint, kit_draft):
+        from servelab.testing.lifecycle import reachable_tensor_bytes
+
+        llm = self.llm(component, kit_checkpoint, kit_draft)
+        engine = llm.engine
+        for prompt in self.prompts(engine.vocab_size, LENGTHS[:2]):
+            engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        engine.step()
+        strategy = engine.strategy
+        llm.shutdown()
+        held = reachable_tensor_bytes(strategy)
+        assert held <= RELEASED_TENSOR_BYTES, f"decoding={component} still reaches {held} bytes of tensors"
+        strategy.shutdown()
 
     def test_greedy_matches_transformers(self, component, kit_checkpoint, kit_draft):
         from servelab.testing.oracle import assert_engine_matches_transformers

@@ -3,8 +3,8 @@ conformance kits of ``servelab.testing``, as a third-party package runs them."""
 
 from __future__ import annotations
 
-from servelab.testing import (AttentionConformance, DecodingConformance, EntryPointConformance, KVCacheConformance,
-                              SchedulerConformance, StressConformance)
+from servelab.testing import (AttentionConformance, DecodingConformance, EntryPointConformance,
+                              ExecutorConformance, KVCacheConformance, SchedulerConformance, StressConformance)
 
 
 class TestKVCaches(KVCacheConformance):
@@ -21,6 +21,10 @@ class TestSchedulers(SchedulerConformance):
 
 class TestDecodingStrategies(DecodingConformance):
     """Every decoding strategy."""
+
+
+class TestExecutors(ExecutorConformance):
+    """Every executor, on one device and on two tensor-parallel ranks."""
 
 
 class TestStress(StressConformance):

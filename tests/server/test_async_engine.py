@@ -14,7 +14,7 @@ import time
 import pytest
 from server_process import ENGINE_OVERRIDES
 
-from servelab import SamplingParams
+from servelab import LLM, SamplingParams
 from servelab.core.errors import ConfigError
 from servelab.server.async_engine import AsyncEngine
 from servelab.server.config import compose_serve_config
@@ -25,8 +25,14 @@ from servelab.server.messages import AddRequest, EngineFailed, RequestAdded, Ste
 from servelab.server.metrics import ServerMetrics
 
 
-def test_failing_step_is_reported_once_then_adds_are_refused(offline, monkeypatch):
-    engine = offline.engine
+@pytest.fixture
+def served():
+    """An engine of its own for a loop to serve (the loop shuts it down when it stops)."""
+    return LLM("toy", overrides=ENGINE_OVERRIDES[1:])
+
+
+def test_failing_step_is_reported_once_then_adds_are_refused(served, monkeypatch):
+    engine = served.engine
 
     def broken_step():
         raise RuntimeError("boom")
@@ -48,9 +54,9 @@ def test_failing_step_is_reported_once_then_adds_are_refused(offline, monkeypatc
     assert not engine.has_unfinished_requests()
 
 
-def test_bad_request_is_refused_by_name_and_loop_keeps_serving(offline):
+def test_bad_request_is_refused_by_name_and_loop_keeps_serving(served):
     server_end, engine_end = multiprocessing.Pipe()
-    loop = threading.Thread(target=EngineLoop(offline.engine, engine_end).run)
+    loop = threading.Thread(target=EngineLoop(served.engine, engine_end).run)
     loop.start()
     server_end.send(AddRequest("long", "hi", SamplingParams(max_tokens=10**6), time.perf_counter()))
     error = server_end.recv().error

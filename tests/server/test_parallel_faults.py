@@ -13,12 +13,14 @@ from server_process import ENGINE_OVERRIDES, ServerProcess
 
 
 def spawned_children(pid: int) -> list[int]:
-    """The child processes of ``pid`` started by multiprocessing's spawn (the engine, the
-    workers; not its resource tracker), from Linux ``/proc``."""
+    """The child processes of ``pid`` that servelab started (the engine process, by
+    multiprocessing's spawn; the parallel workers; not multiprocessing's resource
+    tracker), from Linux ``/proc``."""
     found = []
     for task in Path(f"/proc/{pid}/task").iterdir():
         found += [int(child) for child in (task / "children").read_text().split()]
-    return [child for child in found if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes()]
+    markers = (b"spawn_main", b"servelab.plugins.executor.worker_main")
+    return [child for child in found if any(m in Path(f"/proc/{child}/cmdline").read_bytes() for m in markers)]
 
 
 def alive(pid: int) -> bool:

@@ -1,5 +1,6 @@
 """SIGTERM: new requests get 503, in-flight ones finish within the drain timeout, the rest
-are aborted, and the process exits 0 leaving no child (engine process included) behind."""
+are aborted, and the process exits 0 leaving no child (engine process included) behind;
+a tensor-parallel engine process stops its workers before it exits."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from pathlib import Path
 
 import httpx
 
-from server_process import ServerProcess
+from server_process import ENGINE_OVERRIDES, ServerProcess
+
+from servelab.testing.lifecycle import descendant_pids, is_alive
 
 
 def _children(pid: int) -> set[int]:
@@ -68,5 +71,24 @@ def test_sigterm_drains_then_exits_zero(tmp_path):
         while [pid for pid in children if os.path.exists(f"/proc/{pid}")] and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not [pid for pid in children if os.path.exists(f"/proc/{pid}")]
+    finally:
+        server.stop()
+
+
+def test_sigterm_stops_a_tensor_parallel_engine_and_its_workers(tmp_path):
+    server = ServerProcess(tmp_path / "server.log", engine=(*ENGINE_OVERRIDES, "parallel.tensor_parallel_size=2"))
+    try:
+        reply = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=60)
+        assert reply.status_code == 200, reply.text
+        engine_and_worker = descendant_pids(server.process.pid)
+        assert len(engine_and_worker) >= 2, engine_and_worker
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(60) == 0
+        deadline = time.monotonic() + 10
+        while any(map(is_alive, engine_and_worker)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(map(is_alive, engine_and_worker))
+        assert "parallel workers stopped (exit codes 0)" in server.log(), server.log()[-3000:]
+        assert "Traceback" not in server.log()
     finally:
         server.stop()

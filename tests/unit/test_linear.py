@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from servelab.kernels.cpu_ops import native_cpu_available, native_cpu_enabled
 from servelab.kernels.packed_linear import (Linear, bfloat16_matmul_supported, is_blocked, linear_input, padded_rows,
-                                           pads_rows, warm_up_linears)
+                                           pads_rows, release_padding_buffers, warm_up_linears)
 
 packing = pytest.mark.skipif(not (native_cpu_enabled() and torch.backends.mkldnn.is_available()),
                              reason="the prepacked oneDNN path is off here")
@@ -204,3 +204,15 @@ def test_warm_up_defaults_to_the_step_budget_and_packs_every_layer(llama, monkey
     for scheduler, budget in budgets.items():
         engine = LLM(llama, overrides=["model.dtype=float32", "device=cpu", f"scheduler={scheduler}"]).engine
         assert engine.max_step_tokens == budget
+
+
+@packing
+def test_padding_buffers_are_released_on_demand():
+    layer = Linear(64, 48, bias=False).to(torch.bfloat16)
+    x = torch.randn(padded_rows(17) - 1, 64, dtype=torch.bfloat16)  # a row count that is padded
+    with torch.inference_mode():
+        first = layer(x)
+    assert release_padding_buffers() >= padded_rows(17) * 64 * 2
+    assert release_padding_buffers() == 0
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), first)  # a new buffer, the same result
