@@ -85,4 +85,6 @@ def servelab_step_end(engine: LLMEngine, stats: StepStats) -> None:
 
 @hookspec
 def servelab_engine_stopped(engine: LLMEngine) -> None:
-    """Called once when an engine shuts down."""
+    """Called once when an engine shuts down (``LLMEngine.shutdown``, which ``LLM.shutdown``
+    and leaving ``with LLM(...)`` call); not for an engine collected without a shutdown,
+    which no observer may hold on to."""
