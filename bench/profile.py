@@ -164,7 +164,7 @@ def _machine() -> dict[str, Any]:
 def _row_buckets(engine: Any) -> list[int]:
     """The row counts servelab's CPU matmuls pad a step's tokens to (none off the CPU path
     and for float32, whose blocked matmul takes any row count)."""
-    from servelab.kernels.packed_linear import padded_rows, pads_rows
+    from servelab.plugins.models.linear import padded_rows, pads_rows
 
     if engine.device.type != "cpu" or not pads_rows(engine.dtype):
         return []

@@ -30,7 +30,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype servelab's linear layers multiply ``dtype`` weights in on this CPU."""
-    from servelab.kernels.packed_linear import bfloat16_matmul_supported
+    from servelab.plugins.models.linear import bfloat16_matmul_supported
 
     return torch.float32 if dtype == torch.bfloat16 and not bfloat16_matmul_supported() else dtype
 

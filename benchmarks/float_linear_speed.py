@@ -61,7 +61,7 @@ def layers(args: argparse.Namespace) -> None:
 
 def engine(args: argparse.Namespace) -> None:
     """Print the best-of-five milliseconds per engine case with one way of multiplying."""
-    import servelab.kernels.packed_linear as packed_linear
+    import servelab.plugins.models.linear as packed_linear
     from servelab import LLM, SamplingParams
     from servelab.bench.random_llama import make_checkpoint
 

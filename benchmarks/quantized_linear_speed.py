@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from servelab.kernels.packed_linear import Linear
+from servelab.plugins.models.linear import Linear
 from servelab.kernels.quantized_cpu import int8_linear, pack_int8
 from servelab.kernels.quantized_weights import quantize_int8
 from servelab.kernels.w8a8_cpu import pack_w8a8, w8a8_linear

@@ -35,9 +35,8 @@ class Clock(abc.ABC):
 class WallClock(Clock):
     """Real time: ``time.perf_counter`` seconds."""
 
-    def now(self) -> float:
-        """``time.perf_counter()``."""
-        return time.perf_counter()
+    now = staticmethod(time.perf_counter)
+    """``time.perf_counter()`` itself: reading the wall clock costs no Python call."""
 
     def sleep(self, seconds: float) -> None:
         """``time.sleep``."""

@@ -9,18 +9,17 @@ from typing import Callable, TypeVar
 
 from omegaconf import DictConfig
 
-from servelab.core.checkpoint import load_checkpoint, resolve_device, resolve_dtype
 from servelab.core.clock import Clock, VirtualClock, WallClock
 from servelab.core.decoding import DecodingContext
 from servelab.core.errors import ConfigError, EngineShutdownError, InvalidRequestError
 from servelab.core.executor import ExecutedStep, ExecutorContext
 from servelab.core.kv_cache import CacheContext
-from servelab.core.kv_cache_dtype import kv_dtype_name, resolve_kv_dtype
 from servelab.core.output_processor import OUTPUT_KINDS, OutputProcessor
 from servelab.core.outputs import RequestOutput
 from servelab.core.quantization import quantization_problems
 from servelab.core.registry import Registry, get_registry
 from servelab.core.request import Request
+from servelab.core.resolved_model import ResolvedModel
 from servelab.core.sampling_params import SamplingParams
 from servelab.core.scheduler import SchedulerContext, SchedulerUpdate
 from servelab.core.step_stats import StepStats
@@ -63,20 +62,14 @@ class LLMEngine:
         self.registry = registry = registry or get_registry()
         executor_cls = registry.spec_for_config("executor", cfg.executor).cls
         self.clock = clock or (WallClock() if executor_cls.runs_model else VirtualClock())
-        checkpoint = load_checkpoint(cfg.model)
-        hf = checkpoint.hf_config
+        resolved = ResolvedModel.of(cfg, registry, executor_cls.runs_model)
+        checkpoint, model_cls, shape, kv_dtype = resolved.checkpoint, resolved.model_cls, resolved.shape, resolved.kv_dtype
         self.tokenizer = checkpoint.tokenizer
         self.quantization = checkpoint.quantization
-        self.device = resolve_device(cfg.device)
-        self.dtype = resolve_dtype(cfg.model.dtype, hf, self.device, executor_cls.runs_model)
-        model_cls = registry.get("model", checkpoint.architecture).cls
-        shape = model_cls.shape_of(hf)
-        self.shape = shape
-        self.max_model_len = cfg.model.max_model_len or shape.max_positions
+        self.device, self.dtype, self.shape = resolved.device, resolved.dtype, shape
+        self.max_model_len = resolved.max_model_len
         self.vocab_size = shape.vocab_size
-        problems: list[str] = []
-        kv_dtype = build_collecting(problems, lambda: resolve_kv_dtype(kv_dtype_name(cfg.cache), self.dtype))
-        kv_dtype = kv_dtype or self.dtype
+        problems = list(resolved.problems)
         attention_spec = shape.attention_spec(self.dtype, self.device, self.max_model_len, kv_dtype=kv_dtype)
         cfg.attention = registry.spec_for_config("attention", cfg.attention).cls.resolve(
             cfg.attention, attention_spec, registry)
@@ -116,7 +109,8 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.num_steps = 0
         self.is_shut_down = False
-        registry.hook.servelab_engine_started(engine=self)
+        self.hooks = registry.hook
+        self.hooks.servelab_engine_started(engine=self)
 
     # -- requests ----------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -132,9 +126,12 @@ class LLMEngine:
         if self.is_shut_down:
             raise EngineShutdownError(operation)
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                      max_tokens_must_fit: bool = False) -> None:
         """Raise ``InvalidRequestError`` naming the field and the limit if the request
-        cannot be served; nothing enters the engine."""
+        cannot be served; nothing enters the engine. ``max_tokens_must_fit`` (the OpenAI
+        server's rule) also refuses a prompt whose ``max_tokens`` would run past
+        ``max_model_len`` (otherwise generation stops there, finish reason ``length``)."""
         self._ensure_running("check_request")
         if not prompt_token_ids:
             raise InvalidRequestError("prompt", "must not be empty")
@@ -156,17 +153,24 @@ class LLMEngine:
             raise InvalidRequestError("use_beam_search", (
                 "beam search runs over the engine, not inside it: use LLM.generate or "
                 "servelab.BeamSearch(engine); LLMEngine.add_request generates sampled sequences"))
+        if (max_tokens_must_fit and params.max_tokens is not None
+                and len(prompt_token_ids) + params.max_tokens > self.max_model_len):
+            raise InvalidRequestError("max_tokens", (
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{len(prompt_token_ids) + params.max_tokens} tokens ({len(prompt_token_ids)} in the prompt, "
+                f"{params.max_tokens} in the completion). Please reduce the length of the prompt or completion."))
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
-                    arrival_time: float | None = None, output_kind: str = "final") -> str:
-        """Validate and queue a prompt; returns its request id. ``output_kind``: final |
-        cumulative | delta (see ``OutputProcessor``)."""
+                    arrival_time: float | None = None, output_kind: str = "final",
+                    max_tokens_must_fit: bool = False) -> str:
+        """Validate (``check_request``) and queue a prompt; returns its request id.
+        ``output_kind``: final | cumulative | delta (see ``OutputProcessor``)."""
         self._ensure_running("add_request")
         params = params or SamplingParams()
         if output_kind not in OUTPUT_KINDS:
             raise InvalidRequestError("output_kind", f"must be one of {', '.join(OUTPUT_KINDS)}")
         token_ids = self.tokenize(prompt)
-        self.check_request(token_ids, params)
+        self.check_request(token_ids, params, max_tokens_must_fit)
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self.outputs.groups:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
@@ -242,7 +246,7 @@ class LLMEngine:
         self.num_generated_tokens += update.num_generated_tokens
         output, result = executed.output, executed.result
         now = self.clock.now()
-        self.registry.hook.servelab_step_end(engine=self, stats=StepStats(
+        self.hooks.servelab_step_end(engine=self, stats=StepStats(
             step_index=output.step_index, num_prefill_tokens=output.num_prefill_tokens,
             num_decode_tokens=output.num_decode_tokens, num_scheduled=len(output.scheduled),
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
@@ -287,4 +291,4 @@ class LLMEngine:
         self.is_shut_down = True
         for component in (self.executor, self.strategy, self.cache):
             component.shutdown()
-        self.registry.hook.servelab_engine_stopped(engine=self)
+        self.hooks.servelab_engine_stopped(engine=self)

@@ -114,7 +114,8 @@ class LLM:
                   dynamic_ncols=True) as bar:
             try:
                 while engine.has_unfinished_requests():
-                    for output in self.beam_search.process(engine.step()):
+                    outputs = engine.step()
+                    for output in self.beam_search.process(outputs) if self.beam_search.groups else outputs:
                         if output.finished:
                             finished[output.request_id] = output
                             bar.update(1)

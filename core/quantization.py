@@ -200,7 +200,7 @@ def quantize_linears(model: torch.nn.Module, quantization: WeightQuantization) -
     ``quantized_weights``' tensors), and with ``quantization.lm_head`` the model's
     ``lm_head`` by a ``QuantizedHead`` over the same float weight; returns how many
     decoder layers were replaced."""
-    from servelab.kernels.quantized_linear import QuantizedHead, QuantizedLinear
+    from servelab.plugins.models.quantized_linear import QuantizedHead, QuantizedLinear
 
     if quantization.lm_head and isinstance(getattr(model, "lm_head", None), torch.nn.Linear):
         model.lm_head = QuantizedHead(model.lm_head, quantization.int8_activations)

@@ -29,6 +29,7 @@ class SamplingParams:
     cache.
     ``structured_output`` constrains the text to a JSON schema, a choice, a regex or a
     grammar (``StructuredOutputParams``); it needs ``decoding=sampling`` or ``greedy``.
+    ``stop_strings``, ``greedy`` and ``needs_penalties`` are derived on construction.
     """
 
     n: int = 1
@@ -55,6 +56,10 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     structured_output: StructuredOutputParams | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
+    greedy: bool = field(init=False, repr=False)
+    """True when this request takes the argmax token at every step."""
+    needs_penalties: bool = field(init=False, repr=False)
+    """True when any presence, frequency or repetition penalty is active."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -62,6 +67,9 @@ class SamplingParams:
         self.stop_strings = tuple(s for s in (self.stop or []) if s)
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._validate()
+        self.greedy = self.temperature == 0.0 or self.top_k == 1
+        self.needs_penalties = (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                                or self.repetition_penalty != 1.0)
         if self.logit_bias:
             self.logit_bias = {token: max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(value)))
                                for token, value in self.logit_bias.items()}
@@ -127,12 +135,3 @@ class SamplingParams:
             raise InvalidRequestError("min_tokens", "must be 0 with structured output (the constraint decides "
                                                     f"where the text ends), got {self.min_tokens}")
 
-    @property
-    def greedy(self) -> bool:
-        """True when this request takes the argmax token at every step."""
-        return self.temperature == 0.0 or self.top_k == 1
-
-    @property
-    def needs_penalties(self) -> bool:
-        """True when any presence, frequency or repetition penalty is active."""
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0

@@ -1,6 +1,10 @@
-"""Triton kernels for servelab's attention path.
+"""servelab's kernels and their references: Triton kernels for the attention path, and
+the native CPU ops of ``csrc/`` (``cpu_ops`` builds them; ``blocked_linear``,
+``quantized_cpu``, ``w8a8_cpu``, ``kv_quantization`` and ``quantized_weights`` wrap and
+define their layouts). The layers that call them live beside the models
+(``plugins/models/linear.py``, ``quantized_linear.py``).
 
-Ops (each module holds the Triton kernel and its checked Python wrapper;
+Triton ops (each module holds the Triton kernel and its checked Python wrapper;
 the pure-torch references live in the ``*_reference`` modules):
 
 - ``cache_write.write_kv_cache``: scatter new tokens' K/V into their cache slots.

@@ -64,11 +64,13 @@ def native_cpu_unavailable_reason() -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=None)
 def native_cpu_available() -> bool:
     """True when ``torch.ops.servelab_cpu`` is loaded (building it on first call)."""
     return native_cpu_unavailable_reason() is None
 
 
+@functools.lru_cache(maxsize=None)
 def native_cpu_ops():
     """The ``torch.ops.servelab_cpu`` namespace; raises RuntimeError naming the reason when unavailable."""
     reason = native_cpu_unavailable_reason()

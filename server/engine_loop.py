@@ -71,19 +71,12 @@ class EngineLoop:
         engine = self.engine
         request_id, prompt, params = command.request_id, command.prompt, command.params
         try:
-            token_ids = engine.tokenize(prompt)
-            engine.check_request(token_ids, params)
-            if params.max_tokens is not None and len(token_ids) + params.max_tokens > engine.max_model_len:
-                raise InvalidRequestError("max_tokens", (
-                    f"This model's maximum context length is {engine.max_model_len} tokens. However, you "
-                    f"requested {len(token_ids) + params.max_tokens} tokens ({len(token_ids)} in the prompt, "
-                    f"{params.max_tokens} in the completion). Please reduce the length of the prompt or "
-                    "completion."))
-            engine.add_request(prompt, params, request_id, arrival_time=command.arrival_time, output_kind="delta")
+            engine.add_request(prompt, params, request_id, arrival_time=command.arrival_time, output_kind="delta",
+                               max_tokens_must_fit=True)
         except InvalidRequestError as exc:
             self.conn.send(RequestAdded(request_id, 0, exc))
         else:
-            self.conn.send(RequestAdded(request_id, len(token_ids)))
+            self.conn.send(RequestAdded(request_id, engine.outputs.groups[request_id].children[0].num_prompt_tokens))
 
     def _abort(self, request_ids: list[str]) -> None:
         groups = self.engine.outputs.groups

@@ -21,7 +21,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from servelab.core.errors import ConfigError
-from servelab.kernels.libc import die_with_parent
+from servelab.platform import die_with_parent
 from servelab.server.messages import EngineConfigError, EngineInfo, EngineReady
 
 log = logging.getLogger(__name__)

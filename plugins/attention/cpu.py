@@ -65,6 +65,7 @@ class CpuAttention(AttentionBackend):
     def __init__(self, config, spec):
         super().__init__(config, spec)
         self._ops = native_cpu_ops()
+        self._kv_quantized = spec.kv_quantized
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """``[num_blocks, Hkv, 2, block_size * D]``: per (block, KV head) a tile of keys
@@ -98,7 +99,7 @@ class CpuAttention(AttentionBackend):
         self._ops.write_kv_cache(kv_cache, k, v, layout.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.fresh_starts:
-            if self.spec.kv_quantized:  # the values the cache holds, as every later step reads them
+            if self._kv_quantized:  # the values the cache holds, as every later step reads them
                 k, v = round_trip(k, self.spec.kv_dtype), round_trip(v, self.spec.kv_dtype)
             self._ops.causal_prefill_attention(out, q, k, v, meta.fresh_starts, meta.fresh_lengths, self.spec.scale)
         if meta.cached.numel():

@@ -7,16 +7,16 @@ from typing import Any, Sequence
 import torch
 
 from servelab.core.batch_builder import build_step_inputs
-from servelab.core.checkpoint import load_checkpoint, load_model
+from servelab.core.checkpoint import load_checkpoint
 from servelab.core.decoding import DecodingContext
 from servelab.core.errors import ConfigError
 from servelab.core.kv_cache import CacheContext
 from servelab.core.request import Request
+from servelab.core.resolved_model import ResolvedModel
 from servelab.core.scheduler import ScheduledRequest
-from servelab.kernels.huge_pages import huge_page_zeros
-from servelab.plugins.cache.paged import PagedCacheConfig, PagedKVCacheManager
 from servelab.plugins.decoding.sampler import random_race
 from servelab.plugins.decoding.speculative_sampling import target_probabilities
+from servelab.plugins.executor.device_worker import DeviceWorker
 
 
 class DraftSequence:
@@ -37,9 +37,10 @@ class DraftSequence:
 
 
 class DraftModel:
-    """Loads the draft checkpoint beside the target (same vocabulary) and runs its forward
-    passes over a private paged cache, catching up on each request's accepted tokens
-    before drafting."""
+    """Loads the draft checkpoint beside the target (same vocabulary) into a
+    ``DeviceWorker`` of its own and runs its forward passes over a private paged cache
+    (``cache=paged``, built from the registry), catching up on each request's accepted
+    tokens before drafting."""
 
     def __init__(self, model_config: Any, context: DecodingContext, block_size: int, memory_bytes: int):
         checkpoint = load_checkpoint(model_config)
@@ -58,14 +59,11 @@ class DraftModel:
             raise ConfigError(problems)
         self.shape = shape
         self.device, dtype = context.device, context.dtype
-        self.attention = registry.build("attention", context.attention_config,
-                                        shape.attention_spec(dtype, self.device, max_len))
-        self.cache = PagedKVCacheManager(PagedCacheConfig(block_size=block_size, memory_bytes=memory_bytes),
-                                         CacheContext(shape.kv_cache_spec(dtype, max_len), registry))
-        self.model = load_model(checkpoint, model_cls, self.attention, dtype, max_len)
-        self.model.to(self.device).eval()
-        kv_shape = self.attention.kv_cache_shape(self.cache.num_blocks, self.cache.block_size)
-        self.kv_caches = [huge_page_zeros(kv_shape, dtype, self.device) for _ in range(shape.num_layers)]
+        paged = registry.get("cache", "paged").config_cls(block_size=block_size, memory_bytes=memory_bytes)
+        self.cache = registry.build("cache", paged, CacheContext(shape.kv_cache_spec(dtype, max_len), registry))
+        self.worker = DeviceWorker.load(registry, ResolvedModel(checkpoint, model_cls, shape, self.device, dtype, dtype,
+                                                                max_len), context.attention_config)
+        self.worker.allocate(self.cache.num_blocks, self.cache.block_size)
         self.sequences: dict[str, DraftSequence] = {}
 
     @torch.inference_mode()
@@ -109,12 +107,10 @@ class DraftModel:
         return grants
 
     def _forward(self, grants: list[ScheduledRequest]) -> torch.Tensor:
-        inputs = build_step_inputs(grants, (), self.cache.block_size, self.device)
-        meta = self.attention.build_metadata(inputs.layout)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
+        logits = self.worker.logits(build_step_inputs(grants, (), self.cache.block_size, self.device))
         for grant in grants:
             grant.request.num_computed_tokens += grant.num_new_tokens
-        return self.model.compute_logits(hidden[inputs.logits_indices])
+        return logits
 
     def rollback(self, request: Request, num_valid_tokens: int) -> None:
         """Keep only the first ``num_valid_tokens`` cached positions of the request."""
@@ -133,5 +129,4 @@ class DraftModel:
         """Drop the draft model, its KV tensors and every request's draft state."""
         for request_id in list(self.sequences):
             self.release(request_id)
-        self.model = self.attention = None
-        self.kv_caches = []
+        self.worker.release()

@@ -51,10 +51,15 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 
 def processed_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-    """Logits after logit bias, min_tokens and penalties (what greedy rows take the argmax of)."""
-    apply_logit_bias(logits, requests)
-    suppress_stop_tokens(logits, requests)
-    apply_penalties(logits, requests)
+    """Logits after logit bias, min_tokens and penalties (what greedy rows take the argmax
+    of); a stage no request of the batch uses is skipped."""
+    params = [r.sampling_params for r in requests]
+    if any(p.logit_bias for p in params):
+        apply_logit_bias(logits, requests)
+    if any(p.min_tokens for p in params):
+        suppress_stop_tokens(logits, requests)
+    if any(p.needs_penalties for p in params):
+        apply_penalties(logits, requests)
     return logits
 
 

@@ -1,5 +1,7 @@
-"""``executor=model`` over several processes with ``torch.distributed`` (gloo on CPU, NCCL
-on CUDA): tensor parallelism within a pipeline stage, pipeline stages in sequence.
+"""The transport of ``executor=model`` over several processes with ``torch.distributed``
+(gloo on CPU, NCCL on CUDA): tensor parallelism within a pipeline stage, pipeline stages
+in sequence. Each rank computes with a ``DeviceWorker`` (``device_worker.py``); this file
+only joins the ranks and moves messages between them.
 
 Global rank ``pp_rank * tp + tp_rank``; rank 0 is the driver (the engine's process: the
 scheduler, the cache manager and the decoding strategy run there alone). Every step the
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -26,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from servelab.core.attention import BatchLayout
-from servelab.core.kv_cache_dtype import is_quantized, kv_dtype_name, resolve_kv_dtype
 from servelab.core.model import ModelParallel
+from servelab.plugins.executor.device_worker import DeviceWorker
 
 log = logging.getLogger(__name__)
 
@@ -75,13 +76,6 @@ class WorkerSpec:
     init_method: str
     backend: str
     threads: int
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now (the group's rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def backend_for(device: torch.device, requested: str) -> str:
@@ -188,7 +182,7 @@ def send_header(kind: int, ranks: range, values: tuple[int, ...] = ()) -> None:
 # -- the worker -----------------------------------------------------------------------------------
 def serve_as_worker(spec: WorkerSpec) -> None:
     """A spawned worker's life: join the group, then ``run_worker``."""
-    from servelab.kernels.libc import die_with_parent
+    from servelab.platform import die_with_parent
 
     die_with_parent()
     torch.set_num_threads(spec.threads)
@@ -209,9 +203,9 @@ def serve_torchrun_worker(backend: str) -> None:
 
 
 def run_worker(cfg: Any, topology: Topology, rank: int, groups: list[Any]) -> None:
-    """Build this rank's shard of the model, then run whatever the driver sends until it
+    """Load this rank's share of the model, then run whatever the driver sends until it
     says stop; leave the group."""
-    shard = ModelShard.build(cfg, topology.parallel(rank, groups), rank)
+    worker = DeviceWorker.for_rank(cfg, topology.parallel(rank, groups), rank)
     header = torch.zeros(HEADER_SIZE, dtype=torch.int64)
     try:
         while True:
@@ -220,136 +214,49 @@ def run_worker(cfg: Any, topology: Topology, rank: int, groups: list[Any]) -> No
             if kind == STOP:
                 break
             if kind == ATTACH:
-                shard.allocate(*header[1:4].tolist())
+                worker.allocate(*header[1:4].tolist())
             elif kind == WARM_UP:
-                shard.model.warm_up(int(header[1]))
+                worker.model.warm_up(int(header[1]))
             elif kind == MOVES:
                 payload = torch.empty(2 * int(header[1:4].sum()), dtype=torch.int64)
                 dist.recv(payload, 0)
-                shard.move_blocks(unpack_moves(header, payload))
+                worker.move_blocks(unpack_moves(header, payload))
             elif kind == STEP:
                 payload = torch.empty(step_payload_size(header), dtype=torch.int64)
                 dist.recv(payload, 0)
-                shard.step(topology, rank, *unpack_step(header, payload, shard.device))
+                run_stage(worker, topology, rank, *unpack_step(header, payload, worker.device))
     finally:
         dist.destroy_process_group()
 
 
-class ModelShard:
-    """One rank's model, attention backend and KV cache tensors."""
-
-    def __init__(self, model: Any, attention: Any, dtype: torch.dtype, device: torch.device, parallel: ModelParallel):
-        self.model = model
-        self.attention = attention
-        self.dtype = dtype
-        self.device = device
-        self.parallel = parallel
-        self.kv_caches: list[torch.Tensor] = []
-        self.host_caches: list[torch.Tensor] = []
-
-    @classmethod
-    def build(cls, cfg: Any, parallel: ModelParallel, rank: int) -> "ModelShard":
-        """Load rank ``rank``'s share of the configured model (what the driver builds for
-        itself), on its own GPU when there are GPUs."""
-        from servelab.core.checkpoint import load_checkpoint, resolve_device, resolve_dtype
-        from servelab.core.registry import get_registry
-
-        registry = get_registry()
-        checkpoint = load_checkpoint(cfg.model)
-        device = resolve_device(cfg.device)
-        if device.type == "cuda":
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
-            torch.cuda.set_device(device)
-        dtype = resolve_dtype(cfg.model.dtype, checkpoint.hf_config, device)
-        model_cls = registry.get("model", checkpoint.architecture).cls
-        shape = model_cls.shape_of(checkpoint.hf_config)
-        max_len = cfg.model.max_model_len or shape.max_positions
-        kv_dtype = resolve_kv_dtype(kv_dtype_name(cfg.cache), dtype)
-        return cls.load(registry, checkpoint, model_cls, shape, cfg.attention, dtype, device, max_len, parallel,
-                        kv_dtype)
-
-    @classmethod
-    def load(cls, registry: Any, checkpoint: Any, model_cls: type, shape: Any, attention_config: Any,
-             dtype: torch.dtype, device: torch.device, max_len: int, parallel: ModelParallel,
-             kv_dtype: torch.dtype | None = None) -> "ModelShard":
-        """The shard from an already read checkpoint; ``kv_dtype``: the cache's element type."""
-        from servelab.core.checkpoint import load_model
-
-        spec = shape.attention_spec(dtype, device, max_len, parallel.tp_size, kv_dtype)
-        attention = registry.build("attention", attention_config, spec)
-        model = load_model(checkpoint, model_cls, attention, dtype, max_len, parallel)
-        return cls(model.to(device).eval(), attention, dtype, device, parallel)
-
-    def allocate(self, num_blocks: int, block_size: int, host_blocks: int) -> None:
-        """KV tensors for this stage's layers (and the host pool's, for swapping)."""
-        from servelab.kernels.huge_pages import huge_page_zeros
-
-        layers = len(self.model.model.layers)
-        dtype = self.attention.spec.cache_dtype
-        shape = self.attention.kv_cache_shape(num_blocks, block_size)
-        self.kv_caches = [huge_page_zeros(shape, dtype, self.device) for _ in range(layers)]
-        host = self.attention.kv_cache_shape(host_blocks, block_size)
-        self.host_caches = [torch.zeros(host, dtype=dtype) for _ in range(layers if host_blocks else 0)]
-
-    def move_blocks(self, moves: tuple) -> None:
-        """Swap in, swap out, then copy-on-write. Swapping in first reads every host block
-        before a swap-out of the same step may reuse it (the cache frees a swapped-in
-        request's host blocks at once); a swap-in's device blocks were taken before any
-        swap-out of the step released its own, and copies write fresh blocks last."""
-        swap_out, copy, swap_in = moves
-        copy_blocks(self.attention, self.host_caches, self.kv_caches, swap_in)
-        copy_blocks(self.attention, self.kv_caches, self.host_caches, swap_out)
-        copy_blocks(self.attention, self.kv_caches, self.kv_caches, copy)
-
-    @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: BatchLayout,
-                carried: tuple | None) -> Any:
-        """This stage's layers over the step."""
-        meta = self.attention.build_metadata(layout)
-        return self.model(input_ids, positions, self.kv_caches, meta, carried)
-
-    @torch.inference_mode()
-    def step(self, topology: Topology, rank: int, input_ids: torch.Tensor, positions: torch.Tensor,
-             layout: BatchLayout, rows: torch.Tensor) -> None:
-        """A worker's part of one step: receive from the stage before, compute, send on."""
-        stage_times = torch.zeros(topology.pp, dtype=torch.float64)
-        carried = None
-        parallel = self.parallel
-        if not parallel.is_first_stage:
-            hidden = self.model.hf_config.hidden_size
-            carried = (torch.empty(input_ids.numel(), hidden, dtype=self.dtype, device=self.device),
-                       torch.empty(input_ids.numel(), hidden, dtype=self.dtype, device=self.device))
-            for tensor in (*carried, stage_times):
-                dist.recv(tensor, rank - topology.tp)
-        started = time.perf_counter()
-        out = self.forward(input_ids, positions, layout, carried)
+def run_stage(worker: DeviceWorker, topology: Topology, rank: int, input_ids: torch.Tensor,
+              positions: torch.Tensor, layout: BatchLayout, rows: torch.Tensor) -> None:
+    """A worker rank's part of one step: receive the (output, residual) pair from the
+    stage before, run ``worker``'s layers, send on to the next stage, or, on the last
+    stage's tensor rank 0, send the logits of ``rows`` to the driver, with the stages'
+    busy seconds either way."""
+    stage_times = torch.zeros(topology.pp, dtype=torch.float64)
+    carried = None
+    parallel = worker.parallel
+    if not parallel.is_first_stage:
+        hidden = worker.model.hf_config.hidden_size
+        carried = (torch.empty(input_ids.numel(), hidden, dtype=worker.dtype, device=worker.device),
+                   torch.empty(input_ids.numel(), hidden, dtype=worker.dtype, device=worker.device))
+        for tensor in (*carried, stage_times):
+            dist.recv(tensor, rank - topology.tp)
+    started = time.perf_counter()
+    with torch.inference_mode():
+        out = worker.forward(input_ids, positions, layout, carried)
         if parallel.is_last_stage:
-            logits = self.model.compute_logits(out[rows]) if rows.numel() else None
-            stage_times[parallel.pp_rank] = time.perf_counter() - started
-            if parallel.tp_rank == 0 and rank != 0:
-                if logits is not None:
-                    dist.send(logits.contiguous(), 0)
-                dist.send(stage_times, 0)
-            return
-        stage_times[parallel.pp_rank] = time.perf_counter() - started
+            logits = worker.model.compute_logits(out[rows]) if rows.numel() else None
+    stage_times[parallel.pp_rank] = time.perf_counter() - started
+    if not parallel.is_last_stage:
         for tensor in (*out, stage_times):
             dist.send(tensor.contiguous(), topology.next_rank(rank))
-
-
-def copy_blocks(attention: Any, sources: list[torch.Tensor], destinations: list[torch.Tensor], pairs) -> None:
-    """Copy blocks ``pairs`` (source, destination) from each source to each destination
-    layer, along the attention backend's ``kv_cache_block_axis`` (a quantized cache as
-    bytes: its values and scales together; torch has no float8 ``index_copy_``)."""
-    if not pairs:
-        return
-    axis = attention.kv_cache_block_axis
-    for source, destination in zip(sources, destinations):
-        if is_quantized(source.dtype):
-            source, destination = source.view(torch.uint8), destination.view(torch.uint8)
-        src = torch.tensor([s for s, _ in pairs], device=source.device)
-        dst = torch.tensor([d for _, d in pairs], device=destination.device)
-        blocks = source.index_select(axis, src).to(destination.device, non_blocking=True)
-        destination.index_copy_(axis, dst, blocks)
+    elif parallel.tp_rank == 0 and rank != 0:
+        if logits is not None:
+            dist.send(logits.contiguous(), 0)
+        dist.send(stage_times, 0)
 
 
 def default_threads(world_size: int) -> int:

@@ -1,6 +1,7 @@
 """``executor=model``: runs the model's forward pass for every step (the default), on one
-device or, with ``parallel.tensor_parallel_size`` / ``pipeline_parallel_size``, on
-several processes joined by ``torch.distributed`` (``plugins/executor/distributed.py``)."""
+device (``device_worker.py``) or, with ``parallel.tensor_parallel_size`` /
+``pipeline_parallel_size``, on several processes joined by ``torch.distributed``
+(``distributed.py`` moves each step's inputs and outputs between them)."""
 
 from __future__ import annotations
 
@@ -22,15 +23,17 @@ from servelab.core.executor import ExecutedStep, Executor, ExecutorContext
 from servelab.core.kv_cache import KVCacheManager, KVCacheSpec
 from servelab.core.kv_cache_dtype import kv_dtype_name
 from servelab.core.model import ModelParallel
+from servelab.core.resolved_model import ResolvedModel
 from servelab.core.scheduler import SchedulerOutput
-from servelab.kernels.heap_retention import retain_freed_heap_memory, return_freed_heap_memory
-from servelab.kernels.packed_linear import release_padding_buffers
-from servelab.plugins.executor.distributed import (ATTACH, STOP, WARM_UP, ModelShard, Topology, WorkerSpec,
-                                                   backend_for, default_threads, drive_torchrun, free_port,
+from servelab.platform import free_port, retain_freed_heap_memory, return_freed_heap_memory
+from servelab.plugins.executor.device_worker import DeviceWorker
+from servelab.plugins.executor.distributed import (ATTACH, STOP, WARM_UP, Topology, WorkerSpec,
+                                                   backend_for, default_threads, drive_torchrun,
                                                    join_group, local_world_size, pack_moves, pack_step,
                                                    send_header, torchrun_problems)
 from servelab.plugins.executor.prompt_logprobs import prompt_logprobs
 from servelab.plugins.executor.worker_group import WorkerGroup, WorkerProcess, describe_dead
+from servelab.plugins.models.linear import release_padding_buffers
 
 CPU_KV_CACHE_BYTES = 512 * 1024 * 1024
 """What a cache that sets no size gets on the CPU."""
@@ -59,7 +62,8 @@ class PendingStep:
 
 class ModelExecutor(Executor):
     """Owns this rank's share of the model, its attention backend and KV cache tensors
-    (``shard``), and on several devices the worker processes: builds each step's flat
+    (``worker``, a ``DeviceWorker``), and on several devices the worker processes
+    (``worker_ranks``: their ranks, empty alone): builds each step's flat
     batch, sends it to the workers, runs the forward pass and lets the decoding strategy
     choose the tokens from the gathered logits. Models without weights (shape presets)
     are refused. ``shutdown`` (or collecting the executor, or interpreter exit) stops the
@@ -92,22 +96,23 @@ class ModelExecutor(Executor):
         self.device = context.device
         self.max_model_len = context.max_model_len
         self.topology = topology
+        self.worker_ranks = range(1, topology.world_size)
         self.group = WorkerGroup(lambda ranks: send_header(STOP, ranks), topology.world_size)
         self._release = weakref.finalize(self, self.group.close)
         self._pending: deque[PendingStep] = deque()
         self._sends: list[Any] = []
-        self.shard: ModelShard | None = None
+        self.worker: DeviceWorker | None = None
         parallel = ModelParallel()
         try:
             if topology.world_size > 1:
                 parallel = self._start_workers(parallel_cfg)
-            self.shard = ModelShard.load(registry, checkpoint, context.model_cls, context.shape,
-                                         context.attention_config, context.dtype, self.device, self.max_model_len,
-                                         parallel, context.kv_dtype)
+            model = ResolvedModel(checkpoint, context.model_cls, context.shape, self.device, context.dtype,
+                                  context.kv_dtype, self.max_model_len)
+            self.worker = DeviceWorker.load(registry, model, context.attention_config, parallel)
         except BaseException:
             self.shutdown()
             raise
-        self.model, self.attention = self.shard.model, self.shard.attention
+        self.model, self.attention = self.worker.model, self.worker.attention
         self.max_steps_in_flight = topology.pp
 
     def _start_workers(self, parallel_cfg: Any) -> ModelParallel:
@@ -133,7 +138,7 @@ class ModelExecutor(Executor):
             group.use_threads(threads)
             init_method = f"tcp://127.0.0.1:{free_port()}"
             group.workers = [WorkerProcess.start(WorkerSpec(cfg, rank, topology, init_method, backend, threads))
-                             for rank in self._worker_ranks]
+                             for rank in self.worker_ranks]
             groups = join_group(topology, 0, init_method, backend)
         return topology.parallel(0, groups)
 
@@ -157,17 +162,14 @@ class ModelExecutor(Executor):
         if self.device.type == "cpu":
             retain_freed_heap_memory()
         sizes = (cache.num_blocks, cache.block_size, cache.num_host_blocks)
-        self._to_workers(lambda: send_header(ATTACH, self._worker_ranks, sizes))
-        self.shard.allocate(*sizes)
+        self._to_workers(lambda: send_header(ATTACH, self.worker_ranks, sizes))
+        self.worker.allocate(*sizes)
 
     @property
     def kv_caches(self) -> list[torch.Tensor]:
         """This rank's per-layer KV cache tensors (none after ``shutdown``)."""
-        return self.shard.kv_caches if self.shard is not None else []
+        return self.worker.kv_caches if self.worker is not None else []
 
-    @property
-    def _worker_ranks(self) -> range:
-        return range(1, self.topology.world_size)
 
     # -- steps ------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -177,7 +179,7 @@ class ModelExecutor(Executor):
         moves = (output.blocks_to_swap_out, output.blocks_to_copy, output.blocks_to_swap_in)
         if any(moves):
             self._broadcast(*pack_moves(moves))
-            self.shard.move_blocks(moves)
+            self.worker.move_blocks(moves)
         if not output.scheduled:
             self._pending.append(PendingStep(output, ExecutedStep(output, None)))
             return
@@ -188,20 +190,18 @@ class ModelExecutor(Executor):
             proposal = self.strategy.propose(DecodeBatch(sampling, allowance, output))
         drafts = proposal.draft_token_ids if proposal is not None else ()
         inputs = build_step_inputs(output.scheduled, drafts, self.cache.block_size, self.device, prompt_logprobs=True)
-        if self.topology.world_size > 1:
+        if self.worker_ranks:
             self._broadcast(*pack_step(inputs))
         started = time.perf_counter()
-        hidden = self._guarded(lambda: self.shard.forward(inputs.input_ids, inputs.positions, inputs.layout, None))
         counts = tuple(len(d) for d in drafts) if drafts else (0,) * len(sampling)
         batch = DecodeBatch(sampling, counts, output) if sampling else None
         if self.topology.pp == 1:
-            logits = None
-            if inputs.logits_indices.numel():
-                logits = self._guarded(lambda: self.model.compute_logits(hidden[inputs.logits_indices]))
+            logits = self._guarded(lambda: self.worker.logits(inputs))
             executed = self._finished(output, logits, batch, proposal, inputs.prompt_spans,
                                       (time.perf_counter() - started,))
             self._pending.append(PendingStep(output, executed))
             return
+        hidden = self._guarded(lambda: self.worker.forward(inputs.input_ids, inputs.positions, inputs.layout))
         stage_times = torch.zeros(self.topology.pp, dtype=torch.float64)
         stage_times[0] = time.perf_counter() - started
         carried = [t.contiguous() for t in (*hidden, stage_times)]
@@ -248,20 +248,20 @@ class ModelExecutor(Executor):
         def send():
             for handle, _ in self._sends:
                 handle.wait()
-            self._sends = [(dist.isend(tensor, rank), tensor) for rank in self._worker_ranks
+            self._sends = [(dist.isend(tensor, rank), tensor) for rank in self.worker_ranks
                            for tensor in (header, payload)]
         self._to_workers(send)
 
     def _to_workers(self, operation: Any) -> Any:
         """Run a send or receive to the workers (nothing alone), ``_guarded``."""
-        if self.topology.world_size == 1:
+        if not self.worker_ranks:
             return None
         return self._guarded(operation)
 
     def _guarded(self, operation: Any) -> Any:
         """Run ``operation`` (anything that talks to the other ranks, a forward pass with
         its all-reduces included); if a worker process has died, raise at once naming it."""
-        if self.topology.world_size == 1:
+        if not self.worker_ranks:
             return operation()
         dead = describe_dead(self.workers)
         if dead:
@@ -277,7 +277,7 @@ class ModelExecutor(Executor):
 
     def warm_up(self, max_tokens: int) -> int:
         """Every rank's kernels for steps of up to ``max_tokens`` tokens (CPU matmuls)."""
-        self._to_workers(lambda: send_header(WARM_UP, self._worker_ranks, (max_tokens,)))
+        self._to_workers(lambda: send_header(WARM_UP, self.worker_ranks, (max_tokens,)))
         return self.model.warm_up(max_tokens)
 
     def shutdown(self) -> None:
@@ -287,8 +287,9 @@ class ModelExecutor(Executor):
         self._release()
         self._pending.clear()
         self._sends = []
-        if self.shard is not None:
-            self.shard = self.model = self.attention = None
+        if self.worker is not None:
+            self.worker.release()
+            self.worker = self.model = self.attention = None
             if self.device.type == "cpu":
                 release_padding_buffers()
                 return_freed_heap_memory()

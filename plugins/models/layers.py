@@ -1,5 +1,5 @@
 """Building blocks shared by the decoder models: RMSNorm and rotary embeddings (the linear
-layer is ``servelab.kernels.packed_linear.Linear``)."""
+layer is ``servelab.plugins.models.linear.Linear``)."""
 
 from __future__ import annotations
 

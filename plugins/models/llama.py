@@ -24,8 +24,8 @@ from torch import nn
 from servelab.core.component import ComponentSpec
 from servelab.core.errors import ConfigError
 from servelab.core.model import CausalLM, ModelParallel, ModelShape
-from servelab.kernels.packed_linear import Linear, linear_input, warm_up_linears
-from servelab.kernels.quantized_linear import pack_quantized_linears
+from servelab.plugins.models.linear import Linear, linear_input, warm_up_linears
+from servelab.plugins.models.quantized_linear import pack_quantized_linears
 from servelab.plugins.models.layers import RMSNorm, RotaryEmbedding, use_native
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -97,7 +97,8 @@ class DecoderAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         out = self.attention.forward(q, k, v, kv_cache, meta, self.layer_index)
-        return self.parallel.all_reduce(self.o_proj(out.reshape(tokens, self.q_size)))
+        out = self.o_proj(out.reshape(tokens, self.q_size))
+        return self.parallel.all_reduce(out) if self.parallel.tp_size > 1 else out
 
 
 class GatedMLP(nn.Module):
@@ -131,9 +132,11 @@ class GatedMLP(nn.Module):
         if self.fused_silu and use_native(gate_up):
             hidden = linear_input(gate_up.shape[0], self.intermediate, gate_up)
             torch.ops.servelab_cpu.silu_and_mul(hidden, gate_up)
-            return self.parallel.all_reduce(self.down_proj(hidden))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.parallel.all_reduce(self.down_proj(self.act(gate) * up))
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            hidden = self.act(gate) * up
+        out = self.down_proj(hidden)
+        return self.parallel.all_reduce(out) if self.parallel.tp_size > 1 else out
 
 
 class DecoderLayer(nn.Module):
@@ -216,6 +219,7 @@ class LlamaFamilyForCausalLM(CausalLM):
         self.rotary = RotaryEmbedding(hf_config, head_dim_of(hf_config), max_positions, dtype)
         self.model = DecoderModel(hf_config, attention, self.rotary, parallel)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.is_last_stage = parallel.is_last_stage
         if parallel.is_last_stage:
             vocab = parallel.padded_split(hf_config.vocab_size)
             self.lm_head = Linear(hf_config.hidden_size, len(vocab), bias=False)
@@ -307,14 +311,15 @@ class LlamaFamilyForCausalLM(CausalLM):
             x, residual = carried
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x, residual = layer(x, residual, positions, kv_cache, attn_meta)
-        if not self.parallel.is_last_stage:
+        if not self.is_last_stage:
             return x, residual
         return self.model.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> float32 logits [N, vocab] (this rank's vocabulary rows,
         gathered from every tensor-parallel rank)."""
-        return self.parallel.all_gather(self.lm_head(hidden).float())[:, :self.vocab_size]
+        logits = self.lm_head(hidden).float()
+        return (self.parallel.all_gather(logits) if self.parallel.tp_size > 1 else logits)[:, :self.vocab_size]
 
     def warm_up(self, max_tokens: int) -> int:
         """Compile the prepacked CPU matmuls for every row bucket up to ``max_tokens`` and

@@ -4,12 +4,8 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import ClassVar
 
@@ -17,6 +13,7 @@ import pytest
 
 from servelab.testing.engine_kit import EngineKit
 from servelab.testing.kit import BUILTIN_OVERRIDES
+from servelab.testing.server_process import ServerProcess
 
 ENTRY_POINTS = ("llm", "servelab", "servelab-serve", "servelab-bench")
 STARTUP_TIMEOUT_S = 180
@@ -28,13 +25,6 @@ def console_script(name: str) -> str:
     if not path.exists():
         pytest.skip(f"the {name} console script is not installed beside {sys.executable}")
     return str(path)
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class EntryPointConformance(EngineKit):
@@ -98,32 +88,19 @@ class EntryPointConformance(EngineKit):
         """``servelab-serve`` starts, streams a completion, and drains on SIGTERM."""
         import httpx
 
-        port = free_port()
-        log = open(tmp_path / "serve.log", "w")
-        process = subprocess.Popen([console_script("servelab-serve"), *overrides, f"server.port={port}",
-                                    "server.access_log=false"],
-                                   stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        server = ServerProcess(tmp_path / "serve.log", *overrides, command=(console_script("servelab-serve"),),
+                               startup_timeout_s=STARTUP_TIMEOUT_S)
         try:
-            url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + STARTUP_TIMEOUT_S
-            while not _healthy(url):
-                assert process.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-                assert time.monotonic() < deadline, "servelab-serve did not start"
-                time.sleep(0.25)
             body = {"prompt": "def f(x):", "max_tokens": 4, "stream": True, "ignore_eos": True,
                     "stream_options": {"include_usage": True}}
-            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+            with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as response:
                 assert response.status_code == 200
                 chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
             finishes = [c["finish_reason"] for chunk in chunks for c in chunk["choices"] if c["finish_reason"]]
             assert finishes == ["length"] and chunks[-1]["usage"]["completion_tokens"] == 4, chunks
-            process.send_signal(signal.SIGTERM)
-            assert process.wait(60) == 0, (tmp_path / "serve.log").read_text()[-3000:]
         finally:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-            log.close()
+            status = server.stop()
+        assert status == 0, server.log()[-3000:]
 
     def run_bench(self, overrides: list[str], tmp_path: Path) -> None:
         """``servelab-bench`` serves a small workload with no failure."""
@@ -134,13 +111,4 @@ class EntryPointConformance(EngineKit):
         (path,) = tmp_path.glob("outputs/bench/*/*/metrics.json")
         metrics = json.loads(path.read_text())
         assert (metrics["num_completed"], metrics["num_failed"]) == (6, 0)
-
-
-def _healthy(url: str) -> bool:
-    import httpx
-
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="gl
 
 STEPS = textwrap.dedent("""
     import resource, sys, torch
-    from servelab.kernels.heap_retention import retain_freed_heap_memory
+    from servelab.platform import retain_freed_heap_memory
     if sys.argv[1] == "retain":
         assert retain_freed_heap_memory()
     def step(i):  # activations of a few MiB each, freed in another order than allocated
@@ -40,7 +40,7 @@ def test_retained_heap_memory_stops_page_faults_between_steps():
 
 def test_cpu_engine_retains_heap_memory(llama):
     from servelab import LLM
-    from servelab.kernels.heap_retention import retain_freed_heap_memory
+    from servelab.platform import retain_freed_heap_memory
 
     retain_freed_heap_memory.cache_clear()
     LLM(llama, overrides=["model.dtype=float32", "device=cpu"])

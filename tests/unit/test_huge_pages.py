@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from servelab.kernels.huge_pages import HUGE_PAGE_BYTES, huge_page_zeros
+from servelab.platform import HUGE_PAGE_BYTES, huge_page_zeros
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise is Linux-only")

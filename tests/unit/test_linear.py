@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from servelab.kernels.cpu_ops import native_cpu_available, native_cpu_enabled
-from servelab.kernels.packed_linear import (Linear, bfloat16_matmul_supported, is_blocked, linear_input, padded_rows,
+from servelab.plugins.models.linear import (Linear, bfloat16_matmul_supported, is_blocked, linear_input, padded_rows,
                                            pads_rows, release_padding_buffers, warm_up_linears)
 
 packing = pytest.mark.skipif(not (native_cpu_enabled() and torch.backends.mkldnn.is_available()),
@@ -99,7 +99,7 @@ def test_rows_with_room_in_their_memory_are_multiplied_without_a_copy(monkeypatc
     """An input whose memory already holds the padded row count (``linear_input``, or a
     matmul's output sliced to its real rows) is multiplied in place: NaN in the rows past
     it changes nothing, and the padding buffer is not touched. Other inputs still pad."""
-    from servelab.kernels import packed_linear as layers
+    from servelab.plugins.models import linear as layers
 
     torch.manual_seed(0)
     layer, first = Linear(64, 48, bias=False).to(torch.bfloat16), Linear(64, 64, bias=False).to(torch.bfloat16)
@@ -132,7 +132,7 @@ def test_bfloat16_without_native_matmuls_multiplies_in_float32(monkeypatch, nati
     """Where oneDNN has no bfloat16 matmul the weight is packed in float32 and the layer
     still takes and returns bfloat16: the float32 product of the same bfloat16 values,
     rounded once (up to summation order), with the bias and leading dims kept."""
-    from servelab.kernels import packed_linear as layers
+    from servelab.plugins.models import linear as layers
 
     if native and not layers.bfloat16_matmul_supported():
         pytest.skip("this CPU has no bfloat16 matmul instructions")
@@ -178,7 +178,7 @@ def test_warm_up_defaults_to_the_step_budget_and_packs_every_layer(llama, monkey
     a new step size (float32 layers, in the blocked layout, compile no kernels); each
     built-in scheduler reports its budget."""
     from servelab import LLM, SamplingParams
-    from servelab.kernels import packed_linear as layers
+    from servelab.plugins.models import linear as layers
 
     llm = LLM(llama, overrides=[f"model.dtype={dtype}", "device=cpu", "scheduler=chunked", "scheduler.token_budget=96"])
     assert llm.engine.max_step_tokens == 96

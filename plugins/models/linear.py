@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from servelab.kernels.blocked_linear import float_linear, pack_blocks
+from servelab.kernels.blocked_linear import pack_blocks
 from servelab.kernels.cpu_ops import native_cpu_available, native_cpu_enabled
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
@@ -75,8 +75,9 @@ class Linear(nn.Linear):
         if packed is None:
             return F.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, x.shape[-1])
-        if is_blocked(packed):  # any row count, no padding
-            out = float_linear(rows.contiguous(), packed, self.out_features)
+        if is_blocked(packed):  # float_linear's op: any row count, no padding
+            out = rows.new_empty(rows.shape[0], self.out_features)
+            torch.ops.servelab_cpu.float_linear(out, rows.contiguous(), packed)
             if self.bias is not None:
                 out += self.bias
             return out.view(*x.shape[:-1], self.out_features)
