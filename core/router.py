@@ -2,7 +2,7 @@
 
 Routers are registered components (``router=round_robin``, ``least_loaded``,
 ``prefix_affinity``, ...) built as ``cls(config, RouterContext)``. ``servelab-bench
-replicas=N`` routes a simulated cluster's traffic through one.
+target.replicas=N`` routes a simulated cluster's traffic through one.
 """
 
 from __future__ import annotations
