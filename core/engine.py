@@ -63,7 +63,8 @@ class LLMEngine:
         executor_cls = registry.spec_for_config("executor", cfg.executor).cls
         self.clock = clock or (WallClock() if executor_cls.runs_model else VirtualClock())
         resolved = ResolvedModel.of(cfg, registry, executor_cls.runs_model)
-        checkpoint, model_cls, shape, kv_dtype = resolved.checkpoint, resolved.model_cls, resolved.shape, resolved.kv_dtype
+        checkpoint, model_cls, shape = resolved.checkpoint, resolved.model_cls, resolved.shape
+        kv_dtype = resolved.kv_dtype
         self.tokenizer = checkpoint.tokenizer
         self.quantization = checkpoint.quantization
         self.device, self.dtype, self.shape = resolved.device, resolved.dtype, shape

@@ -61,8 +61,9 @@ class DraftModel:
         self.device, dtype = context.device, context.dtype
         paged = registry.get("cache", "paged").config_cls(block_size=block_size, memory_bytes=memory_bytes)
         self.cache = registry.build("cache", paged, CacheContext(shape.kv_cache_spec(dtype, max_len), registry))
-        self.worker = DeviceWorker.load(registry, ResolvedModel(checkpoint, model_cls, shape, self.device, dtype, dtype,
-                                                                max_len), context.attention_config)
+        model = ResolvedModel(checkpoint=checkpoint, model_cls=model_cls, shape=shape, device=self.device, dtype=dtype,
+                              kv_dtype=dtype, max_model_len=max_len)
+        self.worker = DeviceWorker.load(registry, model, context.attention_config)
         self.worker.allocate(self.cache.num_blocks, self.cache.block_size)
         self.sequences: dict[str, DraftSequence] = {}
 

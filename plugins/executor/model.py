@@ -106,8 +106,9 @@ class ModelExecutor(Executor):
         try:
             if topology.world_size > 1:
                 parallel = self._start_workers(parallel_cfg)
-            model = ResolvedModel(checkpoint, context.model_cls, context.shape, self.device, context.dtype,
-                                  context.kv_dtype, self.max_model_len)
+            model = ResolvedModel(checkpoint=checkpoint, model_cls=context.model_cls, shape=context.shape,
+                                  device=self.device, dtype=context.dtype, kv_dtype=context.kv_dtype,
+                                  max_model_len=self.max_model_len)
             self.worker = DeviceWorker.load(registry, model, context.attention_config, parallel)
         except BaseException:
             self.shutdown()
