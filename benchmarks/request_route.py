@@ -2,7 +2,8 @@
 
 Traces the Python calls of one request after a warm-up (``sys.setprofile`` in every
 thread) and lists the servelab source files it enters, in the order first entered, with
-how many times the route entered each from another file:
+how many times the route entered each from another file. Resuming a suspended coroutine
+is not a call (so the server's main loop, which wakes on its own timer, does not count):
 
     python benchmarks/request_route.py offline      # LLM("toy").generate(...)
     python benchmarks/request_route.py http         # a streamed /v1/completions, both processes
@@ -34,13 +35,35 @@ RECORDER = textwrap.dedent('''
 
     ROOT = os.environ["ROUTE_ROOT"]
     OUT = os.environ.get("ROUTE_OUT")
+    SUSPENDABLE = 0x20 | 0x80 | 0x100 | 0x200  # generator, coroutine, iterable coroutine, async generator
     entries = {}
     recording = False
+
+    def first_offset():
+        """Where a generator's frame stands on its first call (later calls resume it)."""
+        offsets = []
+
+        def probe(frame, event, arg):
+            if event == "call" and frame.f_code is started.__code__:
+                offsets.append(frame.f_lasti)
+
+        def started():
+            yield
+
+        sys.setprofile(probe)
+        next(started())
+        sys.setprofile(None)
+        return offsets[0]
+
+    FIRST = first_offset()
 
     def profile(frame, event, arg):
         if not recording or event != "call":
             return
-        path = frame.f_code.co_filename
+        code = frame.f_code
+        if code.co_flags & SUSPENDABLE and frame.f_lasti > FIRST:
+            return  # a suspended coroutine resumed: no call enters a file here
+        path = code.co_filename
         if not path.startswith(ROOT) or "/.venv" in path or "/site-packages/" in path:
             return
         caller = frame.f_back

@@ -1,11 +1,10 @@
-"""The FastAPI application: routes, API-key check, draining, and the engine's lifespan."""
+"""The FastAPI application: routes, API-key check, draining, and the engine's lifespan
+(the handlers' shared state is ``server/state.py``)."""
 
 from __future__ import annotations
 
 import hmac
 import importlib.metadata
-import logging
-import time
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
@@ -14,49 +13,12 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from servelab.core.errors import InvalidRequestError
-from servelab.server.async_engine import AsyncEngine
-from servelab.server.backpressure import RESPONSES, Backpressure
 from servelab.server.chat import create_chat_completion
 from servelab.server.chat_template import render_chat
 from servelab.server.completions import create_completion
-from servelab.server.config import ServerConfig
-from servelab.server.errors import APIError, RequestAbortedError, install_error_handlers, shutting_down
-from servelab.server.output_stream import OutputStream
+from servelab.server.errors import RESPONSES, APIError, install_error_handlers, shutting_down
 from servelab.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-
-log = logging.getLogger(__name__)
-
-
-class ServerState:
-    """What the handlers share: the engine, the server settings, the served model name,
-    the backpressure on the engine, and whether the server is draining (then new
-    requests get 503)."""
-
-    def __init__(self, engine: AsyncEngine, config: ServerConfig, model_name: str):
-        self.engine = engine
-        self.config = config
-        self.model_name = model_name
-        self.backpressure = Backpressure(config.max_queued_requests, config.request_timeout_s, engine.metrics)
-        self.draining = False
-        self.created = int(time.time())
-
-    def open_stream(self, num_requests: int) -> OutputStream:
-        """The output stream of an API call of ``num_requests`` engine requests; 429 when
-        the server holds ``server.max_queued_requests`` (``Backpressure``)."""
-        return self.backpressure.open_stream(self.engine, num_requests)
-
-    def check_model(self, name: str | None) -> None:
-        """404 unless ``name`` is the served model (or omitted)."""
-        if name is not None and name != self.model_name:
-            raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
-                           param="model", code="model_not_found")
-
-    async def drain(self, timeout: float) -> None:
-        """Refuse new requests, give in-flight ones ``timeout`` seconds, abort the rest."""
-        self.draining = True
-        if not await self.engine.wait_idle(timeout):
-            log.warning("drain timeout (%.1fs): aborting %d requests", timeout, self.engine.num_in_flight)
-            self.engine.abort_all(RequestAbortedError())
+from servelab.server.state import ServerState
 
 
 def _state(request: Request) -> ServerState:

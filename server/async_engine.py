@@ -1,9 +1,18 @@
-"""The server's handle on the engine process, used from one asyncio event loop.
+"""The server's handle on the engine process, used from one asyncio event loop: it admits
+API calls, owns their output streams and trades messages with the engine.
 
 Commands go to the engine process through its pipe (``server/messages.py``); a reader
 thread receives its messages and hands each to the event loop in one
 ``loop.call_soon_threadsafe`` call, which settles pending adds, feeds the metrics and
 routes each step's delta outputs to the ``OutputStream`` that owns the request.
+
+Admission (docs/server.md): ``server.max_queued_requests`` bounds the engine requests
+(one per prompt of an API call) accepted and not finished, waiting or running: past it a
+new call is answered 429 with ``Retry-After`` at once, before anything enters the engine,
+so a flood costs the engine nothing and the event loop (``/health``, ``/metrics``) stays
+free. ``server.request_timeout_s`` bounds how long an accepted call may run: then its
+requests are aborted in the engine, which frees their KV blocks, and the call ends with
+a 504 (a stream with an error event).
 """
 
 from __future__ import annotations
@@ -13,11 +22,13 @@ import logging
 import threading
 from typing import Callable, TypeVar
 
+from servelab.core.errors import InvalidRequestError
 from servelab.core.sampling_params import SamplingParams
 from servelab.server.messages import (AbortRequests, AddRequest, EngineFailed, EngineInfo, RequestAdded,
                                       StepReport, StopEngine)
 from servelab.server.engine_process import EngineProcess
-from servelab.server.errors import EngineDeadError, RequestAbortedError
+from servelab.server.errors import (RETRY_AFTER_S, EngineDeadError, QueueFullError, RequestAbortedError,
+                                    RequestTimeoutError)
 from servelab.server.metrics import ServerMetrics
 from servelab.server.output_stream import OutputStream
 
@@ -27,13 +38,21 @@ T = TypeVar("T")
 
 
 class AsyncEngine:
-    """The engine process seen from the event loop: add and abort requests, stream their
+    """The engine process seen from the event loop: admit API calls (``open_stream``, at
+    most ``max_queued_requests`` engine requests held, None: no limit; each call aborted
+    after ``request_timeout_s``, None: never), add and abort requests, stream their
     outputs, answer tokenizer questions locally (``call``)."""
 
-    def __init__(self, process: EngineProcess, metrics: ServerMetrics):
+    def __init__(self, process: EngineProcess, metrics: ServerMetrics, max_queued_requests: int | None = None,
+                 request_timeout_s: float | None = None):
         self.process = process
+        self.conn = process.conn
         self.engine: EngineInfo = process.info
         self.metrics = metrics
+        self.max_queued_requests = max_queued_requests
+        self.request_timeout_s = request_timeout_s
+        self.held = 0
+        """Engine requests of the open streams: accepted and not finished."""
         self.dead: BaseException | None = None
         self._streams: dict[str, OutputStream] = {}
         self._adding: dict[str, asyncio.Future] = {}
@@ -73,7 +92,7 @@ class AsyncEngine:
         self.abort_all(RequestAbortedError())
         self._stopping = True
         try:
-            self.process.send(StopEngine())
+            self.conn.send(StopEngine())
         except OSError:  # already gone
             pass
         await asyncio.to_thread(self.process.join)
@@ -86,9 +105,30 @@ class AsyncEngine:
         """Requests added and not finished yet."""
         return len(self._streams)
 
-    def open_stream(self, on_close: Callable[[], None] | None = None) -> OutputStream:
-        """A new stream to add one API call's prompts to; ``on_close`` runs once when it closes."""
-        return OutputStream(self, on_close)
+    def open_stream(self, num_requests: int = 1) -> OutputStream:
+        """A stream for an API call of ``num_requests`` engine requests, held until it
+        closes. Raises ``QueueFullError`` (429) when they do not fit under
+        ``max_queued_requests`` now, ``InvalidRequestError`` (400) when they never could."""
+        limit = self.max_queued_requests
+        if limit is not None:
+            if num_requests > limit:
+                raise InvalidRequestError("prompt", f"has {num_requests} prompts, more than the "
+                                          f"server.max_queued_requests={limit} requests the server holds at once")
+            if self.held + num_requests > limit:
+                self.metrics.rejected.inc()
+                raise QueueFullError(limit, RETRY_AFTER_S)
+        self.held += num_requests
+        stream = OutputStream(self, on_close=lambda: self._release(num_requests))
+        if self.request_timeout_s is not None:
+            stream.expire_after(self.request_timeout_s, self._timed_out)
+        return stream
+
+    def _release(self, num_requests: int) -> None:
+        self.held -= num_requests
+
+    def _timed_out(self) -> RequestTimeoutError:
+        self.metrics.timed_out.inc()
+        return RequestTimeoutError(self.request_timeout_s)
 
     async def call(self, fn: Callable[[EngineInfo], T]) -> T:
         """``fn(engine info)``: tokenizer work and limits, answered here without a trip to
@@ -99,8 +139,10 @@ class AsyncEngine:
     async def add(self, stream: OutputStream, prompt: str | list[int], params: SamplingParams,
                   request_id: str, arrival_time: float) -> int:
         """Validate and queue a request whose outputs go to ``stream``; returns its prompt
-        length. Raises ``InvalidRequestError`` (nothing queued) for a bad request."""
+        length. Raises ``InvalidRequestError`` (nothing queued) for a bad request (the
+        stream's other requests keep running until it closes)."""
         self._check_alive()
+        stream.track(request_id)  # before the wait, so that an expiry covers it
         self._streams[request_id] = stream
         self._idle.clear()
         added = self._loop.create_future()
@@ -109,6 +151,7 @@ class AsyncEngine:
             self._send(AddRequest(request_id, prompt, params, arrival_time))
             length = await added
         except BaseException:  # rejected, or cancelled while the engine may have added it
+            stream.untrack(request_id)
             self.abort([request_id])
             raise
         finally:
@@ -133,7 +176,7 @@ class AsyncEngine:
 
     def _send(self, message: AddRequest | AbortRequests) -> None:
         try:
-            self.process.send(message)
+            self.conn.send(message)
         except OSError as exc:  # the engine process is gone; the reader reports it
             raise EngineDeadError(f"the engine process is gone: {exc!r}") from exc
 
@@ -146,7 +189,7 @@ class AsyncEngine:
     def _receive(self) -> None:
         while True:
             try:
-                message = self.process.recv()
+                message = self.conn.recv()
             except (EOFError, OSError):
                 if not self._stopping:
                     code = self.process.exitcode

@@ -12,12 +12,11 @@ from servelab.server.chat_template import render_chat
 from servelab.server.choices import ChoiceDelta, ChoiceTracker
 from servelab.server.errors import stream_error
 from servelab.server.logprobs import chat_logprobs
-from servelab.server.output_stream import OutputStream
+from servelab.server.output_stream import DONE, EventStreamResponse, OutputStream, sse, until_disconnected
 from servelab.server.protocol import ChatCompletionRequest
-from servelab.server.streaming import DONE, EventStreamResponse, sse, until_disconnected
 
 if TYPE_CHECKING:
-    from servelab.server.app import ServerState
+    from servelab.server.state import ServerState
 
 
 class ChatResponder:
@@ -79,10 +78,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     arrival = time.perf_counter()
     prompt = await state.engine.call(lambda engine: render_chat(engine.tokenizer, body.messages,
                                                                 body.add_generation_prompt))
-    stream = state.open_stream(1)
+    stream = state.engine.open_stream(1)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     try:
-        prompt_tokens = await stream.add(prompt, params, request_id, arrival)
+        prompt_tokens = await state.engine.add(stream, prompt, params, request_id, arrival)
     except BaseException:
         stream.abort()
         raise

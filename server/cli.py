@@ -20,7 +20,8 @@ def serve(cfg: DictConfig) -> None:
     import uvicorn
 
     from servelab.core.errors import ConfigError
-    from servelab.server.app import ServerState, create_app
+    from servelab.server.app import create_app
+    from servelab.server.state import ServerState
     from servelab.server.async_engine import AsyncEngine
     from servelab.server.config import server_problems, served_model_name
     from servelab.server.draining_server import DrainingServer
@@ -42,7 +43,8 @@ def serve(cfg: DictConfig) -> None:
         print(f"servelab-serve: error: {exc}", file=sys.stderr)
         sys.exit(2)
     metrics = ServerMetrics(process.info.prefix_caching, process.info.speculative)
-    state = ServerState(AsyncEngine(process, metrics), server_cfg, served_model_name(cfg))
+    engine = AsyncEngine(process, metrics, server_cfg.max_queued_requests, server_cfg.request_timeout_s)
+    state = ServerState(engine, server_cfg, served_model_name(cfg))
     config = uvicorn.Config(create_app(state), host=server_cfg.host, port=server_cfg.port,
                             log_level=server_cfg.log_level, access_log=server_cfg.access_log, lifespan="on",
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_TIMEOUT_S)

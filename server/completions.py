@@ -12,12 +12,11 @@ from fastapi import Request
 from servelab.server.choices import ChoiceDelta, ChoiceTracker, best_choices
 from servelab.server.errors import stream_error
 from servelab.server.logprobs import completion_logprobs, echo_logprobs, joined_logprobs, vllm_prompt_logprobs
-from servelab.server.output_stream import OutputStream
+from servelab.server.output_stream import DONE, EventStreamResponse, OutputStream, sse, until_disconnected
 from servelab.server.protocol import CompletionRequest, Prompt
-from servelab.server.streaming import DONE, EventStreamResponse, sse, until_disconnected
 
 if TYPE_CHECKING:
-    from servelab.server.app import ServerState
+    from servelab.server.state import ServerState
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,12 +124,12 @@ async def create_completion(body: CompletionRequest, request: Request, state: "S
     params = body.sampling_params()
     prompts = body.prompts()
     arrival = time.perf_counter()
-    stream = state.open_stream(len(prompts))
+    stream = state.engine.open_stream(len(prompts))
     request_ids = [f"cmpl-{uuid.uuid4().hex}" for _ in prompts]
     try:
         prompt_tokens = 0
         for prompt, request_id in zip(prompts, request_ids):
-            prompt_tokens += await stream.add(prompt, params, request_id, arrival)
+            prompt_tokens += await state.engine.add(stream, prompt, params, request_id, arrival)
         echoes = await _echoes(state, prompts) if body.echo else None
     except BaseException:
         stream.abort()

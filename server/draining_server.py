@@ -10,7 +10,7 @@ from types import FrameType
 
 import uvicorn
 
-from servelab.server.app import ServerState
+from servelab.server.state import ServerState
 
 log = logging.getLogger(__name__)
 

@@ -39,8 +39,8 @@ def default_engine_threads() -> int:
 
 
 class EngineProcess:
-    """Handle on the engine process: ``launch`` it, ``send`` commands, ``recv`` messages
-    (see ``engine_loop``), ``join`` it at shutdown."""
+    """Handle on the engine process: ``launch`` it, trade messages over ``conn`` (its end
+    of the pipe; the commands and messages of ``engine_loop``), ``join`` it at shutdown."""
 
     def __init__(self, process: multiprocessing.Process, conn: Any, info: EngineInfo):
         self.process = process
@@ -85,14 +85,6 @@ class EngineProcess:
             process.join()
             raise ConfigError(list(message.problems))
         return cls(process, server_end, message.info)
-
-    def send(self, message: Any) -> None:
-        """Send one command (``server/messages.py``) to the engine loop."""
-        self.conn.send(message)
-
-    def recv(self) -> Any:
-        """The next message from the engine loop; ``EOFError`` once the process is gone."""
-        return self.conn.recv()
 
     def join(self) -> None:
         """Wait for the process to exit after the stop command (killing it past

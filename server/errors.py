@@ -69,6 +69,11 @@ class RequestAbortedError(APIError):
         super().__init__(503, message, "server_error", code="service_unavailable")
 
 
+RETRY_AFTER_S = 1
+"""The ``Retry-After`` of a 429: requests on this server last seconds, so a slot is
+likely free again within one."""
+
+
 class QueueFullError(APIError):
     """429: the server already holds ``server.max_queued_requests`` requests; the client
     may retry after ``retry_after_s`` seconds (the ``Retry-After`` header). Type and code
@@ -86,6 +91,17 @@ class RequestTimeoutError(APIError):
     def __init__(self, timeout_s: float):
         super().__init__(504, f"request timed out: it ran longer than server.request_timeout_s={timeout_s:g} "
                          "seconds and was aborted", "server_error", code="request_timeout")
+
+
+RESPONSES = {
+    429: {"model": ErrorBody, "description": "The server holds server.max_queued_requests requests; retry "
+          "after Retry-After seconds (code rate_limit_exceeded).",
+          "headers": {"Retry-After": {"description": "Seconds to wait before retrying.",
+                                      "schema": {"type": "integer"}}}},
+    504: {"model": ErrorBody, "description": "The request ran longer than server.request_timeout_s and was "
+          "aborted (code request_timeout); a stream ends with this error as an event instead."},
+}
+"""The OpenAPI ``responses`` of the completion endpoints for admission (``AsyncEngine``)."""
 
 
 def shutting_down() -> APIError:

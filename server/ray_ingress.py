@@ -25,7 +25,7 @@ from servelab.server.errors import APIError, install_error_handlers
 from servelab.server.forwarded_request import ForwardedRequest
 from servelab.server.replica_metrics import label_replicas
 from servelab.server.routing_prompt import routing_prompt
-from servelab.server.streaming import DONE, sse
+from servelab.server.output_stream import DONE, sse
 
 REPLICA_GONE = (RayActorError, ActorUnavailableError)
 """What a handle raises when the replica serving the call died or cannot be reached."""

@@ -27,7 +27,8 @@ class EngineReplica:
     configuration; ``model_name``: the name requests must give."""
 
     async def __init__(self, cfg: DictConfig, model_name: str):
-        from servelab.server.app import ServerState, create_app
+        from servelab.server.app import create_app
+        from servelab.server.state import ServerState
         from servelab.server.async_engine import AsyncEngine
         from servelab.server.engine_process import EngineProcess
         from servelab.server.metrics import ServerMetrics
@@ -35,8 +36,9 @@ class EngineReplica:
         server = cfg.server
         threads = server.engine_threads or max(1, int(server.replica_cpus))
         process = await asyncio.to_thread(EngineProcess.launch, cfg, threads)
-        self.state = ServerState(AsyncEngine(process, ServerMetrics(process.info.prefix_caching,
-                                                                    process.info.speculative)), server, model_name)
+        metrics = ServerMetrics(process.info.prefix_caching, process.info.speculative)
+        engine = AsyncEngine(process, metrics, server.max_queued_requests, server.request_timeout_s)
+        self.state = ServerState(engine, server, model_name)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.app = create_app(self.state)
         self._lifespan = self.app.router.lifespan_context(self.app)

@@ -94,7 +94,7 @@ def test_engine_threads_run_below_the_http_side_priority():
         tasks = os.listdir(f"/proc/{process.process.pid}/task")
         priorities = {os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in tasks}
     finally:
-        process.send(StopEngine())
+        process.conn.send(StopEngine())
         process.join()
     assert len(tasks) >= 2
     assert priorities == {min(MAX_NICE, os.getpriority(os.PRIO_PROCESS, 0) + 7)}
@@ -109,7 +109,8 @@ def test_dead_engine_process_fails_requests_and_later_calls():
         async_engine.start()
         assert await async_engine.call(lambda e: e.max_model_len) == process.info.max_model_len
         async with async_engine.open_stream() as stream:
-            await stream.add("hi", SamplingParams(max_tokens=400, ignore_eos=True), "doomed", time.perf_counter())
+            await async_engine.add(stream, "hi", SamplingParams(max_tokens=400, ignore_eos=True), "doomed",
+                                   time.perf_counter())
             process.process.kill()
             with pytest.raises(EngineDeadError, match="exited"):
                 async for _ in stream:
@@ -124,7 +125,7 @@ def test_dead_engine_process_fails_requests_and_later_calls():
 
 
 def test_sse_events_survive_line_separators_in_text():
-    from servelab.server.streaming import sse
+    from servelab.server.output_stream import sse
 
     event = sse({"text": "a\u2028b\x85c\u2029d\x1ce\r\nf é"})
     assert event.endswith("\n\n") and len(event[:-2].splitlines()) == 1
