@@ -86,8 +86,9 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Complete every prompt (text or token ids); one ``RequestOutput`` per prompt, in order.
 
-        Every prompt is validated before any enters the engine, so a bad one raises
-        ``InvalidRequestError`` and nothing runs.
+        Each prompt is tokenized and validated once, as it enters the engine; a bad one
+        raises ``InvalidRequestError`` and nothing runs (the prompts added before it are
+        withdrawn before any step).
         """
         if self.engine.is_shut_down:
             raise EngineShutdownError("generate")
@@ -97,13 +98,13 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
         engine, beams = self.engine, self.beam_search
-        tokenized = [engine.tokenize(p) for p in prompts]
-        for token_ids, p in zip(tokenized, params):
-            (beams if p.use_beam_search else engine).check_request(token_ids, p)
-        ids = []
-        for prompt, token_ids, p in zip(prompts, tokenized, params):
-            prompt = prompt if isinstance(prompt, str) else token_ids
-            ids.append(beams.add(prompt, p) if p.use_beam_search else engine.add_request(prompt, p))
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(beams.add(prompt, p) if p.use_beam_search else engine.add_request(prompt, p))
+        except BaseException:
+            beams.abort(ids)
+            raise
         return self._run(ids, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
