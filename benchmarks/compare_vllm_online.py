@@ -47,7 +47,7 @@ import tempfile
 from servelab.bench.baselines.vllm_engine import VLLM_CPU_ENV
 from servelab.bench.random_llama import MAX_POSITIONS, MODELS, VOCAB, make_checkpoint
 from servelab.bench.report import metric_value, render_markdown
-from servelab.bench.server_process import stop, wait_until_serving
+from servelab.testing.server_process import ServerProcess
 
 VLLM_CLI = (
     "import importlib.metadata as m, sys\n"
@@ -140,26 +140,25 @@ def summary(client: str, result: dict) -> dict:
             "completed": completed, "failed": failed}
 
 
-def serve_and_bench(name: str, command: list[str], env: dict, url: str, folder: str, repeat: int,
+def serve_and_bench(name: str, command: list[str], port: int, env: dict, folder: str, repeat: int,
                     args: argparse.Namespace) -> list[dict]:
     """Start one server, measure it at every rate, stop it."""
     bench = vllm_bench if args.client == "vllm" else servelab_bench
     runs = []
-    with open(os.path.join(args.workdir, f"{name}-server.log"), "w") as log:
-        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            wait_until_serving(url, process)
-            for rate in args.rates:
-                out_dir = os.path.join(args.workdir, f"{name}-{args.client}-rate{rate:g}-run{repeat}")
-                result = bench(url, folder, rate, args, out_dir)
-                runs.append({"server": name, "client": args.client, "rate": rate, "repeat": repeat,
-                             "summary": summary(args.client, result), "result": result})
-                s = runs[-1]["summary"]
-                print(f"  {name} at {rate:g} req/s (run {repeat}): median TTFT {s['ttft_ms_p50']:.1f} ms, "
-                      f"P99 TPOT {s['tpot_ms_p99']:.1f} ms, {s['output_throughput']:.1f} tok/s, "
-                      f"{s['failed']} failed", flush=True)
-        finally:
-            stop(process)
+    server = ServerProcess(command, port, os.path.join(args.workdir, f"{name}-server.log"), env,
+                           startup_timeout_s=600)
+    try:
+        for rate in args.rates:
+            out_dir = os.path.join(args.workdir, f"{name}-{args.client}-rate{rate:g}-run{repeat}")
+            result = bench(server.url, folder, rate, args, out_dir)
+            runs.append({"server": name, "client": args.client, "rate": rate, "repeat": repeat,
+                         "summary": summary(args.client, result), "result": result})
+            s = runs[-1]["summary"]
+            print(f"  {name} at {rate:g} req/s (run {repeat}): median TTFT {s['ttft_ms_p50']:.1f} ms, "
+                  f"P99 TPOT {s['tpot_ms_p99']:.1f} ms, {s['output_throughput']:.1f} tok/s, "
+                  f"{s['failed']} failed", flush=True)
+    finally:
+        server.stop()
     return runs
 
 
@@ -201,9 +200,7 @@ def main() -> None:
                 *args.overrides]
     vllm = [args.vllm_python, "-c", VLLM_CLI, "serve", folder, "--dtype", args.dtype,
             "--max-model-len", str(MAX_POSITIONS), "--max-num-seqs", "256", "--port", str(VLLM_PORT)]
-    vllm_env = dict(os.environ, **VLLM_CPU_ENV)
-    servers = {"servelab": (servelab, dict(os.environ), f"http://127.0.0.1:{SERVELAB_PORT}"),
-               "vllm": (vllm, vllm_env, f"http://127.0.0.1:{VLLM_PORT}")}
+    servers = {"servelab": (servelab, SERVELAB_PORT, {}), "vllm": (vllm, VLLM_PORT, VLLM_CPU_ENV)}
     runs: list[dict] = []
     for repeat in range(args.repeats):
         for name in args.servers:

@@ -27,12 +27,11 @@ import math
 import os
 import re
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from servelab.bench.server_process import stop, wait_until_serving
+from servelab.testing.server_process import ServerProcess
 
 TASKS = Path(__file__).parent / "lm_eval_tasks"
 MC_TASK, PPL_TASK = "servelab_python_next_line", "servelab_python_files"
@@ -170,15 +169,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         write_tasks(workdir)
-        server = subprocess.Popen([sys.executable, "-m", "servelab.server", f"model={args.model}",
-                                   f"server.port={args.port}", "server.access_log=false", *args.overrides])
+        server = ServerProcess.servelab(workdir / "server.log", f"model={args.model}", *args.overrides, port=args.port,
+                                        startup_timeout_s=600)
         try:
-            wait_until_serving(url, server)
             started = time.perf_counter()
             harness = run_harness(args, model_name, tokenizer, url, workdir)
             harness_s = time.perf_counter() - started
         finally:
-            stop(server)
+            server.stop()
     offline = score_offline(args)
     rows = []
     for task, metrics in offline.items():

@@ -137,7 +137,7 @@ def http() -> dict[str, dict[str, int]]:
     out = os.path.join(folder, "route")
     env = {"ROUTE_ROOT": str(ROOT), "ROUTE_OUT": out,
            "PYTHONPATH": os.pathsep.join(filter(None, [folder, os.environ.get("PYTHONPATH")]))}
-    server = ServerProcess(os.path.join(folder, "server.log"), "model=toy", env=env)
+    server = ServerProcess.servelab(os.path.join(folder, "server.log"), "model=toy", env=env)
     try:
         body = {"model": "toy", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
         stream(httpx, server.url, body)

@@ -88,8 +88,8 @@ class EntryPointConformance(EngineKit):
         """``servelab-serve`` starts, streams a completion, and drains on SIGTERM."""
         import httpx
 
-        server = ServerProcess(tmp_path / "serve.log", *overrides, command=(console_script("servelab-serve"),),
-                               startup_timeout_s=STARTUP_TIMEOUT_S)
+        server = ServerProcess.servelab(tmp_path / "serve.log", *overrides, command=(console_script("servelab-serve"),),
+                                        env={"OMP_NUM_THREADS": "1"}, startup_timeout_s=STARTUP_TIMEOUT_S)
         try:
             body = {"prompt": "def f(x):", "max_tokens": 4, "stream": True, "ignore_eos": True,
                     "stream_options": {"include_usage": True}}

@@ -1,5 +1,5 @@
-"""A ``servelab-serve`` in a subprocess on 127.0.0.1: the one way the server tests, the
-entry-point kit and the benchmarks start a server."""
+"""An OpenAI-compatible server in a subprocess on 127.0.0.1: the one way the server tests,
+the entry-point kit and the benchmarks start a server (servelab's, or vLLM's to compare)."""
 
 from __future__ import annotations
 
@@ -18,23 +18,36 @@ STOP_TIMEOUT_S = 60
 MODULE_COMMAND = (sys.executable, "-m", "servelab.server")
 
 
-class ServerProcess:
-    """``command`` (default ``python -m servelab.server``) with the Hydra ``overrides``,
-    on a free port, logging to ``log_path``; the constructor returns once ``/health``
-    answers (raising ``RuntimeError`` with the log if the server exits or does not start
-    within ``startup_timeout_s``). ``env``: variables added to this process's (one compute
-    thread by default). ``stop`` sends SIGTERM and returns the exit status."""
+def servelab_argv(port: int, overrides: Sequence[str], command: Sequence[str] = MODULE_COMMAND) -> list[str]:
+    """``servelab-serve`` (``command``) on ``port`` without an access log, with the Hydra
+    ``overrides`` last."""
+    return [*command, f"server.port={port}", "server.access_log=false", *overrides]
 
-    def __init__(self, log_path: Path | str, *overrides: str, command: Sequence[str] = MODULE_COMMAND,
-                 env: Mapping[str, str] | None = None, startup_timeout_s: float = STARTUP_TIMEOUT_S):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+
+class ServerProcess:
+    """``argv`` in a subprocess, listening on 127.0.0.1:``port`` and logging to
+    ``log_path``; ``env``: variables added to this process's. The constructor returns once
+    ``/health`` answers (raising ``RuntimeError`` with the log's end if the server exits or
+    does not answer within ``startup_timeout_s``). ``stop`` sends SIGTERM and returns the
+    exit status."""
+
+    def __init__(self, argv: Sequence[str], port: int, log_path: Path | str, env: Mapping[str, str] | None = None,
+                 startup_timeout_s: float = STARTUP_TIMEOUT_S):
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
         self.log_path = Path(log_path)
         self._log = open(self.log_path, "w")
-        args = [*command, f"server.port={self.port}", "server.access_log=false", *overrides]
-        environment = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-        self.process = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=environment)
+        self.process = subprocess.Popen(list(argv), stdout=self._log, stderr=subprocess.STDOUT,
+                                        env={**os.environ, **(env or {})})
         self._wait_ready(startup_timeout_s)
+
+    @classmethod
+    def servelab(cls, log_path: Path | str, *overrides: str, command: Sequence[str] = MODULE_COMMAND,
+                 port: int | None = None, env: Mapping[str, str] | None = None,
+                 startup_timeout_s: float = STARTUP_TIMEOUT_S) -> "ServerProcess":
+        """``servelab-serve`` with the Hydra ``overrides`` on ``port`` (default: a free one)."""
+        port = free_port() if port is None else port
+        return cls(servelab_argv(port, overrides, command), port, log_path, env, startup_timeout_s)
 
     def _wait_ready(self, timeout_s: float) -> None:
         import httpx

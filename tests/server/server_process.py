@@ -6,13 +6,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from servelab.platform import free_port  # noqa: F401 (the Ray tests pick their port with it)
-from servelab.testing.server_process import MODULE_COMMAND
+from servelab.platform import free_port
+from servelab.testing.server_process import MODULE_COMMAND, servelab_argv
 from servelab.testing.server_process import ServerProcess as SubprocessServer
 
 API_KEY = "test-key"
 MODEL = "toy"
 ENGINE_OVERRIDES = ["model=toy", "cache.num_blocks=256"]
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
 def console_script(name: str) -> str:
@@ -26,4 +27,5 @@ class ServerProcess(SubprocessServer):
 
     def __init__(self, log_path: Path, *overrides: str, engine: tuple[str, ...] = tuple(ENGINE_OVERRIDES),
                  command: tuple[str, ...] = MODULE_COMMAND):
-        super().__init__(log_path, *engine, *overrides, command=command)
+        port = free_port()
+        super().__init__(servelab_argv(port, [*engine, *overrides], command), port, log_path, ONE_THREAD)
