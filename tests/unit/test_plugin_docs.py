@@ -1,9 +1,12 @@
-"""docs/plugins.md lists exactly each contract's members: required ones are the abstract
-ones, optional ones exist with defaults, and nothing public is left out."""
+"""docs/plugins.md lists exactly each contract's members (required ones are the abstract
+ones, optional ones exist with defaults, and nothing public is left out) and each
+context's fields, in order."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import inspect
 import pathlib
 import re
 
@@ -57,3 +60,29 @@ def test_plugin_api_version_is_documented():
     assert f"(now `{PLUGIN_API_VERSION}`)" in DOC
     major = int(PLUGIN_API_VERSION.split(".")[0])
     assert f'SERVELAB_PLUGIN_API = ">={PLUGIN_API_VERSION},<{major + 1}"' in DOC
+
+
+CONTEXTS = {"SchedulerContext": "servelab.core.scheduler", "CacheContext": "servelab.core.kv_cache",
+            "AttentionSpec": "servelab.core.attention", "DecodingContext": "servelab.core.decoding",
+            "ExecutorContext": "servelab.core.executor", "CostModelContext": "servelab.core.cost_model",
+            "RouterContext": "servelab.core.router"}
+
+
+def documented_signature(name: str) -> list[str]:
+    """The argument names of the backticked ``name(a, b, ...)`` in docs/plugins.md (the
+    same wherever it appears)."""
+    (arguments,) = set(re.findall(rf"`{name}\(([^)]*)\)`", DOC))
+    return [argument.strip() for argument in arguments.split(",")]
+
+
+@pytest.mark.parametrize("name", sorted(CONTEXTS))
+def test_documented_contexts_list_their_fields(name):
+    fields = [f.name for f in dataclasses.fields(getattr(importlib.import_module(CONTEXTS[name]), name))]
+    assert documented_signature(name) == fields
+
+
+def test_documented_model_constructor_matches_the_contract():
+    from servelab.core.model import CausalLM
+
+    (built_as,) = re.findall(r"`cls\((hf_config[^)]*)\)`", DOC)
+    assert [a.strip() for a in built_as.split(",")] == list(inspect.signature(CausalLM.__init__).parameters)[1:]
