@@ -15,7 +15,7 @@ GRACEFUL_SHUTDOWN_TIMEOUT_S = 5
 
 def serve(cfg: DictConfig) -> None:
     """Start the engine process from ``cfg`` and serve it on ``server.host:server.port``
-    until SIGTERM/SIGINT (``server.backend=ray``: replicas on Ray Serve, ``ray_app``);
+    until SIGTERM/SIGINT (``server.backend=ray``: replicas on Ray Serve, ``ray_serve.app``);
     configuration errors exit with status 2, an engine failure with 1."""
     import uvicorn
 
@@ -34,7 +34,7 @@ def serve(cfg: DictConfig) -> None:
         if problems:
             raise ConfigError(problems)
         if server_cfg.backend == "ray":
-            from servelab.server.ray_app import serve_on_ray
+            from servelab.server.ray_serve.app import serve_on_ray
 
             serve_on_ray(cfg, served_model_name(cfg))
             return

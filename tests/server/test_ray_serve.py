@@ -28,7 +28,7 @@ PREFIXES = [f"{i:02d}: a prompt prefix to share," for i in range(8)]
 def url():
     """The application on a local Ray cluster of two CPUs, shut down afterwards."""
     from servelab.server.config import compose_serve_config
-    from servelab.server.ray_app import APP_NAME, build_app
+    from servelab.server.ray_serve.app import APP_NAME, build_app
 
     port = free_port()
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)

@@ -13,10 +13,10 @@ from fastapi.responses import StreamingResponse
 from prometheus_client.parser import text_string_to_metric_families
 
 from servelab.server.config import compose_serve_config, server_problems
-from servelab.server.forwarded_request import ForwardedRequest, replay
+from servelab.server.ray_serve.forwarded_request import ForwardedRequest, replay
 from servelab.server.metrics import ServerMetrics
-from servelab.server.replica_metrics import label_replicas
-from servelab.server.routing_prompt import routing_prompt
+from servelab.server.ray_serve.replica_metrics import label_replicas
+from servelab.server.ray_serve.routing_prompt import routing_prompt
 
 
 @pytest.mark.parametrize("overrides, expected", [
@@ -45,7 +45,7 @@ def test_serve_exits_2_naming_the_field():
 
 def test_a_replicas_config_error_is_read_from_its_traceback():
     from servelab.core.errors import ConfigError
-    from servelab.server.ray_app import config_problems
+    from servelab.server.ray_serve.app import config_problems
 
     error = ConfigError(["cache.block_size must be >= 1, got 0", "scheduler.max_num_seqs must be >= 1, got 0"])
     message = f"Traceback (most recent call last):\n  File \"x.py\"\nservelab.core.errors.ConfigError: {error}\n"

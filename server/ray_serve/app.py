@@ -63,9 +63,9 @@ def build_app(cfg: DictConfig, model_name: str) -> Any:
     from ray.serve.config import RequestRouterConfig
 
     from servelab.core.config import resolved
-    from servelab.server.ray_ingress import ServelabIngress
-    from servelab.server.ray_replica import EngineReplica
-    from servelab.server.ray_request_router import PluginRequestRouter
+    from servelab.server.ray_serve.ingress import ServelabIngress
+    from servelab.server.ray_serve.replica import EngineReplica
+    from servelab.server.ray_serve.request_router import PluginRequestRouter
 
     server = cfg.server
     options: dict[str, Any] = {}

@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator
 from omegaconf import DictConfig
 from ray import serve
 
-from servelab.server.forwarded_request import ForwardedRequest, Message, replay
+from servelab.server.ray_serve.forwarded_request import ForwardedRequest, Message, replay
 
 
 class EngineReplica:

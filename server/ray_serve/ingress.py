@@ -22,9 +22,9 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from servelab.server.errors import APIError, install_error_handlers
-from servelab.server.forwarded_request import ForwardedRequest
-from servelab.server.replica_metrics import label_replicas
-from servelab.server.routing_prompt import routing_prompt
+from servelab.server.ray_serve.forwarded_request import ForwardedRequest
+from servelab.server.ray_serve.replica_metrics import label_replicas
+from servelab.server.ray_serve.routing_prompt import routing_prompt
 from servelab.server.output_stream import DONE, sse
 
 REPLICA_GONE = (RayActorError, ActorUnavailableError)
