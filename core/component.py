@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 KINDS = ("scheduler", "cache", "attention", "decoding", "model", "eviction", "executor", "cost_model", "router")
 """Component kinds; each but ``model`` and ``eviction`` is a Hydra config group of the same name."""
@@ -27,3 +28,17 @@ class ComponentSpec:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"ComponentSpec.kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+
+
+class ComponentBuilder(Protocol):
+    """What a component may ask of the engine's registry (a context's ``registry``): the
+    components of a kind and how to build one. ``servelab.core.registry.Registry`` is one."""
+
+    def get(self, kind: str, name: str) -> ComponentSpec:
+        """The component ``name`` of ``kind``; ``ConfigError`` listing the others if unknown."""
+
+    def spec_for_config(self, kind: str, config: Any) -> ComponentSpec:
+        """The component whose config dataclass is the type of ``config``."""
+
+    def build(self, kind: str, config: Any, *args: Any) -> Any:
+        """The component ``config`` selects, built as ``cls(config_object, *args)``."""

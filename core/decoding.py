@@ -9,14 +9,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from servelab.core.decode_result import DecodeResult
 from servelab.core.errors import InvalidRequestError
 from servelab.core.model import ModelShape
-from servelab.core.outputs import Logprob
 from servelab.core.request import Request
 from servelab.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from servelab.core.registry import Registry
+    from servelab.core.component import ComponentBuilder
     from servelab.core.scheduler import SchedulerOutput
 
 
@@ -47,33 +47,6 @@ class Proposal:
 
 
 @dataclass(frozen=True, slots=True)
-class DecodeResult:
-    """A step's tokens per sampling request (1 .. k+1 each), in ``DecodeBatch`` order:
-    what the scheduler applies in ``update_from_output``.
-
-    ``logprobs[i][j]``: for token j of request i, token id -> Logprob (None when no request
-    asked for logprobs; an empty dict for requests that did not ask).
-    ``num_draft_tokens[i]`` / ``num_accepted_drafts[i]``: drafts verified for request i
-    and how many of them it kept (None without speculation).
-    """
-
-    token_ids: list[list[int]]
-    logprobs: list[list[dict[int, Logprob]]] | None = None
-    num_draft_tokens: tuple[int, ...] | None = None
-    num_accepted_drafts: list[int] | None = None
-
-    @property
-    def num_proposed(self) -> int:
-        """Draft tokens verified in the step."""
-        return sum(self.num_draft_tokens) if self.num_draft_tokens else 0
-
-    @property
-    def num_accepted(self) -> int:
-        """Draft tokens kept in the step."""
-        return sum(self.num_accepted_drafts) if self.num_accepted_drafts else 0
-
-
-@dataclass(frozen=True, slots=True)
 class DecodingContext:
     """What the engine hands a decoding strategy: the engine's ``registry`` (to build a
     draft model and its attention backend), the target's ``device``, compute ``dtype``,
@@ -82,7 +55,7 @@ class DecodingContext:
     ``runs_model``: False under ``executor=simulated``, where no logits exist and a
     strategy must not load weights (``simulated_acceptance`` stands in for ``accept``)."""
 
-    registry: Registry
+    registry: ComponentBuilder
     device: torch.device
     dtype: torch.dtype
     vocab_size: int

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from servelab.core.checkpoint import Checkpoint
     from servelab.core.decoding import DecodingStrategy
     from servelab.core.kv_cache import KVCacheManager, KVCacheSpec
-    from servelab.core.registry import Registry
+    from servelab.core.component import ComponentBuilder
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +73,7 @@ class ExecutorContext:
     max_model_len: int
     attention_config: Any
     engine_cfg: Any
-    registry: Registry
+    registry: ComponentBuilder
     clock: Clock
     kv_dtype: torch.dtype | None = None
 

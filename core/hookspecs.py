@@ -6,13 +6,12 @@ A plugin module that implements a ``servelab_register_*`` hook also declares
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
 if TYPE_CHECKING:
     from servelab.core.component import ComponentSpec
-    from servelab.core.engine import LLMEngine
     from servelab.core.step_stats import StepStats
 
 hookspec = pluggy.HookspecMarker("servelab")
@@ -74,17 +73,17 @@ def servelab_register_routers() -> list[ComponentSpec]:
 
 
 @hookspec
-def servelab_engine_started(engine: LLMEngine) -> None:
-    """Called once when an engine is built and ready."""
+def servelab_engine_started(engine: Any) -> None:
+    """Called once when an engine (the ``LLMEngine``) is built and ready."""
 
 
 @hookspec
-def servelab_step_end(engine: LLMEngine, stats: StepStats) -> None:
-    """Called once per engine step with that step's ``StepStats``."""
+def servelab_step_end(engine: Any, stats: StepStats) -> None:
+    """Called once per engine step with the ``LLMEngine`` and that step's ``StepStats``."""
 
 
 @hookspec
-def servelab_engine_stopped(engine: LLMEngine) -> None:
+def servelab_engine_stopped(engine: Any) -> None:
     """Called once when an engine shuts down (``LLMEngine.shutdown``, which ``LLM.shutdown``
     and leaving ``with LLM(...)`` call); not for an engine collected without a shutdown,
     which no observer may hold on to."""

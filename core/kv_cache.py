@@ -12,7 +12,7 @@ from servelab.core.kv_cache_dtype import SCALE_BYTES, is_quantized
 from servelab.core.request import Request
 
 if TYPE_CHECKING:
-    from servelab.core.registry import Registry
+    from servelab.core.component import ComponentBuilder
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +47,7 @@ class CacheContext:
     executor can give each device (for a config that sets no size; None: unknown)."""
 
     spec: KVCacheSpec
-    registry: Registry
+    registry: ComponentBuilder
     memory_budget_bytes: int | None = None
 
 

@@ -11,7 +11,7 @@ from servelab.core.request import Request
 
 if TYPE_CHECKING:
     from servelab.core.clock import Clock
-    from servelab.core.decoding import DecodeResult
+    from servelab.core.decode_result import DecodeResult
     from servelab.core.kv_cache import KVCacheManager
     from servelab.core.stop_checker import StopChecker
 

@@ -1,0 +1,35 @@
+"""What a decoding strategy hands back for one step (``DecodeResult``): the tokens the
+scheduler applies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from servelab.core.outputs import Logprob
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeResult:
+    """A step's tokens per sampling request (1 .. k+1 each), in ``DecodeBatch`` order:
+    what the scheduler applies in ``update_from_output``.
+
+    ``logprobs[i][j]``: for token j of request i, token id -> Logprob (None when no request
+    asked for logprobs; an empty dict for requests that did not ask).
+    ``num_draft_tokens[i]`` / ``num_accepted_drafts[i]``: drafts verified for request i
+    and how many of them it kept (None without speculation).
+    """
+
+    token_ids: list[list[int]]
+    logprobs: list[list[dict[int, Logprob]]] | None = None
+    num_draft_tokens: tuple[int, ...] | None = None
+    num_accepted_drafts: list[int] | None = None
+
+    @property
+    def num_proposed(self) -> int:
+        """Draft tokens verified in the step."""
+        return sum(self.num_draft_tokens) if self.num_draft_tokens else 0
+
+    @property
+    def num_accepted(self) -> int:
+        """Draft tokens kept in the step."""
+        return sum(self.num_accepted_drafts) if self.num_accepted_drafts else 0

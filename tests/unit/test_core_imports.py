@@ -1,0 +1,55 @@
+"""core/ has no import cycle: contracts, engine and entry points import in one direction
+(counting imports under ``TYPE_CHECKING`` and inside functions too)."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+CORE = pathlib.Path(__file__).resolve().parents[2] / "core"
+
+
+def core_imports(path: pathlib.Path) -> set[str]:
+    """The core modules ``path`` imports, anywhere in the file."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module == "servelab.core":
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("servelab.core."):
+            names.add(node.module.split(".")[2])
+        elif isinstance(node, ast.Import):
+            names |= {a.name.split(".")[2] for a in node.names if a.name.startswith("servelab.core.")}
+    return names
+
+
+def cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``graph`` (module -> modules it imports), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        state[module] = 1
+        path.append(module)
+        for imported in sorted(graph[module] & graph.keys()):
+            if state.get(imported) == 1:
+                return path[path.index(imported):] + [imported]
+            if imported not in state and (found := visit(imported)):
+                return found
+        path.pop()
+        state[module] = 2
+        return None
+
+    for module in sorted(graph):
+        if module not in state and (found := visit(module)):
+            return found
+    return None
+
+
+def test_core_has_no_import_cycle():
+    graph = {path.stem: core_imports(path) for path in CORE.glob("*.py") if path.stem != "__init__"}
+    assert cycle(graph) is None, " -> ".join(cycle(graph))
+
+
+def test_the_cycle_finder_finds_one():
+    assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert cycle({"a": {"b"}, "b": set()}) is None
