@@ -11,9 +11,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from servelab.core.errors import ConfigError
-from servelab.core.model import CausalLM, ModelParallel
-from servelab.core.quantization import (WeightQuantization, quantize_linears, quantized_weights,
-                                        resolve_quantization)
+from servelab.core.quantization import WeightQuantization, quantized_weights, resolve_quantization
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -32,17 +30,6 @@ class Checkpoint:
     weights: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None
     source: str
     quantization: WeightQuantization | None = None
-
-
-def load_model(checkpoint: Checkpoint, model_cls: type[CausalLM], attention: Any, dtype: torch.dtype,
-               max_positions: int, parallel: ModelParallel = ModelParallel()) -> CausalLM:
-    """``model_cls`` built for ``checkpoint`` (this ``parallel`` share), its decoder's linear
-    layers quantized when the checkpoint says so, with the weights loaded (on the CPU)."""
-    model = model_cls(checkpoint.hf_config, attention, dtype, max_positions, parallel)
-    if checkpoint.quantization is not None:
-        quantize_linears(model, checkpoint.quantization)
-    model.load_weights(checkpoint.weights())
-    return model
 
 
 def resolve_device(name: str) -> torch.device:

@@ -192,29 +192,3 @@ def quantized_weights(weights: Iterable[tuple[str, torch.Tensor]],
             raise ConfigError(problems)
         qweight, scales, zeros = quantize_int4(tensor, quantization.group_size)
         yield from ((f"{layer}.qweight", qweight), (f"{layer}.scales", scales), (f"{layer}.zeros", zeros))
-
-
-def quantize_linears(model: torch.nn.Module, quantization: WeightQuantization) -> int:
-    """Replace every ``nn.Linear`` inside ``model``'s decoder layers by an empty
-    ``QuantizedLinear`` of the same size, dtype and device (``load_weights`` fills it from
-    ``quantized_weights``' tensors), and with ``quantization.lm_head`` the model's
-    ``lm_head`` by a ``QuantizedHead`` over the same float weight; returns how many
-    decoder layers were replaced."""
-    from servelab.plugins.models.quantized_linear import QuantizedHead, QuantizedLinear
-
-    if quantization.lm_head and isinstance(getattr(model, "lm_head", None), torch.nn.Linear):
-        model.lm_head = QuantizedHead(model.lm_head, quantization.int8_activations)
-
-    replaced = 0
-    for name, module in list(model.named_modules()):
-        if not (name.startswith(DECODER_PREFIX) and isinstance(module, torch.nn.Linear)):
-            continue
-        problems = group_problems(name, module.in_features, quantization.group_size) if quantization.bits == 4 else []
-        if problems:
-            raise ConfigError(problems)
-        parent, _, child = name.rpartition(".")
-        layer = QuantizedLinear(module.in_features, module.out_features, module.bias is not None, quantization.bits,
-                                quantization.group_size, module.weight.dtype, quantization.int8_activations)
-        setattr(model.get_submodule(parent), child, layer.to(module.weight.device))
-        replaced += 1
-    return replaced

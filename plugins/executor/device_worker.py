@@ -15,11 +15,12 @@ import torch
 
 from servelab.core.attention import BatchLayout
 from servelab.core.batch_builder import StepInputs
-from servelab.core.checkpoint import load_model
+from servelab.core.checkpoint import Checkpoint
 from servelab.core.kv_cache_dtype import is_quantized
-from servelab.core.model import ModelParallel
+from servelab.core.model import CausalLM, ModelParallel
 from servelab.core.resolved_model import ResolvedModel
 from servelab.platform import huge_page_zeros
+from servelab.plugins.models.quantized_linear import quantize_linears
 
 
 class DeviceWorker:
@@ -100,6 +101,17 @@ class DeviceWorker:
         """Drop the model, the attention backend and the KV tensors."""
         self.model = self.attention = None
         self.kv_caches, self.host_caches = [], []
+
+
+def load_model(checkpoint: Checkpoint, model_cls: type[CausalLM], attention: Any, dtype: torch.dtype,
+               max_positions: int, parallel: ModelParallel = ModelParallel()) -> CausalLM:
+    """``model_cls`` built for ``checkpoint`` (this ``parallel`` share), its decoder's linear
+    layers quantized when the checkpoint says so, with the weights loaded (on the CPU)."""
+    model = model_cls(checkpoint.hf_config, attention, dtype, max_positions, parallel)
+    if checkpoint.quantization is not None:
+        quantize_linears(model, checkpoint.quantization)
+    model.load_weights(checkpoint.weights())
+    return model
 
 
 def copy_blocks(attention: Any, sources: list[torch.Tensor], destinations: list[torch.Tensor], pairs) -> None:

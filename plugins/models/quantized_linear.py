@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from servelab.core.errors import ConfigError
+from servelab.core.quantization import DECODER_PREFIX, WeightQuantization, group_problems
 from servelab.kernels.cpu_ops import native_cpu_available, native_cpu_enabled
 from servelab.kernels.quantized_cpu import int8_linear, pack_int8
 from servelab.kernels.quantized_weights import dequantize_int4, dequantize_int8, quantize_int8, unpack_int4
@@ -200,3 +202,27 @@ def pack_quantized_linears(module: nn.Module) -> int:
 
 def _frozen(tensor: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(tensor, requires_grad=False)
+
+
+def quantize_linears(model: torch.nn.Module, quantization: WeightQuantization) -> int:
+    """Replace every ``nn.Linear`` inside ``model``'s decoder layers by an empty
+    ``QuantizedLinear`` of the same size, dtype and device (``load_weights`` fills it from
+    ``quantized_weights``' tensors), and with ``quantization.lm_head`` the model's
+    ``lm_head`` by a ``QuantizedHead`` over the same float weight; returns how many
+    decoder layers were replaced."""
+    if quantization.lm_head and isinstance(getattr(model, "lm_head", None), torch.nn.Linear):
+        model.lm_head = QuantizedHead(model.lm_head, quantization.int8_activations)
+
+    replaced = 0
+    for name, module in list(model.named_modules()):
+        if not (name.startswith(DECODER_PREFIX) and isinstance(module, torch.nn.Linear)):
+            continue
+        problems = group_problems(name, module.in_features, quantization.group_size) if quantization.bits == 4 else []
+        if problems:
+            raise ConfigError(problems)
+        parent, _, child = name.rpartition(".")
+        layer = QuantizedLinear(module.in_features, module.out_features, module.bias is not None, quantization.bits,
+                                quantization.group_size, module.weight.dtype, quantization.int8_activations)
+        setattr(model.get_submodule(parent), child, layer.to(module.weight.device))
+        replaced += 1
+    return replaced

@@ -1,5 +1,6 @@
-"""core/ has no import cycle: contracts, engine and entry points import in one direction
-(counting imports under ``TYPE_CHECKING`` and inside functions too)."""
+"""core/ has no import cycle (contracts, engine and entry points import in one direction)
+and never imports a plugin module; imports under ``TYPE_CHECKING`` and inside functions
+count too."""
 
 from __future__ import annotations
 
@@ -7,6 +8,17 @@ import ast
 import pathlib
 
 CORE = pathlib.Path(__file__).resolve().parents[2] / "core"
+
+
+def imported_modules(path: pathlib.Path) -> set[str]:
+    """Every servelab module ``path`` imports, anywhere in the file."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("servelab"):
+            names |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+        elif isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names if alias.name.startswith("servelab")}
+    return names
 
 
 def core_imports(path: pathlib.Path) -> set[str]:
@@ -53,3 +65,9 @@ def test_core_has_no_import_cycle():
 def test_the_cycle_finder_finds_one():
     assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_core_never_imports_a_plugin_module():
+    offenders = {path.name: sorted(m for m in imported_modules(path) if m.startswith("servelab.plugins"))
+                 for path in CORE.glob("*.py")}
+    assert not {name: modules for name, modules in offenders.items() if modules}

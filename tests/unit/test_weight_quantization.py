@@ -13,11 +13,11 @@ import torch.nn.functional as F
 from servelab.core.config import ModelConfig
 from servelab.core.errors import ConfigError
 from servelab.core.model import ModelShape
-from servelab.core.quantization import (WeightQuantization, quantization_problems, quantize_linears,
-                                        quantized_weights, resolve_quantization)
+from servelab.core.quantization import WeightQuantization, quantization_problems, quantized_weights, resolve_quantization
 from servelab.plugins.models import quantized_linear
 from servelab.plugins.models.linear import Linear
-from servelab.plugins.models.quantized_linear import QuantizedHead, QuantizedLinear, pack_quantized_linears
+from servelab.plugins.models.quantized_linear import (QuantizedHead, QuantizedLinear, pack_quantized_linears,
+                                                     quantize_linears)
 from servelab.kernels.quantized_weights import (dequantize_int4, dequantize_int8, pack_int4, quantize_int4,
                                                 quantize_int8, unpack_int4)
 from servelab.kernels.w8a8_cpu import w8a8_linear_reference
