@@ -23,13 +23,3 @@ class DecodeResult:
     logprobs: list[list[dict[int, Logprob]]] | None = None
     num_draft_tokens: tuple[int, ...] | None = None
     num_accepted_drafts: list[int] | None = None
-
-    @property
-    def num_proposed(self) -> int:
-        """Draft tokens verified in the step."""
-        return sum(self.num_draft_tokens) if self.num_draft_tokens else 0
-
-    @property
-    def num_accepted(self) -> int:
-        """Draft tokens kept in the step."""
-        return sum(self.num_accepted_drafts) if self.num_accepted_drafts else 0

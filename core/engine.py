@@ -246,6 +246,7 @@ class LLMEngine:
         self.num_steps += 1
         self.num_generated_tokens += update.num_generated_tokens
         output, result = executed.output, executed.result
+        drafts, accepted = (result.num_draft_tokens, result.num_accepted_drafts) if result else (None, None)
         now = self.clock.now()
         self.hooks.servelab_step_end(engine=self, stats=StepStats(
             step_index=output.step_index, num_prefill_tokens=output.num_prefill_tokens,
@@ -253,8 +254,8 @@ class LLMEngine:
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
             num_preempted=len(output.preempted), num_finished=update.num_finished,
             num_generated_tokens=update.num_generated_tokens, kv=self.cache.usage, step_time_s=now - started,
-            prefix_hit_tokens=output.num_prefix_hit_tokens, spec_proposed=result.num_proposed if result else 0,
-            spec_accepted=result.num_accepted if result else 0, stage_busy_s=executed.stage_busy_s, clock_s=now))
+            prefix_hit_tokens=output.num_prefix_hit_tokens, spec_proposed=sum(drafts or ()),
+            spec_accepted=sum(accepted or ()), stage_busy_s=executed.stage_busy_s, clock_s=now))
         return outputs
 
     def _idle_until(self, wakeup: float | None, now: float) -> None:

@@ -1,5 +1,5 @@
-"""The FastAPI application: routes, API-key check, draining, and the engine's lifespan
-(the handlers' shared state is ``server/state.py``)."""
+"""The FastAPI application: routes, API-key and model checks, draining, and the engine's
+lifespan (the handlers' shared state is ``server/state.py``)."""
 
 from __future__ import annotations
 
@@ -42,19 +42,30 @@ def authorized(request: Request) -> None:
                        code="invalid_api_key")
 
 
+def check_model(state: ServerState, name: str | None) -> None:
+    """404 unless ``name`` is the served model (or omitted)."""
+    if name is not None and name != state.model_name:
+        raise APIError(404, f"The model `{name}` does not exist; this server serves `{state.model_name}`.",
+                       param="model", code="model_not_found")
+
+
 guarded = APIRouter(dependencies=[Depends(accepting), Depends(authorized)])
 
 
 @guarded.post("/v1/completions", responses=RESPONSES)
 async def completions(body: CompletionRequest, request: Request):
     """Text completion (OpenAI ``/v1/completions``)."""
-    return await create_completion(body, request, _state(request))
+    state = _state(request)
+    check_model(state, body.model)
+    return await create_completion(body, request, state)
 
 
 @guarded.post("/v1/chat/completions", responses=RESPONSES)
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     """Chat completion (OpenAI ``/v1/chat/completions``)."""
-    return await create_chat_completion(body, request, _state(request))
+    state = _state(request)
+    check_model(state, body.model)
+    return await create_chat_completion(body, request, state)
 
 
 @guarded.get("/v1/models")
@@ -70,7 +81,7 @@ async def models(request: Request) -> dict:
 async def tokenize(body: TokenizeRequest, request: Request) -> dict:
     """Token ids of a prompt, or of a conversation rendered with the chat template."""
     state = _state(request)
-    state.check_model(body.model)
+    check_model(state, body.model)
     body.check()
 
     def encode(engine) -> list[int]:
@@ -88,7 +99,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
     """Text of token ids."""
     state = _state(request)
-    state.check_model(body.model)
+    check_model(state, body.model)
 
     def decode(engine) -> str:
         bad = [t for t in body.tokens if not 0 <= t < engine.vocab_size]

@@ -214,7 +214,7 @@ class AsyncEngine:
         metrics = self.metrics
         for stats in report.stats:
             metrics.observe_step(stats)
-        metrics.set_gauges(report.num_running, report.num_waiting, report.kv_usage)
+        metrics.set_gauges(report.num_running, report.num_waiting, report.kv)
         metrics.record_aborted(report.num_aborted)
         for output in report.outputs:
             if output.finished:

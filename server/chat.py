@@ -72,8 +72,7 @@ class ChatResponder:
 
 
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, state: "ServerState"):
-    """Render the conversation, queue it, and answer with the whole response or an SSE stream."""
-    state.check_model(body.model)
+    """Render the conversation (the served model was checked by the route), queue it, and answer with the whole response or an SSE stream."""
     params = body.sampling_params()
     arrival = time.perf_counter()
     prompt = await state.engine.call(lambda engine: render_chat(engine.tokenizer, body.messages,

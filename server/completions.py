@@ -119,8 +119,7 @@ async def _echoes(state: "ServerState", prompts: list[Prompt]) -> list[Echo]:
 
 
 async def create_completion(body: CompletionRequest, request: Request, state: "ServerState"):
-    """Validate, queue every prompt, and answer with the whole response or an SSE stream."""
-    state.check_model(body.model)
+    """Validate (the served model was checked by the route), queue every prompt, and answer with the whole response or an SSE stream."""
     params = body.sampling_params()
     prompts = body.prompts()
     arrival = time.perf_counter()

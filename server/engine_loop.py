@@ -97,7 +97,7 @@ class EngineLoop:
                                                  else str(logprob.token_id))
         scheduler = self.engine.scheduler
         report = StepReport(tuple(outputs), tuple(self._stats), scheduler.num_running, scheduler.num_waiting,
-                            self.engine.cache.usage.usage, self._num_aborted)
+                            self.engine.cache.usage, self._num_aborted)
         self._stats.clear()
         self._num_aborted = 0
         self.conn.send(report)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from servelab.core.kv_cache import KVCacheUsage
 from servelab.core.outputs import RequestOutput
 from servelab.core.sampling_params import SamplingParams
 from servelab.core.step_stats import StepStats
@@ -85,13 +86,14 @@ class RequestAdded:
 @dataclass(frozen=True, slots=True)
 class StepReport:
     """What changed since the last report: delta outputs, the steps' statistics, the
-    scheduler and cache gauges, and sequences aborted on request."""
+    scheduler's gauges, the cache's occupancy (``kv``, None before the first report) and
+    sequences aborted on request."""
 
     outputs: tuple[RequestOutput, ...] = ()
     stats: tuple[StepStats, ...] = ()
     num_running: int = 0
     num_waiting: int = 0
-    kv_usage: float = 0.0
+    kv: KVCacheUsage | None = None
     num_aborted: int = 0
 
 

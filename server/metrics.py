@@ -6,6 +6,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from servelab.core.kv_cache import KVCacheUsage
 from servelab.core.outputs import RequestOutput
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
@@ -17,7 +18,8 @@ class ServerMetrics:
     """Histograms, gauges and counters of the engine behind the server.
 
     Request latencies are observed when a request finishes (``record_finished``), gauges
-    after every engine-loop iteration (``set_gauges``), token and preemption counters
+    after every engine-loop iteration (``set_gauges``; KV usage is computed from the
+    latest occupancy when scraped), token and preemption counters
     from each step's ``StepStats`` (``observe_step``); the engine process reports both.
     The server's backpressure counts calls it rejected (``rejected``) or timed out
     (``timed_out``).
@@ -40,6 +42,8 @@ class ServerMetrics:
         self.waiting = Gauge("servelab:num_requests_waiting", "Sequences queued (new or preempted).", registry=r)
         self.kv_usage = Gauge("servelab:kv_cache_usage_perc", "Fraction of KV cache slots held by live "
                               "requests (0 to 1).", registry=r)
+        self._kv: KVCacheUsage | None = None
+        self.kv_usage.set_function(lambda: self._kv.usage if self._kv is not None else 0.0)
         self.prompt_tokens = Counter("servelab:prompt_tokens", "Prompt tokens of accepted requests.", registry=r)
         self.generation_tokens = Counter("servelab:generation_tokens", "Generated tokens.", registry=r)
         self.preemptions = Counter("servelab:num_preemptions", "Sequences preempted.", registry=r)
@@ -69,11 +73,11 @@ class ServerMetrics:
             self.spec_proposed.inc(getattr(stats, "spec_proposed", 0))
             self.spec_accepted.inc(getattr(stats, "spec_accepted", 0))
 
-    def set_gauges(self, num_running: int, num_waiting: int, kv_usage: float) -> None:
-        """Running/waiting sequence counts and KV usage after the engine's latest step."""
+    def set_gauges(self, num_running: int, num_waiting: int, kv: KVCacheUsage | None) -> None:
+        """Running/waiting sequence counts and KV occupancy after the engine's latest step."""
         self.running.set(num_running)
         self.waiting.set(num_waiting)
-        self.kv_usage.set(kv_usage)
+        self._kv = kv
 
     def record_finished(self, output: RequestOutput) -> None:
         """Latencies of a finished request and one success count per sequence."""

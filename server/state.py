@@ -7,7 +7,7 @@ import time
 
 from servelab.server.async_engine import AsyncEngine
 from servelab.server.config import ServerConfig
-from servelab.server.errors import APIError, RequestAbortedError
+from servelab.server.errors import RequestAbortedError
 
 log = logging.getLogger(__name__)
 
@@ -23,12 +23,6 @@ class ServerState:
         self.model_name = model_name
         self.draining = False
         self.created = int(time.time())
-
-    def check_model(self, name: str | None) -> None:
-        """404 unless ``name`` is the served model (or omitted)."""
-        if name is not None and name != self.model_name:
-            raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
-                           param="model", code="model_not_found")
 
     async def drain(self, timeout: float) -> None:
         """Refuse new requests, give in-flight ones ``timeout`` seconds, abort the rest."""

@@ -9,8 +9,7 @@ import torch
 from servelab.core.component import ComponentSpec
 from servelab.core.decoding import DecodeBatch, DecodeResult, Proposal
 from servelab.plugins.decoding.logits_processing import suppress_stop_tokens
-from servelab.plugins.decoding.sampler import greedy_tokens, token_logprobs
-from servelab.plugins.decoding.structured_output import GrammarDecoding
+from servelab.plugins.decoding.sampler import GrammarDecoding, greedy_tokens, mask_with_grammars, token_logprobs
 
 
 @dataclass
@@ -27,7 +26,7 @@ class GreedyDecoding(GrammarDecoding):
         """Take the argmax of each row."""
         raw = logits.clone() if any(r.sampling_params.logprobs is not None for r in batch.requests) else logits
         suppress_stop_tokens(logits, batch.requests)
-        self.grammars.apply(logits, batch.requests)
+        mask_with_grammars(logits, batch.requests, self.grammars)
         tokens = greedy_tokens(logits).tolist()
         logprobs = token_logprobs(raw, tokens, batch.requests)
         return DecodeResult([[t] for t in tokens], None if logprobs is None else [[lp] for lp in logprobs])

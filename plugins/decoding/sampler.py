@@ -1,19 +1,20 @@
-"""Turn one logits row per request into a token, honouring each request's parameters."""
+"""Turn one logits row per request into a token, honouring each request's parameters,
+and the base of the strategies that do so (``GrammarDecoding``: greedy and sampling)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Any, Sequence
 
 import torch
 
+from servelab.core.decoding import DecodingContext, DecodingStrategy
 from servelab.core.outputs import Logprob
 from servelab.core.request import Request
+from servelab.core.sampling_params import SamplingParams
 from servelab.kernels.cpu_ops import native_cpu_available
 from servelab.plugins.decoding.logits_processing import (
     apply_logit_bias, apply_penalties, apply_temperature_and_filters, suppress_stop_tokens)
-
-if TYPE_CHECKING:
-    from servelab.plugins.decoding.structured_output import GrammarConstraints
+from servelab.plugins.decoding.structured_output import GrammarConstraints
 
 
 def request_generator(request: Request, device: torch.device) -> torch.Generator | None:
@@ -63,6 +64,13 @@ def processed_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch
     return logits
 
 
+def mask_with_grammars(logits: torch.Tensor, requests: Sequence[Request], grammars: GrammarConstraints) -> None:
+    """Mask (in place) the rows of requests that ask for structured output with their
+    grammars; a batch without such requests never reaches the grammar matchers."""
+    if any(r.sampling_params.structured_output is not None for r in requests):
+        grammars.apply(logits, requests)
+
+
 def sample_tokens(logits: torch.Tensor, requests: Sequence[Request],
                   grammars: GrammarConstraints | None = None) -> torch.Tensor:
     """logits: [N, V] float32, row i for requests[i] (modified in place). Returns [N] ids.
@@ -70,7 +78,7 @@ def sample_tokens(logits: torch.Tensor, requests: Sequence[Request],
     before temperature and the top-k/p filters."""
     logits = processed_logits(logits, requests)
     if grammars is not None:
-        grammars.apply(logits, requests)
+        mask_with_grammars(logits, requests, grammars)
     greedy = [r.sampling_params.greedy for r in requests]
     tokens = greedy_tokens(logits)
     if all(greedy):
@@ -115,3 +123,29 @@ def token_logprobs(raw_logits: torch.Tensor, tokens: list[int], requests: Sequen
     for row, entry in zip(wanted, entries):
         result[row] = entry
     return result
+
+
+class GrammarDecoding(DecodingStrategy):
+    """A strategy that takes one token per request per step and honours each request's
+    ``structured_output`` (``decoding=sampling`` and ``greedy`` build on it): a
+    constrained request is checked by compiling its grammar, its rows are masked
+    (``mask_with_grammars``) before the token is chosen, and its matcher is released when
+    it finishes. Requests without structured output never reach the grammar code."""
+
+    def __init__(self, config: Any, context: DecodingContext | None = None):
+        super().__init__(config, context)
+        self.grammars = GrammarConstraints(context)
+
+    def check_request(self, params: SamplingParams) -> None:
+        """Compile the request's grammar now, so a bad one is refused before it runs."""
+        if params.structured_output is not None:
+            self.grammars.compile(params.structured_output)
+
+    def on_request_finished(self, request: Request) -> None:
+        """Release the request's matcher, if it has one."""
+        if request.sampling_params.structured_output is not None:
+            self.grammars.release(request)
+
+    def shutdown(self) -> None:
+        """Drop the grammar compiler, its cache of compiled grammars and every matcher."""
+        self.grammars = GrammarConstraints(self.context)

@@ -8,8 +8,7 @@ import torch
 
 from servelab.core.component import ComponentSpec
 from servelab.core.decoding import DecodeBatch, DecodeResult, Proposal
-from servelab.plugins.decoding.sampler import sample_tokens, token_logprobs
-from servelab.plugins.decoding.structured_output import GrammarDecoding
+from servelab.plugins.decoding.sampler import GrammarDecoding, sample_tokens, token_logprobs
 
 
 @dataclass

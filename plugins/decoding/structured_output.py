@@ -10,10 +10,9 @@ from typing import Any, Sequence
 
 import torch
 
-from servelab.core.decoding import DecodingContext, DecodingStrategy
+from servelab.core.decoding import DecodingContext
 from servelab.core.errors import InvalidRequestError
 from servelab.core.request import Request
-from servelab.core.sampling_params import SamplingParams
 from servelab.core.structured_output import StructuredOutputParams
 
 log = logging.getLogger(__name__)
@@ -171,27 +170,3 @@ def _allow_only(row: torch.Tensor, token_ids: Sequence[int]) -> None:
         if token < row.numel() * 32:
             bit = 1 << (token % 32)
             row[token // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit
-
-
-class GrammarDecoding(DecodingStrategy):
-    """A strategy that takes one token per request per step and honours each request's
-    ``structured_output`` (``decoding=sampling`` and ``greedy`` build on it): requests
-    are checked by compiling their grammar, rows are masked with ``self.grammars.apply``
-    before the token is chosen, and a finished request's matcher is released."""
-
-    def __init__(self, config: Any, context: DecodingContext | None = None):
-        super().__init__(config, context)
-        self.grammars = GrammarConstraints(context)
-
-    def check_request(self, params: SamplingParams) -> None:
-        """Compile the request's grammar now, so a bad one is refused before it runs."""
-        if params.structured_output is not None:
-            self.grammars.compile(params.structured_output)
-
-    def on_request_finished(self, request: Request) -> None:
-        """Release the request's matcher."""
-        self.grammars.release(request)
-
-    def shutdown(self) -> None:
-        """Drop the grammar compiler, its cache of compiled grammars and every matcher."""
-        self.grammars = GrammarConstraints(self.context)
