@@ -94,7 +94,7 @@ def main() -> None:
     import hydra
 
     from servelab.bench.config import store_bench_schemas
-    from servelab.core.compose import prepare_hydra
+    from servelab.core.entrypoints.compose import prepare_hydra
 
     prepare_hydra()
     store_bench_schemas()

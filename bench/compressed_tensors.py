@@ -45,7 +45,7 @@ def write_w8a8_checkpoint(source: str, folder: str) -> str:
         return folder
     from safetensors.torch import load_file
 
-    from servelab.core.quantize import WEIGHT_FILE, write_quantized_folder
+    from servelab.core.entrypoints.quantize import WEIGHT_FILE, write_quantized_folder
     from servelab.kernels.quantized_weights import quantize_int8
 
     tensors = {}

@@ -19,7 +19,7 @@ import time
 
 from tqdm.auto import tqdm
 
-from servelab.core.registry import get_registry
+from servelab.core.engine.registry import get_registry
 from servelab.testing.engine_kit import ENGINE_BASE
 from servelab.testing.oracle import tiny_checkpoint
 from servelab.testing.stress import STRESS_CACHE, run_stress

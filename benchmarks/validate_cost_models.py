@@ -28,10 +28,10 @@ import numpy as np
 from omegaconf import OmegaConf
 
 from servelab.core.checkpoint import load_checkpoint
-from servelab.core.compose import compose_config
+from servelab.core.entrypoints.compose import compose_config
 from servelab.core.config import ParallelConfig
 from servelab.core.cost_model import BatchShape, CostModelContext
-from servelab.core.registry import get_registry
+from servelab.core.engine.registry import get_registry
 from servelab.plugins.cost_model.collectives import all_reduce_time
 from servelab.plugins.cost_model.operators import LAYER_OPERATORS, Widths, layer_operators
 from servelab.plugins.cost_model.profiled import ProfiledCostModel, ProfiledCostModelConfig

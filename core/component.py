@@ -32,7 +32,7 @@ class ComponentSpec:
 
 class ComponentBuilder(Protocol):
     """What a component may ask of the engine's registry (a context's ``registry``): the
-    components of a kind and how to build one. ``servelab.core.registry.Registry`` is one."""
+    components of a kind and how to build one. ``servelab.core.engine.registry.Registry`` is one."""
 
     def get(self, kind: str, name: str) -> ComponentSpec:
         """The component ``name`` of ``kind``; ``ConfigError`` listing the others if unknown."""

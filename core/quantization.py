@@ -33,7 +33,7 @@ class WeightQuantization:
     """How the decoder's linear layers store their weights: ``bits`` 8 (int8, one scale per
     output channel; ``group_size`` -1) or 4 (int4 in groups of ``group_size`` input
     features). ``prequantized``: the checkpoint already holds the integers (a folder
-    written by ``python -m servelab.core.quantize``), else they are computed at load.
+    written by ``python -m servelab.core.entrypoints.quantize``), else they are computed at load.
     ``int8_activations`` (int8 weights only): activation rows are quantized to int8 at
     every call and multiplied with int8 dot products (``model.quantization=w8a8``).
     ``lm_head`` (int8 weights only): the LM head multiplies with int8 weights too, quantized

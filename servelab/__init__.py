@@ -12,9 +12,9 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "LLM": "servelab.core.llm",
-    "LLMEngine": "servelab.core.engine",
-    "BeamSearch": "servelab.core.beam_search",
+    "LLM": "servelab.core.entrypoints.llm",
+    "LLMEngine": "servelab.core.engine.llm_engine",
+    "BeamSearch": "servelab.core.entrypoints.beam_search",
     "PLUGIN_API_VERSION": "servelab.core.plugin_api",
     "SamplingParams": "servelab.core.sampling_params",
     "StructuredOutputParams": "servelab.core.structured_output",

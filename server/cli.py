@@ -6,7 +6,7 @@ import sys
 
 from omegaconf import DictConfig
 
-from servelab.core.compose import prepare_hydra
+from servelab.core.entrypoints.compose import prepare_hydra
 from servelab.server.config import store_serve_schema
 
 GRACEFUL_SHUTDOWN_TIMEOUT_S = 5

@@ -104,7 +104,7 @@ def store_serve_schema() -> None:
 
 def compose_serve_config(overrides: list[str] | None = None) -> DictConfig:
     """Compose ``conf/serve.yaml`` with Hydra overrides, outside a running Hydra app."""
-    from servelab.core.compose import compose_config
+    from servelab.core.entrypoints.compose import compose_config
 
     store_serve_schema()
     return compose_config(overrides, config_name="serve")

@@ -113,7 +113,7 @@ def _engine_main(cfg: DictConfig, conn: Any, threads: int, warmup_tokens: int | 
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
     import torch
 
-    from servelab.core.engine import LLMEngine
+    from servelab.core.engine.llm_engine import LLMEngine
     from servelab.server.engine_loop import EngineLoop
 
     torch.set_num_threads(threads)

@@ -31,7 +31,7 @@ class ServelabSystem(SteppedSystem):
     name = "servelab"
 
     def __init__(self, cfg: DictConfig):
-        from servelab.core.engine import LLMEngine
+        from servelab.core.engine.llm_engine import LLMEngine
 
         self.engine = LLMEngine(cfg)
         self.clock = self.engine.clock

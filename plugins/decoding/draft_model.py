@@ -12,7 +12,7 @@ from servelab.core.decoding import DecodingContext
 from servelab.core.errors import ConfigError
 from servelab.core.kv_cache import CacheContext
 from servelab.core.request import Request
-from servelab.core.resolved_model import ResolvedModel
+from servelab.core.engine.resolved_model import ResolvedModel
 from servelab.core.scheduler import ScheduledRequest
 from servelab.plugins.decoding.sampler import random_race
 from servelab.plugins.decoding.speculative_sampling import target_probabilities

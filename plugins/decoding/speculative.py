@@ -54,7 +54,7 @@ class SpeculativeDecoding(DecodingStrategy):
                 checkpoint.hf_config)
 
     def _draft_model_config(self):
-        from servelab.core.compose import compose_config
+        from servelab.core.entrypoints.compose import compose_config
         from servelab.core.config import ModelConfig
 
         if self.config.draft_path:

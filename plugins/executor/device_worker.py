@@ -18,7 +18,7 @@ from servelab.core.batch_builder import StepInputs
 from servelab.core.checkpoint import Checkpoint
 from servelab.core.kv_cache_dtype import is_quantized
 from servelab.core.model import CausalLM, ModelParallel
-from servelab.core.resolved_model import ResolvedModel
+from servelab.core.engine.resolved_model import ResolvedModel
 from servelab.platform import huge_page_zeros
 from servelab.plugins.models.quantized_linear import quantize_linears
 
@@ -51,7 +51,7 @@ class DeviceWorker:
     def for_rank(cls, cfg: Any, parallel: ModelParallel, rank: int) -> "DeviceWorker":
         """A parallel worker's share of the engine config ``cfg``'s model (resolved as the
         engine resolves it), on its own GPU when there are GPUs."""
-        from servelab.core.registry import get_registry
+        from servelab.core.engine.registry import get_registry
 
         registry = get_registry()
         model = ResolvedModel.of(cfg, registry)

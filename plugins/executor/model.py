@@ -23,7 +23,7 @@ from servelab.core.executor import ExecutedStep, Executor, ExecutorContext
 from servelab.core.kv_cache import KVCacheManager, KVCacheSpec
 from servelab.core.kv_cache_dtype import kv_dtype_name
 from servelab.core.model import ModelParallel
-from servelab.core.resolved_model import ResolvedModel
+from servelab.core.engine.resolved_model import ResolvedModel
 from servelab.core.scheduler import SchedulerOutput
 from servelab.platform import free_port, retain_freed_heap_memory, return_freed_heap_memory
 from servelab.plugins.executor.device_worker import DeviceWorker

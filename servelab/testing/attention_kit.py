@@ -59,7 +59,7 @@ def build_backend(name: str, spec: AttentionSpec) -> Any:
     it cannot run here."""
     from omegaconf import OmegaConf
 
-    from servelab.core.registry import get_registry
+    from servelab.core.engine.registry import get_registry
 
     registry = get_registry()
     entry = registry.get("attention", name)

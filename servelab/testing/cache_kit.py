@@ -66,8 +66,8 @@ class KVCacheConformance(ConformanceKit):
         """A function building fresh caches ``name`` (the config composed once)."""
         from hydra.errors import ConfigCompositionException
 
-        from servelab.core.compose import compose_config
-        from servelab.core.registry import get_registry
+        from servelab.core.entrypoints.compose import compose_config
+        from servelab.core.engine.registry import get_registry
 
         try:
             cfg = compose_config([*self.component_overrides(name), *self.sizing, *extra])

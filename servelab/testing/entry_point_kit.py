@@ -45,7 +45,7 @@ class EntryPointConformance(EngineKit):
         """``kind=name`` for every component checked."""
         if cls.names is not None:
             return tuple(cls.names)
-        from servelab.core.registry import CONFIG_GROUPS, get_registry
+        from servelab.core.engine.registry import CONFIG_GROUPS, get_registry
 
         registry = get_registry()
         return tuple(f"{kind}={name}" for kind in CONFIG_GROUPS for name in sorted(registry.specs(kind)))

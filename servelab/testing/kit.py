@@ -39,7 +39,7 @@ class ConformanceKit:
         """The components this kit checks."""
         if cls.names is not None:
             return tuple(cls.names)
-        from servelab.core.registry import get_registry
+        from servelab.core.engine.registry import get_registry
 
         return tuple(sorted(get_registry().specs(cls.kind)))
 

@@ -44,7 +44,7 @@ def router_options(cfg: DictConfig) -> dict[str, Any]:
     """``PluginRequestRouter``'s keyword arguments (JSON, as Ray Serve requires): the
     ``router=`` plugin's name and fields, the replica count and the cache's block size.
     Raises ``ConfigError`` when the router refuses its config."""
-    from servelab.core.registry import get_registry
+    from servelab.core.engine.registry import get_registry
     from servelab.core.router import RouterContext
 
     registry = get_registry()

@@ -25,7 +25,7 @@ class PluginRequestRouter(RequestRouter):
 
     def initialize_state(self, router: str, options: dict[str, Any], num_replicas: int, block_size: int) -> None:
         """Build the router plugin ``router`` with ``options`` (its config fields)."""
-        from servelab.core.registry import get_registry
+        from servelab.core.engine.registry import get_registry
 
         spec = get_registry().get("router", router)
         self.plugin = spec.cls(spec.config_cls(**options), RouterContext(num_replicas, block_size))

@@ -9,7 +9,7 @@ import pytest
 def bench_config():
     """``bench_config(*overrides)``: the composed ``conf/bench.yaml`` on the toy model."""
     from servelab.bench.config import store_bench_schemas
-    from servelab.core.compose import compose_config
+    from servelab.core.entrypoints.compose import compose_config
 
     def compose(*overrides: str):
         store_bench_schemas()

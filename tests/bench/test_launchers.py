@@ -103,7 +103,7 @@ def test_launcher_presets_compose_from_servelab_conf(preset, fields):
     from omegaconf import OmegaConf
 
     from servelab.bench.config import store_bench_schemas
-    from servelab.core.compose import prepare_hydra
+    from servelab.core.entrypoints.compose import prepare_hydra
 
     prepare_hydra()
     store_bench_schemas()

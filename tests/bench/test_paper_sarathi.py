@@ -24,7 +24,7 @@ def test_setups_compose(setup, tp, pp, layers, slo, scheduler, knob):
     from omegaconf import OmegaConf
 
     from servelab.bench.config import store_bench_schemas
-    from servelab.core.compose import compose_config
+    from servelab.core.entrypoints.compose import compose_config
     from servelab.plugins.scheduler.chunked import ChunkedSchedulerConfig
     from servelab.plugins.scheduler.continuous import ContinuousSchedulerConfig
     from servelab.plugins.scheduler.static import StaticSchedulerConfig

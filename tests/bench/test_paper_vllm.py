@@ -13,7 +13,7 @@ from servelab.bench.paper_vllm import setup_of
 
 def compose(*overrides: str):
     from servelab.bench.config import store_bench_schemas
-    from servelab.core.compose import compose_config
+    from servelab.core.entrypoints.compose import compose_config
 
     store_bench_schemas()
     return compose_config(["experiment=vllm_paper", *overrides], config_name="bench")
@@ -23,7 +23,7 @@ def compose(*overrides: str):
     ("vllm", "paged", None), ("orca-oracle", "contiguous", "oracle"), ("orca-pow2", "contiguous", "pow2"),
     ("orca-max", "contiguous", "max")])
 def test_systems_compose(system, cache, reservation):
-    from servelab.core.registry import get_registry
+    from servelab.core.engine.registry import get_registry
 
     cfg = compose("+paper_setup/vllm_paper_workload=alpaca", f"+paper_setup/vllm_paper_system={system}")
     assert get_registry().spec_for_config("cache", cfg.cache).name == cache

@@ -9,7 +9,7 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from servelab.core.registry import get_registry
+from servelab.core.engine.registry import get_registry
 
 CONF = importlib.resources.files("servelab.conf")
 PRESETS = sorted(p.name[:-5] for p in CONF.joinpath("experiment").iterdir() if p.name.endswith(".yaml"))

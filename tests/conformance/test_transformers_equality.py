@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from servelab.core.registry import get_registry
+from servelab.core.engine.registry import get_registry
 from servelab.testing import assert_engine_matches_transformers, mixed_prompts
 
 REGISTRY = get_registry()

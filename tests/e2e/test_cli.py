@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-SERVELAB = [sys.executable, "-c", "from servelab.core.cli import main; main()"]
+SERVELAB = [sys.executable, "-c", "from servelab.core.entrypoints.cli import main; main()"]
 
 
 def run(*args: str) -> subprocess.CompletedProcess:

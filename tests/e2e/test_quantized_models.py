@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from servelab import ConfigError, LLM, SamplingParams
-from servelab.core.quantize import save_quantized
+from servelab.core.entrypoints.quantize import save_quantized
 from servelab.plugins.models.quantized_linear import QuantizedLinear
 from servelab.kernels.w8a8_cpu import w8a8_unavailable_reason
 from servelab.testing import assert_no_leaked_blocks, mixed_prompts

@@ -28,6 +28,6 @@ def test_plugin_scheduler_runs_end_to_end(installed_plugin):
 
 
 def test_plugin_option_is_listed_by_help(installed_plugin):
-    result = subprocess.run([sys.executable, "-c", "from servelab.core.cli import main; main()", "--help"],
+    result = subprocess.run([sys.executable, "-c", "from servelab.core.entrypoints.cli import main; main()", "--help"],
                             capture_output=True, text=True, timeout=300)
     assert "shortest_prompt_first" in result.stdout

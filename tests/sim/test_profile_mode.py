@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 
 from servelab import ConfigError, LLM
 from servelab.bench.config import ProfileModeConfig, store_bench_schemas
-from servelab.core.compose import compose_config
+from servelab.core.entrypoints.compose import compose_config
 from servelab.plugins.cost_model.table import load_table
 
 TINY_GRID = ["mode=profile", "mode.repeats=2", "mode.token_grid=[1,4,16,48]", "mode.batch_sizes=[1,3]",

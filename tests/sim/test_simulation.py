@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from servelab import ConfigError, LLM, SamplingParams
-from servelab.core.compose import compose_config
+from servelab.core.entrypoints.compose import compose_config
 from servelab.core.cost_model import BatchShape
-from servelab.core.engine import LLMEngine
+from servelab.core.engine.llm_engine import LLMEngine
 from servelab.testing import mixed_prompts
 
 SIMULATED = ["executor=simulated", "cost_model=roofline"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from servelab import LLM
-from servelab.core.registry import get_registry
+from servelab.core.engine.registry import get_registry
 from servelab.kernels.cpu_ops import native_cpu_unavailable_reason
 from servelab.plugins.attention import cpu
 

@@ -7,8 +7,8 @@ from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from servelab import ConfigError, LLM
-from servelab.core.compose import compose_config
-from servelab.core.registry import CONFIG_GROUPS, get_registry
+from servelab.core.entrypoints.compose import compose_config
+from servelab.core.engine.registry import CONFIG_GROUPS, get_registry
 
 REGISTRY = get_registry()
 OPTIONS = [(group, name) for group in CONFIG_GROUPS for name in sorted(REGISTRY.specs(group))]

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from servelab import LLM, ConfigError, SamplingParams
-from servelab.core.compose import compose_config
+from servelab.core.entrypoints.compose import compose_config
 from servelab.core.kv_cache import CacheContext
-from servelab.core.registry import get_registry
+from servelab.core.engine.registry import get_registry
 from servelab.core.request import Request
 from servelab.plugins.cache.contiguous import next_power_of_two
 from servelab.testing.cache_kit import SPEC, assert_empty

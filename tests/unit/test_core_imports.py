@@ -1,5 +1,5 @@
-"""core/ has no import cycle (contracts, engine and entry points import in one direction)
-and never imports a plugin module; imports under ``TYPE_CHECKING`` and inside functions
+"""core/ has no import cycle, its roles (contracts at its top, ``engine/``, ``entrypoints/``)
+import in one direction, and it never imports a plugin module; imports under ``TYPE_CHECKING`` and inside functions
 count too."""
 
 from __future__ import annotations
@@ -22,16 +22,33 @@ def imported_modules(path: pathlib.Path) -> set[str]:
 
 
 def core_imports(path: pathlib.Path) -> set[str]:
-    """The core modules ``path`` imports, anywhere in the file."""
+    """The core modules ``path`` imports, anywhere in the file, as dotted names under
+    ``servelab.core`` (``engine.registry``, ``scheduler``)."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module == "servelab.core":
             names |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("servelab.core."):
-            names.add(node.module.split(".")[2])
+            names.add(node.module.removeprefix("servelab.core."))
         elif isinstance(node, ast.Import):
-            names |= {a.name.split(".")[2] for a in node.names if a.name.startswith("servelab.core.")}
+            names |= {a.name.removeprefix("servelab.core.") for a in node.names if a.name.startswith("servelab.core.")}
     return names
+
+
+def core_modules() -> dict[str, pathlib.Path]:
+    """Every core module by its dotted name under ``servelab.core`` (packages left out)."""
+    return {".".join(path.relative_to(CORE).with_suffix("").parts): path
+            for path in sorted(CORE.rglob("*.py")) if path.stem != "__init__"}
+
+
+ROLES = ("entrypoints", "engine", "contracts")
+"""core/'s roles, each importing only itself and the roles after it."""
+
+
+def role(module: str) -> str:
+    """``engine`` or ``entrypoints`` for a module in those folders, else ``contracts``."""
+    folder = module.split(".")[0]
+    return folder if folder in ROLES else "contracts"
 
 
 def cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -58,8 +75,20 @@ def cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_core_has_no_import_cycle():
-    graph = {path.stem: core_imports(path) for path in CORE.glob("*.py") if path.stem != "__init__"}
+    graph = {module: core_imports(path) for module, path in core_modules().items()}
     assert cycle(graph) is None, " -> ".join(cycle(graph))
+
+
+def test_core_imports_go_from_entry_points_to_engine_to_contracts():
+    backwards = {module: sorted(imported for imported in core_imports(path)
+                                if ROLES.index(role(imported)) < ROLES.index(role(module)))
+                 for module, path in core_modules().items()}
+    assert not {module: imported for module, imported in backwards.items() if imported}
+
+
+def test_core_has_a_folder_per_role():
+    assert {role(module) for module in core_modules()} == set(ROLES)
+    assert role("engine.llm_engine") == "engine" and role("scheduler") == "contracts"
 
 
 def test_the_cycle_finder_finds_one():
@@ -69,5 +98,5 @@ def test_the_cycle_finder_finds_one():
 
 def test_core_never_imports_a_plugin_module():
     offenders = {path.name: sorted(m for m in imported_modules(path) if m.startswith("servelab.plugins"))
-                 for path in CORE.glob("*.py")}
+                 for path in CORE.rglob("*.py")}
     assert not {name: modules for name, modules in offenders.items() if modules}

@@ -10,7 +10,7 @@ import pytest
 from servelab import PLUGIN_API_VERSION, ConfigError
 from servelab.core.component import ComponentSpec
 from servelab.core.hookspecs import hookimpl
-from servelab.core.registry import Registry
+from servelab.core.engine.registry import Registry
 from servelab.plugins.scheduler.continuous import ContinuousScheduler
 
 
@@ -78,8 +78,8 @@ class FifoPlugin:
 
 def test_the_engine_builds_every_component_from_its_registry():
     """A component the engine's registry has and the process-wide one lacks is found."""
-    from servelab.core.compose import compose_config
-    from servelab.core.engine import LLMEngine
+    from servelab.core.entrypoints.compose import compose_config
+    from servelab.core.engine.llm_engine import LLMEngine
 
     cfg = compose_config(["model=toy", "cache.enable_prefix_caching=true", "cache.eviction=fifo"])
     with pytest.raises(ConfigError, match="unknown eviction 'fifo'"):

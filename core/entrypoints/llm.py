@@ -8,9 +8,9 @@ from typing import Any, Sequence
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from servelab.core.beam_search import BeamSearch
-from servelab.core.compose import compose_config
-from servelab.core.engine import LLMEngine
+from servelab.core.entrypoints.beam_search import BeamSearch
+from servelab.core.entrypoints.compose import compose_config
+from servelab.core.engine.llm_engine import LLMEngine
 from servelab.core.errors import EngineShutdownError
 from servelab.core.outputs import RequestOutput
 from servelab.core.sampling_params import SamplingParams

@@ -6,7 +6,7 @@ import sys
 
 from omegaconf import DictConfig, OmegaConf
 
-from servelab.core.compose import prepare_hydra
+from servelab.core.entrypoints.compose import prepare_hydra
 
 
 def _prompts(cfg: DictConfig) -> list[str]:
@@ -33,7 +33,7 @@ def run(cfg: DictConfig) -> None:
 
 def complete(cfg: DictConfig) -> None:
     """Complete the configured prompts and print them with a throughput summary."""
-    from servelab.core.llm import LLM
+    from servelab.core.entrypoints.llm import LLM
     from servelab.core.sampling_params import SamplingParams
 
     llm = LLM.from_config(cfg)

@@ -1,6 +1,6 @@
 """Save a quantized copy of a checkpoint, which servelab then loads without re-quantizing:
 
-    python -m servelab.core.quantize --model checkpoints/tiny --out /tmp/tiny-int4 --quantization int4
+    python -m servelab.core.entrypoints.quantize --model checkpoints/tiny --out /tmp/tiny-int4 --quantization int4
 
 The folder holds ``model.safetensors`` (every decoder linear weight ``<layer>.weight`` as
 ``<layer>.qweight`` / ``<layer>.scales`` (/ ``<layer>.zeros``) in the format of

@@ -14,17 +14,17 @@ from servelab.core.decoding import DecodingContext
 from servelab.core.errors import ConfigError, EngineShutdownError, InvalidRequestError
 from servelab.core.executor import ExecutedStep, ExecutorContext
 from servelab.core.kv_cache import CacheContext
-from servelab.core.output_processor import OUTPUT_KINDS, OutputProcessor
+from servelab.core.engine.output_processor import OUTPUT_KINDS, OutputProcessor
 from servelab.core.outputs import RequestOutput
 from servelab.core.quantization import quantization_problems
-from servelab.core.registry import Registry, get_registry
+from servelab.core.engine.registry import Registry, get_registry
 from servelab.core.request import Request
-from servelab.core.resolved_model import ResolvedModel
+from servelab.core.engine.resolved_model import ResolvedModel
 from servelab.core.sampling_params import SamplingParams
 from servelab.core.scheduler import SchedulerContext, SchedulerUpdate
 from servelab.core.step_stats import StepStats
 from servelab.core.stop_checker import StopChecker
-from servelab.core.validate import validate
+from servelab.core.engine.validate import validate
 
 log = logging.getLogger(__name__)
 

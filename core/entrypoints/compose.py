@@ -5,7 +5,7 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from servelab.core.config import store_schemas
-from servelab.core.registry import get_registry
+from servelab.core.engine.registry import get_registry
 
 
 def prepare_hydra() -> None:
