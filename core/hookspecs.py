@@ -73,6 +73,12 @@ def servelab_register_routers() -> list[ComponentSpec]:
 
 
 @hookspec
+def servelab_register_kv_transfers() -> list[ComponentSpec]:
+    """Return ``ComponentSpec(kind="kv_transfer", ...)`` entries; each class implements
+    ``servelab.core.kv_transfer.KVTransfer`` and is built as ``cls(config, KVTransferContext)``."""
+
+
+@hookspec
 def servelab_engine_started(engine: Any) -> None:
     """Called once when an engine (the ``LLMEngine``) is built and ready."""
 

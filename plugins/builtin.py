@@ -73,6 +73,14 @@ def servelab_register_routers():
 
 
 @hookimpl
+def servelab_register_kv_transfers():
+    """shared_memory (memory-backed files between instances on one host)."""
+    from servelab.plugins.kv_transfer import shared_memory
+
+    return [shared_memory.SPEC]
+
+
+@hookimpl
 def servelab_register_cost_models():
     """roofline (FLOPs and bytes on the hardware's roofline) and profiled (measured tables)."""
     from servelab.plugins.cost_model import profiled, roofline

@@ -33,6 +33,7 @@ REGISTER_HOOKS = {
     "executor": "servelab_register_executors",
     "cost_model": "servelab_register_cost_models",
     "router": "servelab_register_routers",
+    "kv_transfer": "servelab_register_kv_transfers",
 }
 CONFIG_GROUPS = ("cache", "attention", "scheduler", "decoding", "executor", "cost_model", "router")
 """Kinds that are Hydra config groups (models are picked from ``config.json``; eviction

@@ -4,7 +4,8 @@ conformance kits of ``servelab.testing``, as a third-party package runs them."""
 from __future__ import annotations
 
 from servelab.testing import (AttentionConformance, DecodingConformance, EntryPointConformance,
-                              ExecutorConformance, KVCacheConformance, SchedulerConformance, StressConformance)
+                              ExecutorConformance, KVCacheConformance, KVTransferConformance, SchedulerConformance,
+                              StressConformance)
 
 
 class TestKVCaches(KVCacheConformance):
@@ -25,6 +26,10 @@ class TestDecodingStrategies(DecodingConformance):
 
 class TestExecutors(ExecutorConformance):
     """Every executor, on one device and on two tensor-parallel ranks."""
+
+
+class TestKVTransfers(KVTransferConformance):
+    """Every KV transfer connector, within a process and across two."""
 
 
 class TestStress(StressConformance):

@@ -1,0 +1,144 @@
+"""The KV transfer contract: move one request's KV blocks from the instance that ran its
+prefill to the instance that decodes it (disaggregated prefill and decode).
+
+The data plane is the connector's; the control plane is the deployment's. The sender
+publishes a request's blocks with ``send`` and gets a ``TransferTicket``, a small picklable
+record the deployment hands to the decode instance together with the request's state
+(``HandOff``: its tokens so far, the first one(s) included, its sampling parameters and
+random stream). The decode instance allocates blocks when it has room, then ``receive``
+copies the blocks into its own cache tensors; until then the ticket stays valid, so a
+receiver without room makes the transfer wait rather than lose it. ``abort`` (either side)
+drops a transfer and everything it holds.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from servelab.core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from servelab.core.component import ComponentBuilder
+
+
+class KVTransferError(RuntimeError):
+    """A transfer that cannot complete: its peer is gone, it was aborted, or the receiving
+    cache does not match the blocks sent. The message names the transfer and the reason."""
+
+    def __init__(self, transfer_id: str, reason: str):
+        super().__init__(f"KV transfer {transfer_id!r}: {reason}")
+        self.transfer_id = transfer_id
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class HandOff:
+    """What the decode instance needs of a request besides its KV: ``token_ids`` (prompt
+    then the tokens generated so far, the first one(s) included) of which
+    ``num_prompt_tokens`` are the prompt and ``num_computed_tokens`` have KV in the blocks
+    sent; its ``sampling_params`` and ``generator_state`` (the seeded random stream, None
+    without a seed)."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    sampling_params: SamplingParams
+    generator_state: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TransferTicket:
+    """One published transfer, as the receiver needs it: ``num_blocks`` blocks of every
+    one of ``num_layers`` layers, each block ``block_shape`` of ``dtype`` in the cache
+    layout (``[block_size, num_kv_heads, row]`` of ``AttentionBackend.kv_cache_shape``,
+    keys and values); ``connector`` (the registered name that sent it), ``address`` (where
+    that connector finds the data: a path, a rank and tag, ...), ``sender`` (the sending
+    process, to tell a dead peer from a slow one) and the request's ``handoff``."""
+
+    transfer_id: str
+    connector: str
+    address: str
+    sender: int
+    num_layers: int
+    num_blocks: int
+    block_shape: tuple[int, ...]
+    dtype: torch.dtype
+    handoff: HandOff
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes the transfer moves: keys and values of every block of every layer."""
+        per_block = torch.empty(self.block_shape, dtype=self.dtype, device="meta").numel()
+        return 2 * self.num_layers * self.num_blocks * per_block * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True, slots=True)
+class KVTransferContext:
+    """What a connector is built with: ``instance_id`` (this instance's name, unique in
+    the deployment) and the engine's ``registry``."""
+
+    instance_id: str
+    registry: ComponentBuilder | None = None
+
+
+class KVTransfer(abc.ABC):
+    """Moves KV blocks between the cache tensors of two instances.
+
+    Built as ``cls(config, KVTransferContext)``. ``kv_caches`` are one instance's per-layer
+    cache tensors ``[2, num_blocks, block_size, num_kv_heads, row]`` (any ``cache.kv_dtype``:
+    the bytes move as they are, scales included); ``block_ids`` index their second axis.
+    """
+
+    @abc.abstractmethod
+    def send(self, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int], handoff: HandOff) -> TransferTicket:
+        """Publish the request's blocks ``block_ids`` of every layer; returns the ticket the
+        receiver needs. The sender may free or reuse its blocks as soon as this returns."""
+
+    @abc.abstractmethod
+    def receive(self, ticket: TransferTicket, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int]) -> HandOff:
+        """Copy the ticket's blocks into ``block_ids`` of ``kv_caches`` (as many ids as the
+        ticket has blocks) and release what the transfer held; returns its ``HandOff``.
+        ``KVTransferError`` naming the transfer when it was aborted, its sender is gone or
+        the caches do not match; nothing was written then, and a transfer refused for a
+        mismatch stays receivable."""
+
+    @abc.abstractmethod
+    def abort(self, ticket: TransferTicket) -> None:
+        """Drop the transfer and what it holds, from either side; harmless if it is done."""
+
+    @property
+    @abc.abstractmethod
+    def num_in_flight(self) -> int:
+        """Transfers this instance sent that were neither received nor aborted."""
+
+    def shutdown(self) -> None:
+        """Drop every transfer this instance sent and not yet handed over. Nothing by default."""
+
+
+def check_receivable(ticket: TransferTicket, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int]) -> None:
+    """``KVTransferError`` unless ``kv_caches`` and ``block_ids`` can take the ticket's
+    blocks: one tensor per layer, the same block shape and dtype, one id per block, every
+    id inside the cache."""
+    problem = None
+    if len(kv_caches) != ticket.num_layers:
+        problem = f"the receiving cache has {len(kv_caches)} layers, the blocks sent {ticket.num_layers}"
+    elif len(block_ids) != ticket.num_blocks:
+        problem = f"{len(block_ids)} receiving blocks for {ticket.num_blocks} blocks sent"
+    elif any(tuple(c.shape[2:]) != ticket.block_shape or c.dtype != ticket.dtype for c in kv_caches):
+        cache = kv_caches[0]
+        problem = (f"the receiving blocks are {tuple(cache.shape[2:])} of {cache.dtype}, the blocks sent "
+                   f"{ticket.block_shape} of {ticket.dtype}")
+    elif block_ids and (min(block_ids) < 0 or max(block_ids) >= kv_caches[0].shape[1]):
+        problem = f"block ids must be in [0, {kv_caches[0].shape[1]}), got {min(block_ids)}..{max(block_ids)}"
+    if problem is not None:
+        raise KVTransferError(ticket.transfer_id, problem)
+
+
+def as_bytes(kv_cache: torch.Tensor) -> torch.Tensor:
+    """A cache tensor's bytes, [2, num_blocks, block_size * heads * row * itemsize] uint8."""
+    return kv_cache.reshape(2, kv_cache.shape[1], -1).view(torch.uint8)

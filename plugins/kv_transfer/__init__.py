@@ -1,0 +1,1 @@
+"""Built-in KV transfer connectors (``core/kv_transfer.py``)."""
