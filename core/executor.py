@@ -134,6 +134,13 @@ class Executor(abc.ABC):
         """Prepare the kernels of steps up to ``max_tokens`` tokens; how many."""
         return 0
 
+    def local_kv_caches(self) -> list[torch.Tensor] | None:
+        """Every layer's whole KV cache tensor, viewed with its blocks on the first axis
+        (``view[i]`` is block i, whatever the attention backend's layout), when all of them
+        live in this process (one device), for KV transfer connectors; None otherwise (the
+        default: sharded across ranks, or no tensors at all)."""
+        return None
+
     def shutdown(self) -> None:
         """Release what the executor holds (worker processes, process groups, the model,
         KV tensors, threads); calling it again does nothing. An executor that starts

@@ -54,9 +54,8 @@ class HandOff:
 @dataclass(frozen=True, slots=True)
 class TransferTicket:
     """One published transfer, as the receiver needs it: ``num_blocks`` blocks of every
-    one of ``num_layers`` layers, each block ``block_shape`` of ``dtype`` in the cache
-    layout (``[block_size, num_kv_heads, row]`` of ``AttentionBackend.kv_cache_shape``,
-    keys and values); ``connector`` (the registered name that sent it), ``address`` (where
+    one of ``num_layers`` layers, each block ``block_shape`` of ``dtype`` (one block of the
+    attention backend's cache layout, keys, values and scales); ``connector`` (the registered name that sent it), ``address`` (where
     that connector finds the data: a path, a rank and tag, ...), ``sender`` (the sending
     process, to tell a dead peer from a slow one) and the request's ``handoff``."""
 
@@ -74,7 +73,7 @@ class TransferTicket:
     def num_bytes(self) -> int:
         """Bytes the transfer moves: keys and values of every block of every layer."""
         per_block = torch.empty(self.block_shape, dtype=self.dtype, device="meta").numel()
-        return 2 * self.num_layers * self.num_blocks * per_block * torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * self.num_blocks * per_block * torch.empty((), dtype=self.dtype).element_size()
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,8 +89,9 @@ class KVTransfer(abc.ABC):
     """Moves KV blocks between the cache tensors of two instances.
 
     Built as ``cls(config, KVTransferContext)``. ``kv_caches`` are one instance's per-layer
-    cache tensors ``[2, num_blocks, block_size, num_kv_heads, row]`` (any ``cache.kv_dtype``:
-    the bytes move as they are, scales included); ``block_ids`` index their second axis.
+    cache tensors viewed with their blocks first (``Executor.local_kv_caches``: ``[num_blocks,
+    *block_shape]``, possibly not contiguous, any ``cache.kv_dtype``: the bytes move as they
+    are, scales included); ``block_ids`` index that first axis.
     """
 
     @abc.abstractmethod
@@ -129,16 +129,25 @@ def check_receivable(ticket: TransferTicket, kv_caches: Sequence[torch.Tensor], 
         problem = f"the receiving cache has {len(kv_caches)} layers, the blocks sent {ticket.num_layers}"
     elif len(block_ids) != ticket.num_blocks:
         problem = f"{len(block_ids)} receiving blocks for {ticket.num_blocks} blocks sent"
-    elif any(tuple(c.shape[2:]) != ticket.block_shape or c.dtype != ticket.dtype for c in kv_caches):
+    elif any(tuple(c.shape[1:]) != ticket.block_shape or c.dtype != ticket.dtype for c in kv_caches):
         cache = kv_caches[0]
-        problem = (f"the receiving blocks are {tuple(cache.shape[2:])} of {cache.dtype}, the blocks sent "
+        problem = (f"the receiving blocks are {tuple(cache.shape[1:])} of {cache.dtype}, the blocks sent "
                    f"{ticket.block_shape} of {ticket.dtype}")
-    elif block_ids and (min(block_ids) < 0 or max(block_ids) >= kv_caches[0].shape[1]):
-        problem = f"block ids must be in [0, {kv_caches[0].shape[1]}), got {min(block_ids)}..{max(block_ids)}"
+    elif block_ids and (min(block_ids) < 0 or max(block_ids) >= kv_caches[0].shape[0]):
+        problem = f"block ids must be in [0, {kv_caches[0].shape[0]}), got {min(block_ids)}..{max(block_ids)}"
     if problem is not None:
         raise KVTransferError(ticket.transfer_id, problem)
 
 
-def as_bytes(kv_cache: torch.Tensor) -> torch.Tensor:
-    """A cache tensor's bytes, [2, num_blocks, block_size * heads * row * itemsize] uint8."""
-    return kv_cache.reshape(2, kv_cache.shape[1], -1).view(torch.uint8)
+def gather_blocks(kv_cache: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
+    """The bytes of blocks ``block_ids`` of a blocks-first cache view, one flat uint8 tensor."""
+    index = torch.tensor(list(block_ids), dtype=torch.long, device=kv_cache.device)
+    return kv_cache.index_select(0, index).contiguous().view(torch.uint8).reshape(-1)
+
+
+def scatter_blocks(kv_cache: torch.Tensor, block_ids: Sequence[int], data: torch.Tensor) -> None:
+    """Write ``data`` (flat uint8, as ``gather_blocks`` returns) into blocks ``block_ids``
+    of a blocks-first cache view, in place (through a view too)."""
+    index = torch.tensor(list(block_ids), dtype=torch.long, device=kv_cache.device)
+    blocks = data.to(kv_cache.device).view(kv_cache.dtype).reshape(len(index), *kv_cache.shape[1:])
+    kv_cache.index_copy_(0, index, blocks)

@@ -7,12 +7,14 @@ import logging
 from dataclasses import replace
 from typing import Callable, TypeVar
 
+import torch
 from omegaconf import DictConfig
 
 from servelab.core.clock import Clock, VirtualClock, WallClock
 from servelab.core.decoding import DecodingContext
 from servelab.core.errors import ConfigError, EngineShutdownError, InvalidRequestError
 from servelab.core.executor import ExecutedStep, ExecutorContext
+from servelab.core.kv_transfer import HandOff, KVTransfer, TransferTicket
 from servelab.core.kv_cache import CacheContext
 from servelab.core.engine.output_processor import OUTPUT_KINDS, OutputProcessor
 from servelab.core.outputs import RequestOutput
@@ -209,6 +211,79 @@ class LLMEngine:
         self.scheduler.abort(self.outputs.child_ids(ids))
         for rid in ids:
             self.outputs.groups.pop(rid, None)
+
+    # -- disaggregation: a request's KV from a prefill engine to a decode engine --------------
+    def hand_off(self, request_id: str, connector: KVTransfer) -> TransferTicket:
+        """Publish a running request's KV cache and state through ``connector`` and drop
+        it here; returns the ticket a decode engine continues it from (``admit_handed_off``).
+        The request must have finished its prefill: at least one token generated, every
+        token but the newest in the cache. ``InvalidRequestError`` naming the problem
+        otherwise; the request keeps running then."""
+        self._ensure_running("hand_off")
+        group = self.outputs.groups.get(request_id)
+        if group is None:
+            raise InvalidRequestError("request_id", f"{request_id!r} is not running here")
+        if len(group.children) != 1:
+            raise InvalidRequestError("n", f"request {request_id!r} has {len(group.children)} sequences; "
+                                           f"a hand-off moves requests with n=1")
+        request = group.children[0]
+        if request.is_finished or request.num_output_tokens == 0 or request.num_computed_tokens != request.num_tokens - 1:
+            raise InvalidRequestError("request_id", (
+                f"{request_id!r} cannot be handed off now: it has {request.num_output_tokens} generated tokens and "
+                f"{request.num_computed_tokens} of {request.num_tokens} tokens cached (a hand-off follows its "
+                f"prefill: one token or more generated, all but the newest cached, no step in flight)"))
+        caches = self._local_kv_caches()
+        block_ids = self.cache.block_table(request)[:-(-request.num_computed_tokens // self.cache.block_size)]
+        generator = request.generator
+        handoff = HandOff(request_id, tuple(request.token_ids), request.num_prompt_tokens, request.num_computed_tokens,
+                          request.sampling_params, None if generator is None else generator.get_state())
+        ticket = connector.send(caches, block_ids, handoff)
+        self.abort_request(request_id)
+        return ticket
+
+    def admit_handed_off(self, ticket: TransferTicket, connector: KVTransfer, output_kind: str = "final") -> str | None:
+        """Continue a request another engine handed off: take blocks for its cached tokens,
+        receive its KV into them through ``connector`` and queue it to decode; returns its
+        request id, or None with nothing changed when the cache has no room yet (the
+        ticket stays valid: admit it again after steps free blocks). The request is
+        checked as ``add_request`` checks a prompt; a failed transfer frees its blocks and
+        raises ``KVTransferError``."""
+        self._ensure_running("admit_handed_off")
+        handoff = ticket.handoff
+        if output_kind not in OUTPUT_KINDS:
+            raise InvalidRequestError("output_kind", f"must be one of {', '.join(OUTPUT_KINDS)}")
+        prompt = list(handoff.token_ids[:handoff.num_prompt_tokens])
+        self.check_request(prompt, handoff.sampling_params)
+        if handoff.request_id in self.outputs.groups:
+            raise InvalidRequestError("request_id", f"{handoff.request_id!r} is already running")
+        caches = self._local_kv_caches()
+        request = Request(handoff.request_id, prompt, handoff.sampling_params, self._eos_token_id(),
+                          arrival_time=self.clock.now())
+        request.token_ids.extend(handoff.token_ids[handoff.num_prompt_tokens:])
+        request.num_computed_tokens = handoff.num_computed_tokens
+        if self.cache.allocate(request, 0) is None:
+            return None
+        try:
+            connector.receive(ticket, caches, self.cache.block_table(request))
+        except BaseException:
+            self.cache.free(request)
+            raise
+        if handoff.generator_state is not None:
+            request.generator = torch.Generator(device=self.device).set_state(handoff.generator_state)
+        self.outputs.add(request.request_id, [request], output_kind)
+        if output_kind != "final" or handoff.sampling_params.stop_strings:
+            self.stop_checker.attach_detokenizer(request)
+        self.scheduler.add_request(request)
+        return request.request_id
+
+    def _local_kv_caches(self) -> list:
+        """The executor's KV tensors, or ``ConfigError`` naming why a hand-off cannot run here."""
+        caches = self.executor.local_kv_caches()
+        if caches is None:
+            name = self.registry.spec_for_config("executor", self.cfg.executor).name
+            raise ConfigError([f"executor={name} does not hold the whole KV cache in this process (tensor or "
+                               f"pipeline parallel, or simulated): a KV hand-off needs one device"])
+        return caches
 
     def has_unfinished_requests(self) -> bool:
         """True while any request waits or runs."""

@@ -171,6 +171,15 @@ class ModelExecutor(Executor):
         """This rank's per-layer KV cache tensors (none after ``shutdown``)."""
         return self.worker.kv_caches if self.worker is not None else []
 
+    def local_kv_caches(self) -> list[torch.Tensor] | None:
+        """The whole cache on one device, each layer viewed with its blocks first; None when
+        ranks share the model."""
+        if self.topology.world_size > 1 or self.worker is None:
+            return None
+        one, two = (self.attention.kv_cache_shape(n, self.cache.block_size) for n in (1, 2))
+        block_axis = next(axis for axis, (a, b) in enumerate(zip(one, two)) if a != b)
+        return [cache.movedim(block_axis, 0) for cache in self.kv_caches]
+
 
     # -- steps ------------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -24,7 +24,7 @@ import torch
 from servelab.core.component import ComponentSpec
 from servelab.core.errors import ConfigError
 from servelab.core.kv_transfer import (HandOff, KVTransfer, KVTransferContext, KVTransferError, TransferTicket,
-                                       as_bytes, check_receivable)
+                                       check_receivable, gather_blocks, scatter_blocks)
 
 PREFIX = "servelab-kv-"
 
@@ -69,16 +69,15 @@ class SharedMemoryTransfer(KVTransfer):
         """Write the blocks of every layer into one file, atomically."""
         transfer_id = f"{self.context.instance_id}-{self._token}-{next(self._ids)}"
         path = self.directory / f"{PREFIX}{os.getpid()}-{transfer_id}.bin"
-        index = torch.tensor(list(block_ids), dtype=torch.long)
         partial = path.with_suffix(".partial")
         with open(partial, "wb") as file:
             for cache in kv_caches:
-                file.write(memoryview(as_bytes(cache).index_select(1, index).contiguous().numpy()))
+                file.write(memoryview(gather_blocks(cache, block_ids).cpu().numpy()))
         os.rename(partial, path)
         self._sent[transfer_id] = path
         first = kv_caches[0]
-        return TransferTicket(transfer_id, self.name, str(path), os.getpid(), len(kv_caches), len(index),
-                              tuple(first.shape[2:]), first.dtype, handoff)
+        return TransferTicket(transfer_id, self.name, str(path), os.getpid(), len(kv_caches), len(block_ids),
+                              tuple(first.shape[1:]), first.dtype, handoff)
 
     def receive(self, ticket: TransferTicket, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int]) -> HandOff:
         """Copy the file into the blocks, then delete it."""
@@ -94,11 +93,9 @@ class SharedMemoryTransfer(KVTransfer):
             path.unlink(missing_ok=True)
             raise KVTransferError(ticket.transfer_id, f"holds {len(data)} bytes, {ticket.num_bytes} expected")
         flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        index = torch.tensor(list(block_ids), dtype=torch.long)
         per_layer = flat.numel() // ticket.num_layers
         for layer, cache in enumerate(kv_caches):
-            target = as_bytes(cache)
-            target[:, index] = flat[layer * per_layer:(layer + 1) * per_layer].view(2, len(index), -1)
+            scatter_blocks(cache, block_ids, flat[layer * per_layer:(layer + 1) * per_layer])
         path.unlink(missing_ok=True)
         self._sent.pop(ticket.transfer_id, None)
         return ticket.handoff

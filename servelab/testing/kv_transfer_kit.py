@@ -28,20 +28,22 @@ CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.
 
 
 def cache_layers(dtype: torch.dtype, seed: int | None = None) -> list[torch.Tensor]:
-    """One instance's per-layer cache tensors, random bytes for ``seed`` (zeros for None)."""
+    """One instance's per-layer caches, random bytes for ``seed`` (zeros for None): tensors
+    ``[2, num_blocks, ...]`` viewed blocks first, as ``Executor.local_kv_caches`` hands
+    them over (not contiguous, so writes must go through the view)."""
     row = HEAD_DIM + (4 if torch.empty((), dtype=dtype).element_size() == 1 else 0)
     shape = (2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, row)
     if seed is None:
-        return [torch.zeros(shape, dtype=dtype) for _ in range(NUM_LAYERS)]
+        return [torch.zeros(shape, dtype=dtype).movedim(1, 0) for _ in range(NUM_LAYERS)]
     generator = torch.Generator().manual_seed(seed)
     nbytes = torch.empty(shape, dtype=dtype).numel() * torch.empty((), dtype=dtype).element_size()
     return [torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=generator).view(dtype).view(shape)
-            for _ in range(NUM_LAYERS)]
+            .movedim(1, 0) for _ in range(NUM_LAYERS)]
 
 
 def block_bytes(layers: list[torch.Tensor], block_ids: list[int]) -> list[bytes]:
     """The raw bytes of ``block_ids`` of every layer, keys and values."""
-    return [layer[:, block_ids].contiguous().view(torch.uint8).numpy().tobytes() for layer in layers]
+    return [layer[block_ids].contiguous().view(torch.uint8).numpy().tobytes() for layer in layers]
 
 
 def handoff(request_id: str = "req-0") -> HandOff:
@@ -162,7 +164,7 @@ class KVTransferConformance(ConformanceKit):
         block_ids = {"block_ids": [0], "out_of_range": [0, NUM_BLOCKS]}.get(mismatch, [2, 3])
         with pytest.raises(KVTransferError, match=ticket.transfer_id):
             receiver.receive(ticket, target, block_ids)
-        assert all(not layer.view(torch.uint8).any() for layer in target)
+        assert all(not layer.contiguous().view(torch.uint8).any() for layer in target)
         good = cache_layers(torch.float32)
         receiver.receive(ticket, good, [2, 3])  # the refused transfer is still whole
         assert block_bytes(good, [2, 3]) == block_bytes(cache_layers(torch.float32, seed=4), [0, 1])
@@ -179,7 +181,7 @@ class KVTransferConformance(ConformanceKit):
             receiver.receive(ticket, target, [0, 1, 2])
         except KVTransferError as exc:
             assert ticket.transfer_id in str(exc)
-            assert not any(layer.view(torch.uint8).any() for layer in target)
+            assert not any(layer.contiguous().view(torch.uint8).any() for layer in target)
         else:
             assert block_bytes(target, [0, 1, 2]) == block_bytes(cache_layers(torch.float32, seed=5), [6, 1, 3])
         receiver.shutdown()

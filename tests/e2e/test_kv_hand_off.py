@@ -1,0 +1,143 @@
+"""A request handed off between two engines after its prefill (``LLMEngine.hand_off`` ->
+``kv_transfer`` connector -> ``LLMEngine.admit_handed_off``) generates exactly what one
+engine generates, leaks no block on either side, and refuses what it cannot move."""
+
+from __future__ import annotations
+
+import pytest
+
+from servelab import ConfigError, InvalidRequestError, LLMEngine, SamplingParams
+from servelab.core.engine.registry import get_registry
+from servelab.core.entrypoints.compose import compose_config
+from servelab.core.kv_transfer import KVTransferContext, KVTransferError
+
+PROMPTS = [list(range(5, 5 + n)) for n in (3, 11, 17, 6)]
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+def engine(*overrides: str) -> LLMEngine:
+    return LLMEngine(compose_config(["model=toy", "device=cpu", *overrides]))
+
+
+def connector(instance_id: str):
+    registry = get_registry()
+    return registry.build("kv_transfer", registry.get("kv_transfer", "shared_memory").config_cls(),
+                          KVTransferContext(instance_id, registry))
+
+
+def run_to_end(llm: LLMEngine) -> dict[str, list[int]]:
+    done = {}
+    while llm.has_unfinished_requests():
+        for output in llm.step():
+            if output.finished:
+                done[output.request_id] = list(output.outputs[0].token_ids)
+    return done
+
+
+def first_token_of(llm: LLMEngine, request_id: str) -> bool:
+    """Step ``llm`` once; True when ``request_id`` has generated a token."""
+    llm.step()
+    return llm.outputs.groups[request_id].children[0].num_output_tokens > 0
+
+
+def one_engine(params: SamplingParams, *overrides: str) -> dict[str, list[int]]:
+    llm = engine(*overrides)
+    for i, prompt in enumerate(PROMPTS):
+        llm.add_request(prompt, params, request_id=f"r{i}")
+    done = run_to_end(llm)
+    llm.shutdown()
+    return done
+
+
+def disaggregated(params: SamplingParams, prefill_overrides: tuple[str, ...], decode_overrides: tuple[str, ...]):
+    """Prefill every prompt on one engine, hand each off after its first token, decode on another."""
+    prefill, decode = engine(*prefill_overrides), engine(*decode_overrides)
+    sender, receiver = connector("prefill-0"), connector("decode-0")
+    for i, prompt in enumerate(PROMPTS):
+        prefill.add_request(prompt, params, request_id=f"r{i}")
+    handed_off = []
+    while prefill.has_unfinished_requests():
+        assert not prefill.step(), "a request finished on the prefill side"
+        for request_id, group in list(prefill.outputs.groups.items()):
+            if group.children[0].num_output_tokens:
+                ticket = prefill.hand_off(request_id, sender)
+                assert decode.admit_handed_off(ticket, receiver) == request_id
+                handed_off.append(request_id)
+    assert sorted(handed_off) == [f"r{i}" for i in range(len(PROMPTS))]
+    assert prefill.cache.usage.used_blocks == 0 and sender.num_in_flight == 0
+    done = run_to_end(decode)
+    assert decode.cache.usage.used_blocks == 0
+    prefill.shutdown()
+    decode.shutdown()
+    return done
+
+
+@pytest.mark.parametrize("scheduler", ["continuous", "chunked"])
+def test_greedy_output_equals_one_engine(scheduler):
+    prefill_side = (f"scheduler={scheduler}", "scheduler.token_budget=8") if scheduler == "chunked" else (
+        f"scheduler={scheduler}",)
+    assert disaggregated(GREEDY, prefill_side, ("scheduler=continuous",)) == one_engine(GREEDY)
+
+
+def test_seeded_sampling_continues_its_random_stream():
+    params = SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, seed=11, ignore_eos=True)
+    assert disaggregated(params, (), ()) == one_engine(params)
+
+
+def test_prefix_caching_and_quantized_kv_on_both_sides():
+    sides = ("cache.enable_prefix_caching=true", "cache.kv_dtype=int8")
+    assert disaggregated(GREEDY, sides, sides) == one_engine(GREEDY, *sides)
+
+
+def test_hand_off_before_the_first_token_is_refused_and_the_request_keeps_running():
+    llm = engine()
+    llm.add_request(PROMPTS[1], GREEDY, request_id="early")
+    with pytest.raises(InvalidRequestError, match="'early' cannot be handed off now: it has 0 generated tokens"):
+        llm.hand_off("early", connector("prefill-0"))
+    with pytest.raises(InvalidRequestError, match="'missing' is not running here"):
+        llm.hand_off("missing", connector("prefill-0"))
+    assert len(run_to_end(llm)["early"]) == 8
+    llm.shutdown()
+
+
+def test_no_room_leaves_the_ticket_valid():
+    prefill, decode = engine("cache.block_size=4"), engine("cache.num_blocks=4", "cache.block_size=4", "model.max_model_len=16")
+    sender, receiver = connector("prefill-0"), connector("decode-0")
+    decode.add_request(list(range(1, 14)), SamplingParams(max_tokens=2, ignore_eos=True), request_id="holder")
+    decode.step()  # the holder takes every block
+    prefill.add_request(PROMPTS[0], GREEDY, request_id="moved")
+    while not first_token_of(prefill, "moved"):
+        pass
+    ticket = prefill.hand_off("moved", sender)
+    assert decode.admit_handed_off(ticket, receiver) is None
+    run_to_end(decode)
+    assert decode.admit_handed_off(ticket, receiver) == "moved"
+    assert len(run_to_end(decode)["moved"]) == 8
+    assert decode.cache.usage.used_blocks == 0
+    prefill.shutdown()
+    decode.shutdown()
+
+
+def test_an_aborted_transfer_frees_the_receivers_blocks():
+    prefill, decode = engine(), engine()
+    sender, receiver = connector("prefill-0"), connector("decode-0")
+    prefill.add_request(PROMPTS[2], GREEDY, request_id="gone")
+    while not first_token_of(prefill, "gone"):
+        pass
+    ticket = prefill.hand_off("gone", sender)
+    sender.abort(ticket)
+    with pytest.raises(KVTransferError, match=ticket.transfer_id):
+        decode.admit_handed_off(ticket, receiver)
+    assert decode.cache.usage.used_blocks == 0 and not decode.has_unfinished_requests()
+    prefill.shutdown()
+    decode.shutdown()
+
+
+def test_a_simulated_engine_refuses_a_hand_off_naming_the_executor():
+    llm = LLMEngine(compose_config(["model=llama-2-7b", "hardware=a100-80gb", "executor=simulated", "cost_model=roofline"]))
+    llm.add_request(list(range(1, 9)), GREEDY, request_id="sim")
+    while not first_token_of(llm, "sim"):
+        pass
+    with pytest.raises(ConfigError, match="executor=simulated does not hold the whole KV cache"):
+        llm.hand_off("sim", connector("prefill-0"))
+    llm.shutdown()
