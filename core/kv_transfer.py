@@ -140,14 +140,15 @@ def check_receivable(ticket: TransferTicket, kv_caches: Sequence[torch.Tensor], 
 
 
 def gather_blocks(kv_cache: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
-    """The bytes of blocks ``block_ids`` of a blocks-first cache view, one flat uint8 tensor."""
+    """The bytes of blocks ``block_ids`` of a blocks-first cache view, one flat uint8 tensor
+    (moved as bytes, so every element type works, float8 included)."""
     index = torch.tensor(list(block_ids), dtype=torch.long, device=kv_cache.device)
-    return kv_cache.index_select(0, index).contiguous().view(torch.uint8).reshape(-1)
+    return kv_cache.view(torch.uint8).index_select(0, index).reshape(-1)
 
 
 def scatter_blocks(kv_cache: torch.Tensor, block_ids: Sequence[int], data: torch.Tensor) -> None:
     """Write ``data`` (flat uint8, as ``gather_blocks`` returns) into blocks ``block_ids``
     of a blocks-first cache view, in place (through a view too)."""
+    target = kv_cache.view(torch.uint8)
     index = torch.tensor(list(block_ids), dtype=torch.long, device=kv_cache.device)
-    blocks = data.to(kv_cache.device).view(kv_cache.dtype).reshape(len(index), *kv_cache.shape[1:])
-    kv_cache.index_copy_(0, index, blocks)
+    target.index_copy_(0, index, data.to(kv_cache.device).reshape(len(index), *target.shape[1:]))
