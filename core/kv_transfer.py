@@ -14,6 +14,7 @@ drops a transfer and everything it holds.
 from __future__ import annotations
 
 import abc
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
@@ -72,8 +73,7 @@ class TransferTicket:
     @property
     def num_bytes(self) -> int:
         """Bytes the transfer moves: keys and values of every block of every layer."""
-        per_block = torch.empty(self.block_shape, dtype=self.dtype, device="meta").numel()
-        return self.num_layers * self.num_blocks * per_block * torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * self.num_blocks * math.prod(self.block_shape) * self.dtype.itemsize
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import logging
 from dataclasses import replace
 from typing import Callable, TypeVar
@@ -149,8 +150,8 @@ class LLMEngine:
                 f"This model's maximum context length is {self.max_model_len} tokens, but the prompt has "
                 f"{len(prompt_token_ids)} tokens (at most {self.max_model_len - 1}, so that one can be generated)"))
         if params.prompt_logprobs is not None and not self.executor.computes_prompt_logprobs:
-            name = self.registry.spec_for_config("executor", self.cfg.executor).name
-            raise InvalidRequestError("prompt_logprobs", f"executor={name} does not compute prompt logprobs")
+            raise InvalidRequestError("prompt_logprobs", f"executor={self._executor_name()} does not compute prompt "
+                                                         f"logprobs")
         self.strategy.check_request(params)
         if params.use_beam_search:
             raise InvalidRequestError("use_beam_search", (
@@ -180,9 +181,16 @@ class LLMEngine:
         arrival = self.clock.now() if arrival_time is None else arrival_time
         text = prompt if isinstance(prompt, str) else None
         children = [self._child(request_id, i, token_ids, params, arrival, text) for i in range(params.n)]
+        self._queue(request_id, children, output_kind)
+        self.num_prompt_tokens += len(token_ids) * len(children)
+        return request_id
+
+    def _queue(self, request_id: str, children: list[Request], output_kind: str) -> None:
+        """Track a request's sequences for output and hand them to the scheduler (forks
+        share the first sequence's prompt blocks when the cache can fork)."""
         self.outputs.add(request_id, children, output_kind)
         for child in children:
-            if output_kind != "final" or params.stop_strings:
+            if output_kind != "final" or child.sampling_params.stop_strings:
                 self.stop_checker.attach_detokenizer(child)
         if len(children) > 1 and self.cache.supports_fork:
             children[0].forks = children[1:]
@@ -190,8 +198,6 @@ class LLMEngine:
         else:
             for child in children:
                 self.scheduler.add_request(child)
-        self.num_prompt_tokens += len(token_ids) * len(children)
-        return request_id
 
     def _child(self, request_id: str, index: int, token_ids: list[int], params: SamplingParams,
                arrival: float, text: str | None) -> Request:
@@ -233,7 +239,7 @@ class LLMEngine:
                 f"{request.num_computed_tokens} of {request.num_tokens} tokens cached (a hand-off follows its "
                 f"prefill: one token or more generated, all but the newest cached, no step in flight)"))
         caches = self._local_kv_caches()
-        block_ids = self.cache.block_table(request)[:-(-request.num_computed_tokens // self.cache.block_size)]
+        block_ids = self.cache.block_table(request)[:math.ceil(request.num_computed_tokens / self.cache.block_size)]
         generator = request.generator
         handoff = HandOff(request_id, tuple(request.token_ids), request.num_prompt_tokens, request.num_computed_tokens,
                           request.sampling_params, None if generator is None else generator.get_state())
@@ -270,18 +276,18 @@ class LLMEngine:
             raise
         if handoff.generator_state is not None:
             request.generator = torch.Generator(device=self.device).set_state(handoff.generator_state)
-        self.outputs.add(request.request_id, [request], output_kind)
-        if output_kind != "final" or handoff.sampling_params.stop_strings:
-            self.stop_checker.attach_detokenizer(request)
-        self.scheduler.add_request(request)
+        self._queue(request.request_id, [request], output_kind)
         return request.request_id
+
+    def _executor_name(self) -> str:
+        """The registered name of the engine's executor, for error messages."""
+        return self.registry.spec_for_config("executor", self.cfg.executor).name
 
     def _local_kv_caches(self) -> list:
         """The executor's KV tensors, or ``ConfigError`` naming why a hand-off cannot run here."""
         caches = self.executor.local_kv_caches()
         if caches is None:
-            name = self.registry.spec_for_config("executor", self.cfg.executor).name
-            raise ConfigError([f"executor={name} does not hold the whole KV cache in this process (tensor or "
+            raise ConfigError([f"executor={self._executor_name()} does not hold the whole KV cache in this process (tensor or "
                                f"pipeline parallel, or simulated): a KV hand-off needs one device"])
         return caches
 
