@@ -15,6 +15,7 @@ import functools
 import logging
 import os
 import shutil
+import time
 
 import torch
 
@@ -27,6 +28,7 @@ SOURCES = [os.path.join(SOURCE_DIR, name) for name in (
     "blocked_linear.cpp", "w8a8_linear.cpp")]
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
 DISABLE_VARIABLE = "SERVELAB_NATIVE_CPU"
+STALE_LOCK_AGE_S = 600.0
 
 
 def capability_flags() -> list[str]:
@@ -44,6 +46,25 @@ def native_cpu_enabled() -> bool:
     return os.environ.get(DISABLE_VARIABLE, "1") != "0"
 
 
+def remove_stale_build_lock(build_directory: str, max_age_s: float = STALE_LOCK_AGE_S) -> bool:
+    """Delete the build directory's ``lock`` file when it is older than ``max_age_s``; True
+    when one was removed. A build killed halfway leaves that file behind, and every later
+    process would wait on it forever; a live build (about a minute) never gets that old."""
+    lock = os.path.join(build_directory, "lock")
+    try:
+        age = time.time() - os.path.getmtime(lock)
+    except OSError:
+        return False
+    if age < max_age_s:
+        return False
+    logger.warning("removing a stale native CPU ops build lock (%.0f s old): %s", age, lock)
+    try:
+        os.remove(lock)
+    except FileNotFoundError:  # another process removed it first
+        return False
+    return True
+
+
 @functools.lru_cache(maxsize=None)
 def native_cpu_unavailable_reason() -> str | None:
     """Why the native CPU ops cannot be used here (None when they are built and loaded)."""
@@ -53,8 +74,9 @@ def native_cpu_unavailable_reason() -> str | None:
     if shutil.which(compiler) is None:
         return f"no C++ compiler ({compiler!r} is not on PATH)"
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import _get_build_directory, load
 
+        remove_stale_build_lock(_get_build_directory("servelab_cpu_ops", False))
         load(name="servelab_cpu_ops", sources=SOURCES, extra_cflags=FLAGS + capability_flags(),
              extra_ldflags=["-fopenmp"],
              is_python_module=False, verbose=False)

@@ -46,3 +46,22 @@ def test_missing_triton_explains(monkeypatch):
                         lambda name, *a: None if name == "triton" else real_find_spec(name, *a))
     reason = triton_unavailable_reason()
     assert reason is not None and "triton" in reason
+
+
+def test_stale_native_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
+    """A lock left by a killed build would make every later process wait forever; one of a
+    build still running stays."""
+    import os
+    import time
+
+    from servelab.kernels.cpu_ops import STALE_LOCK_AGE_S, remove_stale_build_lock
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    assert not remove_stale_build_lock(str(tmp_path))
+    assert lock.exists()
+    old = time.time() - STALE_LOCK_AGE_S - 60
+    os.utime(lock, (old, old))
+    assert remove_stale_build_lock(str(tmp_path))
+    assert not lock.exists()
+    assert not remove_stale_build_lock(str(tmp_path))

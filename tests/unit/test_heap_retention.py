@@ -10,12 +10,13 @@ import pytest
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt is Linux-only")
 
 STEPS = textwrap.dedent("""
-    import resource, sys, torch
+    import ctypes, resource, sys, torch
     from servelab.platform import retain_freed_heap_memory
+    ctypes.CDLL(None).prctl(41, 1, 0, 0, 0)  # PR_SET_THP_DISABLE: faults count 4 KiB pages on every host
     if sys.argv[1] == "retain":
         assert retain_freed_heap_memory()
-    def step(i):  # activations of a few MiB each, freed in another order than allocated
-        sizes = [(1 + (i * 7 + k * 3) % 11) << 20 for k in range(6)]
+    def step(i):  # a cycle of five steps' activations of a few MiB each, freed out of order
+        sizes = [(1 + ((i % 5) * 7 + k * 3) % 11) << 20 for k in range(6)]
         live = [torch.ones(size, dtype=torch.uint8) for size in sizes]
         del live[::2]
         more = [torch.ones(2 * size, dtype=torch.uint8) for size in sizes[:3]]
