@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from servelab.core.request import Request, RequestStatus
 from servelab.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -42,7 +43,14 @@ class HandOff:
     then the tokens generated so far, the first one(s) included) of which
     ``num_prompt_tokens`` are the prompt and ``num_computed_tokens`` have KV in the blocks
     sent; its ``sampling_params`` and ``generator_state`` (the seeded random stream, None
-    without a seed)."""
+    without a seed).
+
+    The rest is what the client has been given nothing of yet and the decode instance
+    answers with: which sequence it is (``index`` of ``num_sequences`` of the API request
+    ``group_id``; None: the request itself), the ``prompt`` text, its logprobs so far, its
+    timestamps on the (host-wide monotonic) clock, and how it ended when it already did
+    (``finish_reason``: a sibling that stopped at its first token travels with the others,
+    with no blocks)."""
 
     request_id: str
     token_ids: tuple[int, ...]
@@ -50,6 +58,66 @@ class HandOff:
     num_computed_tokens: int
     sampling_params: SamplingParams
     generator_state: torch.Tensor | None = None
+    group_id: str | None = None
+    index: int = 0
+    num_sequences: int = 1
+    prompt: str | None = None
+    logprobs: tuple | None = None
+    cumulative_logprob: float = 0.0
+    prompt_logprobs: tuple | None = None
+    arrival_time: float | None = None
+    first_scheduled_time: float | None = None
+    token_times: tuple[float, ...] = ()
+    num_cached_prompt_tokens: int = 0
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    stop_text_len: int | None = None
+    finished_time: float | None = None
+
+    @classmethod
+    def of(cls, request: Request, num_sequences: int = 1) -> "HandOff":
+        """The hand-off of ``request`` as it stands (one of ``num_sequences`` siblings)."""
+        generator = request.generator
+        return cls(request.request_id, tuple(request.token_ids), request.num_prompt_tokens,
+                   request.num_computed_tokens, request.sampling_params,
+                   None if generator is None else generator.get_state(), request.group_id, request.index,
+                   num_sequences, request.prompt, None if request.logprobs is None else tuple(request.logprobs),
+                   request.cumulative_logprob,
+                   None if request.prompt_logprobs is None else tuple(request.prompt_logprobs),
+                   request.arrival_time, request.first_scheduled_time, tuple(request.token_times),
+                   request.num_cached_prompt_tokens, request.num_preemptions, request.finish_reason,
+                   request.stop_reason, request.stop_text_len, request.finished_time)
+
+    @property
+    def finished(self) -> bool:
+        """True for a sequence that already stopped (it carries no blocks)."""
+        return self.finish_reason is not None
+
+    def restore(self, eos_token_id: int | None, now: float, device: str | torch.device = "cpu") -> Request:
+        """The request again, as the sending engine held it (``now`` stands in for an
+        unknown arrival time); its blocks are the receiver's to allocate."""
+        request = Request(self.request_id, list(self.token_ids[:self.num_prompt_tokens]), self.sampling_params,
+                          eos_token_id, self.prompt, now if self.arrival_time is None else self.arrival_time,
+                          self.index, self.group_id)
+        request.token_ids.extend(self.token_ids[self.num_prompt_tokens:])
+        request.num_computed_tokens = self.num_computed_tokens
+        if self.logprobs is not None:
+            request.logprobs = list(self.logprobs)
+        if self.prompt_logprobs is not None:
+            request.prompt_logprobs = list(self.prompt_logprobs)
+        request.cumulative_logprob = self.cumulative_logprob
+        request.first_scheduled_time = self.first_scheduled_time
+        request.token_times = list(self.token_times)
+        request.num_cached_prompt_tokens = self.num_cached_prompt_tokens
+        request.num_preemptions = self.num_preemptions
+        if self.finished:
+            request.status = RequestStatus.FINISHED
+            request.finish_reason, request.stop_reason = self.finish_reason, self.stop_reason
+            request.stop_text_len, request.finished_time = self.stop_text_len, self.finished_time
+        if self.generator_state is not None:
+            request.generator = torch.Generator(device=device).set_state(self.generator_state)
+        return request
 
 
 @dataclass(frozen=True, slots=True)

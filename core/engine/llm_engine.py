@@ -6,7 +6,7 @@ import itertools
 import math
 import logging
 from dataclasses import replace
-from typing import Callable, TypeVar
+from typing import Callable, Sequence, TypeVar
 
 import torch
 from omegaconf import DictConfig
@@ -32,6 +32,12 @@ from servelab.core.engine.validate import validate
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+def _prefilled(request: Request) -> bool:
+    """True for a running sequence whose prefill is done: a token generated, every token
+    but the newest cached."""
+    return request.num_output_tokens > 0 and request.num_computed_tokens == request.num_tokens - 1
 
 
 def build_collecting(problems: list[str], build: Callable[[], T]) -> T | None:
@@ -188,16 +194,20 @@ class LLMEngine:
     def _queue(self, request_id: str, children: list[Request], output_kind: str) -> None:
         """Track a request's sequences for output and hand them to the scheduler (forks
         share the first sequence's prompt blocks when the cache can fork)."""
-        self.outputs.add(request_id, children, output_kind)
-        for child in children:
-            if output_kind != "final" or child.sampling_params.stop_strings:
-                self.stop_checker.attach_detokenizer(child)
+        self._track(request_id, children, output_kind)
         if len(children) > 1 and self.cache.supports_fork:
             children[0].forks = children[1:]
             self.scheduler.add_request(children[0])
         else:
             for child in children:
                 self.scheduler.add_request(child)
+
+    def _track(self, request_id: str, children: list[Request], output_kind: str) -> None:
+        """Render the sequences' outputs as ``output_kind`` (incremental text where needed)."""
+        self.outputs.add(request_id, children, output_kind)
+        for child in children:
+            if output_kind != "final" or child.sampling_params.stop_strings:
+                self.stop_checker.attach_detokenizer(child)
 
     def _child(self, request_id: str, index: int, token_ids: list[int], params: SamplingParams,
                arrival: float, text: str | None) -> Request:
@@ -219,65 +229,87 @@ class LLMEngine:
             self.outputs.groups.pop(rid, None)
 
     # -- disaggregation: a request's KV from a prefill engine to a decode engine --------------
-    def hand_off(self, request_id: str, connector: KVTransfer) -> TransferTicket:
+    def ready_to_hand_off(self) -> list[str]:
+        """Requests whose every sequence has finished its prefill (one token or more
+        generated, all but the newest cached) or stopped, and one or more runs on: what a
+        prefill instance hands off after a step."""
+        return [request_id for request_id, group in self.outputs.groups.items()
+                if not group.finished and all(c.is_finished or _prefilled(c) for c in group.children)]
+
+    def hand_off(self, request_id: str, connector: KVTransfer) -> tuple[TransferTicket, ...]:
         """Publish a running request's KV cache and state through ``connector`` and drop
-        it here; returns the ticket a decode engine continues it from (``admit_handed_off``).
-        The request must have finished its prefill: at least one token generated, every
-        token but the newest in the cache. ``InvalidRequestError`` naming the problem
-        otherwise; the request keeps running then."""
+        it here; returns one ticket per sequence (``n`` of them; one that already stopped
+        carries no blocks), which a decode engine continues the request from
+        (``admit_handed_off``). ``InvalidRequestError`` naming the problem unless it is
+        ``ready_to_hand_off``; the request keeps running then, as it does when a send fails."""
         self._ensure_running("hand_off")
         group = self.outputs.groups.get(request_id)
         if group is None:
             raise InvalidRequestError("request_id", f"{request_id!r} is not running here")
-        if len(group.children) != 1:
-            raise InvalidRequestError("n", f"request {request_id!r} has {len(group.children)} sequences; "
-                                           f"a hand-off moves requests with n=1")
-        request = group.children[0]
-        if request.is_finished or request.num_output_tokens == 0 or request.num_computed_tokens != request.num_tokens - 1:
-            raise InvalidRequestError("request_id", (
-                f"{request_id!r} cannot be handed off now: it has {request.num_output_tokens} generated tokens and "
-                f"{request.num_computed_tokens} of {request.num_tokens} tokens cached (a hand-off follows its "
-                f"prefill: one token or more generated, all but the newest cached, no step in flight)"))
+        for request in group.children:
+            if not (request.is_finished or _prefilled(request)):
+                raise InvalidRequestError("request_id", (
+                    f"{request.request_id!r} cannot be handed off now: it has {request.num_output_tokens} generated "
+                    f"tokens and {request.num_computed_tokens} of {request.num_tokens} tokens cached (a hand-off "
+                    f"follows its prefill: one token or more generated, all but the newest cached, no step in flight)"))
         caches = self._local_kv_caches()
-        block_ids = self.cache.block_table(request)[:math.ceil(request.num_computed_tokens / self.cache.block_size)]
-        generator = request.generator
-        handoff = HandOff(request_id, tuple(request.token_ids), request.num_prompt_tokens, request.num_computed_tokens,
-                          request.sampling_params, None if generator is None else generator.get_state())
-        ticket = connector.send(caches, block_ids, handoff)
+        tickets: list[TransferTicket] = []
+        try:
+            for request in group.children:
+                blocks = [] if request.is_finished else self.cache.block_table(request)[
+                    :math.ceil(request.num_computed_tokens / self.cache.block_size)]
+                tickets.append(connector.send(caches, blocks, HandOff.of(request, len(group.children))))
+        except BaseException:
+            for ticket in tickets:
+                connector.abort(ticket)
+            raise
         self.abort_request(request_id)
-        return ticket
+        return tuple(tickets)
 
-    def admit_handed_off(self, ticket: TransferTicket, connector: KVTransfer, output_kind: str = "final") -> str | None:
-        """Continue a request another engine handed off: take blocks for its cached tokens,
-        receive its KV into them through ``connector`` and queue it to decode; returns its
-        request id, or None with nothing changed when the cache has no room yet (the
-        ticket stays valid: admit it again after steps free blocks). The request is
-        checked as ``add_request`` checks a prompt; a failed transfer frees its blocks and
-        raises ``KVTransferError``."""
+    def admit_handed_off(self, tickets: Sequence[TransferTicket], connector: KVTransfer,
+                         output_kind: str = "final") -> str | None:
+        """Continue a request another engine handed off (every ticket ``hand_off``
+        returned): take blocks for its cached tokens, receive its KV into them through
+        ``connector`` and queue it to decode; returns its request id, or None with nothing
+        changed when the cache has no room yet (the tickets stay valid: admit them again
+        after steps free blocks). Its outputs start from its first token. The request is
+        checked as ``add_request`` checks a prompt; a failed transfer frees its blocks,
+        drops the other tickets and raises ``KVTransferError``."""
         self._ensure_running("admit_handed_off")
-        handoff = ticket.handoff
         if output_kind not in OUTPUT_KINDS:
             raise InvalidRequestError("output_kind", f"must be one of {', '.join(OUTPUT_KINDS)}")
-        prompt = list(handoff.token_ids[:handoff.num_prompt_tokens])
-        self.check_request(prompt, handoff.sampling_params)
-        if handoff.request_id in self.outputs.groups:
-            raise InvalidRequestError("request_id", f"{handoff.request_id!r} is already running")
+        handoffs = [ticket.handoff for ticket in tickets]
+        group_id = handoffs[0].group_id or handoffs[0].request_id if handoffs else None
+        if not handoffs or sorted(h.index for h in handoffs) != list(range(handoffs[0].num_sequences)) or any(
+                (h.group_id or h.request_id) != group_id for h in handoffs):
+            raise InvalidRequestError("tickets", "must be every ticket of one hand-off (one per sequence)")
+        first = handoffs[0]
+        self.check_request(list(first.token_ids[:first.num_prompt_tokens]), first.sampling_params)
+        if group_id in self.outputs.groups:
+            raise InvalidRequestError("request_id", f"{group_id!r} is already running")
         caches = self._local_kv_caches()
-        request = Request(handoff.request_id, prompt, handoff.sampling_params, self._eos_token_id(),
-                          arrival_time=self.clock.now())
-        request.token_ids.extend(handoff.token_ids[handoff.num_prompt_tokens:])
-        request.num_computed_tokens = handoff.num_computed_tokens
-        if self.cache.allocate(request, 0) is None:
-            return None
+        now = self.clock.now()
+        requests = [handoff.restore(self._eos_token_id(), now, self.device) for handoff in handoffs]
+        running = [request for request in requests if not request.is_finished]
+        for allocated, request in enumerate(running):
+            if self.cache.allocate(request, 0) is None:
+                for taken in running[:allocated]:
+                    self.cache.free(taken)
+                return None
         try:
-            connector.receive(ticket, caches, self.cache.block_table(request))
+            for ticket, request in zip(tickets, requests):
+                connector.receive(ticket, caches, [] if request.is_finished else self.cache.block_table(request))
         except BaseException:
-            self.cache.free(request)
+            for ticket in tickets:
+                connector.abort(ticket)
+            for request in running:
+                self.cache.free(request)
             raise
-        if handoff.generator_state is not None:
-            request.generator = torch.Generator(device=self.device).set_state(handoff.generator_state)
-        self._queue(request.request_id, [request], output_kind)
-        return request.request_id
+        requests.sort(key=lambda request: request.index)
+        self._track(group_id, requests, output_kind)
+        for request in running:
+            self.scheduler.add_request(request)
+        return group_id
 
     def _executor_name(self) -> str:
         """The registered name of the engine's executor, for error messages."""

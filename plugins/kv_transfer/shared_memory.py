@@ -92,10 +92,11 @@ class SharedMemoryTransfer(KVTransfer):
         if len(data) != ticket.num_bytes:
             path.unlink(missing_ok=True)
             raise KVTransferError(ticket.transfer_id, f"holds {len(data)} bytes, {ticket.num_bytes} expected")
-        flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        per_layer = flat.numel() // ticket.num_layers
-        for layer, cache in enumerate(kv_caches):
-            scatter_blocks(cache, block_ids, flat[layer * per_layer:(layer + 1) * per_layer])
+        if data:  # a transfer of no blocks (a sequence that already stopped) has nothing to copy
+            flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            per_layer = flat.numel() // ticket.num_layers
+            for layer, cache in enumerate(kv_caches):
+                scatter_blocks(cache, block_ids, flat[layer * per_layer:(layer + 1) * per_layer])
         path.unlink(missing_ok=True)
         self._sent.pop(ticket.transfer_id, None)
         return ticket.handoff

@@ -114,6 +114,20 @@ class KVTransferConformance(ConformanceKit):
         sender.shutdown()
         receiver.shutdown()
 
+    def test_a_transfer_of_no_blocks_carries_its_hand_off(self, component):
+        """A sequence that stopped at its first token moves with its siblings, without blocks."""
+        sender, receiver = self.pair(component)
+        stopped = HandOff("req-0#1", tuple(range(10)), 9, 9, SamplingParams(max_tokens=5), group_id="req-0", index=1,
+                          num_sequences=2, finish_reason="stop", stop_reason=9, token_times=(1.5,), arrival_time=1.0)
+        ticket = sender.send(cache_layers(torch.float32, seed=8), [], stopped)
+        assert ticket.num_blocks == 0 and ticket.num_bytes == 0
+        target = cache_layers(torch.float32)
+        assert receiver.receive(ticket, target, []) == stopped
+        assert not any(layer.contiguous().view(torch.uint8).any() for layer in target)
+        assert sender.num_in_flight == 0
+        sender.shutdown()
+        receiver.shutdown()
+
     def test_blocks_arrive_from_another_process(self, component):
         receiver = self.build(component, "decode-0")
         sender, ticket = start_remote_sender(component, "bfloat16", 7)

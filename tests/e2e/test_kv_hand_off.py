@@ -25,12 +25,14 @@ def connector(instance_id: str):
                           KVTransferContext(instance_id, registry))
 
 
-def run_to_end(llm: LLMEngine) -> dict[str, list[int]]:
+def run_to_end(llm: LLMEngine) -> dict[str, list[int] | list[tuple[list[int], str]]]:
+    """Each finished request's token ids (n=1), or every sequence's token ids and finish reason."""
     done = {}
     while llm.has_unfinished_requests():
         for output in llm.step():
             if output.finished:
-                done[output.request_id] = list(output.outputs[0].token_ids)
+                done[output.request_id] = (list(output.outputs[0].token_ids) if len(output.outputs) == 1 else
+                                           [(list(c.token_ids), c.finish_reason) for c in output.outputs])
     return done
 
 
@@ -57,11 +59,11 @@ def disaggregated(params: SamplingParams, prefill_overrides: tuple[str, ...], de
         prefill.add_request(prompt, params, request_id=f"r{i}")
     handed_off = []
     while prefill.has_unfinished_requests():
-        assert not prefill.step(), "a request finished on the prefill side"
+        assert not [o for o in prefill.step() if o.finished], "a request finished on the prefill side"
         for request_id, group in list(prefill.outputs.groups.items()):
-            if group.children[0].num_output_tokens:
-                ticket = prefill.hand_off(request_id, sender)
-                assert decode.admit_handed_off(ticket, receiver) == request_id
+            if request_id in prefill.ready_to_hand_off():
+                tickets = prefill.hand_off(request_id, sender)
+                assert decode.admit_handed_off(tickets, receiver) == request_id
                 handed_off.append(request_id)
     assert sorted(handed_off) == [f"r{i}" for i in range(len(PROMPTS))]
     assert prefill.cache.usage.used_blocks == 0 and sender.num_in_flight == 0
@@ -108,10 +110,10 @@ def test_no_room_leaves_the_ticket_valid():
     prefill.add_request(PROMPTS[0], GREEDY, request_id="moved")
     while not first_token_of(prefill, "moved"):
         pass
-    ticket = prefill.hand_off("moved", sender)
-    assert decode.admit_handed_off(ticket, receiver) is None
+    tickets = prefill.hand_off("moved", sender)
+    assert decode.admit_handed_off(tickets, receiver) is None
     run_to_end(decode)
-    assert decode.admit_handed_off(ticket, receiver) == "moved"
+    assert decode.admit_handed_off(tickets, receiver) == "moved"
     assert len(run_to_end(decode)["moved"]) == 8
     assert decode.cache.usage.used_blocks == 0
     prefill.shutdown()
@@ -124,10 +126,10 @@ def test_an_aborted_transfer_frees_the_receivers_blocks():
     prefill.add_request(PROMPTS[2], GREEDY, request_id="gone")
     while not first_token_of(prefill, "gone"):
         pass
-    ticket = prefill.hand_off("gone", sender)
-    sender.abort(ticket)
-    with pytest.raises(KVTransferError, match=ticket.transfer_id):
-        decode.admit_handed_off(ticket, receiver)
+    tickets = prefill.hand_off("gone", sender)
+    sender.abort(tickets[0])
+    with pytest.raises(KVTransferError, match=tickets[0].transfer_id):
+        decode.admit_handed_off(tickets, receiver)
     assert decode.cache.usage.used_blocks == 0 and not decode.has_unfinished_requests()
     prefill.shutdown()
     decode.shutdown()
@@ -141,3 +143,56 @@ def test_a_simulated_engine_refuses_a_hand_off_naming_the_executor():
     with pytest.raises(ConfigError, match="executor=simulated does not hold the whole KV cache"):
         llm.hand_off("sim", connector("prefill-0"))
     llm.shutdown()
+
+
+@pytest.mark.parametrize("cache", ["paged", "contiguous"])
+def test_every_sequence_of_n_moves_and_continues_its_own_random_stream(cache):
+    params = SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=5, ignore_eos=True)
+    expected = one_engine(params, f"cache={cache}")
+    assert disaggregated(params, (f"cache={cache}",), (f"cache={cache}",)) == expected
+    assert all(len(sequences) == 3 for sequences in expected.values())
+
+
+def test_a_sibling_that_stopped_at_its_first_token_travels_with_the_others():
+    params = SamplingParams(n=2, max_tokens=6, temperature=1.0, seed=7, ignore_eos=True)
+    second_first_token = one_engine(params)["r1"][1][0][0]
+    stopping = SamplingParams(n=2, max_tokens=6, temperature=1.0, seed=7, stop_token_ids=[second_first_token])
+    expected = one_engine(stopping)
+    assert expected["r1"][1] == ([second_first_token], "stop")
+    assert disaggregated(stopping, (), ()) == expected
+
+
+def test_delta_outputs_of_the_decode_engine_start_at_the_first_token():
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    prefill, decode = engine(), engine()
+    sender, receiver = connector("prefill-0"), connector("decode-0")
+    prefill.add_request(PROMPTS[1], params, request_id="streamed")
+    while not first_token_of(prefill, "streamed"):
+        pass
+    decode.admit_handed_off(prefill.hand_off("streamed", sender), receiver, output_kind="delta")
+    deltas = []
+    while decode.has_unfinished_requests():
+        deltas += decode.step()
+    tokens = [t for delta in deltas for t in delta.outputs[0].token_ids]
+    assert tokens == one_engine(GREEDY)["r1"]
+    assert sum(len(delta.outputs[0].logprobs) for delta in deltas) == 8
+    assert len(deltas[0].prompt_logprobs) == len(PROMPTS[1]) and all(d.prompt_logprobs is None for d in deltas[1:])
+    assert "".join(delta.outputs[0].text for delta in deltas) == decode.tokenizer.decode(tokens)
+    assert deltas[-1].metrics.arrival_time < deltas[-1].metrics.token_times[0] < deltas[-1].metrics.token_times[1]
+    prefill.shutdown()
+    decode.shutdown()
+
+
+def test_tickets_of_different_requests_are_refused():
+    prefill, decode = engine(), engine()
+    sender, receiver = connector("prefill-0"), connector("decode-0")
+    for request_id in ("a", "b"):
+        prefill.add_request(PROMPTS[0], GREEDY, request_id=request_id)
+    while not first_token_of(prefill, "b"):
+        pass
+    mixed = prefill.hand_off("a", sender) + prefill.hand_off("b", sender)
+    with pytest.raises(InvalidRequestError, match="tickets: must be every ticket of one hand-off"):
+        decode.admit_handed_off(mixed, receiver)
+    assert decode.cache.usage.used_blocks == 0
+    prefill.shutdown()
+    decode.shutdown()
