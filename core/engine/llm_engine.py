@@ -8,7 +8,6 @@ import logging
 from dataclasses import replace
 from typing import Callable, Sequence, TypeVar
 
-import torch
 from omegaconf import DictConfig
 
 from servelab.core.clock import Clock, VirtualClock, WallClock
