@@ -78,16 +78,25 @@ class HandOff:
     @classmethod
     def of(cls, request: Request, num_sequences: int = 1) -> "HandOff":
         """The hand-off of ``request`` as it stands (one of ``num_sequences`` siblings)."""
-        generator = request.generator
-        return cls(request.request_id, tuple(request.token_ids), request.num_prompt_tokens,
-                   request.num_computed_tokens, request.sampling_params,
-                   None if generator is None else generator.get_state(), request.group_id, request.index,
-                   num_sequences, request.prompt, None if request.logprobs is None else tuple(request.logprobs),
-                   request.cumulative_logprob,
-                   None if request.prompt_logprobs is None else tuple(request.prompt_logprobs),
-                   request.arrival_time, request.first_scheduled_time, tuple(request.token_times),
-                   request.num_cached_prompt_tokens, request.num_preemptions, request.finish_reason,
-                   request.stop_reason, request.stop_text_len, request.finished_time)
+        generator, logprobs, prompt_logprobs = request.generator, request.logprobs, request.prompt_logprobs
+        return cls(
+            request_id=request.request_id, token_ids=tuple(request.token_ids),
+            num_prompt_tokens=request.num_prompt_tokens, num_computed_tokens=request.num_computed_tokens,
+            sampling_params=request.sampling_params,
+            generator_state=None if generator is None else generator.get_state(),
+            group_id=request.group_id, index=request.index, num_sequences=num_sequences, prompt=request.prompt,
+            logprobs=None if logprobs is None else tuple(logprobs), cumulative_logprob=request.cumulative_logprob,
+            prompt_logprobs=None if prompt_logprobs is None else tuple(prompt_logprobs),
+            arrival_time=request.arrival_time, first_scheduled_time=request.first_scheduled_time,
+            token_times=tuple(request.token_times), num_cached_prompt_tokens=request.num_cached_prompt_tokens,
+            num_preemptions=request.num_preemptions, finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason, stop_text_len=request.stop_text_len,
+            finished_time=request.finished_time)
+
+    @property
+    def group(self) -> str:
+        """The API request this sequence belongs to (``group_id``, else its own id)."""
+        return self.group_id or self.request_id
 
     @property
     def finished(self) -> bool:

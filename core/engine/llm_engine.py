@@ -278,11 +278,11 @@ class LLMEngine:
         if output_kind not in OUTPUT_KINDS:
             raise InvalidRequestError("output_kind", f"must be one of {', '.join(OUTPUT_KINDS)}")
         handoffs = [ticket.handoff for ticket in tickets]
-        group_id = handoffs[0].group_id or handoffs[0].request_id if handoffs else None
-        if not handoffs or sorted(h.index for h in handoffs) != list(range(handoffs[0].num_sequences)) or any(
-                (h.group_id or h.request_id) != group_id for h in handoffs):
+        first = handoffs[0] if handoffs else None
+        if first is None or sorted(h.index for h in handoffs) != list(range(first.num_sequences)) or any(
+                h.group != first.group for h in handoffs):
             raise InvalidRequestError("tickets", "must be every ticket of one hand-off (one per sequence)")
-        first = handoffs[0]
+        group_id = first.group
         self.check_request(list(first.token_ids[:first.num_prompt_tokens]), first.sampling_params)
         if group_id in self.outputs.groups:
             raise InvalidRequestError("request_id", f"{group_id!r} is already running")
