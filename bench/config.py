@@ -188,6 +188,7 @@ class BenchConfig(EngineConfig):
     """
 
     workload: WorkloadConfig = MISSING
+    deployment: Any = MISSING
     target: Any = MISSING
     baseline: Any = MISSING
     mode: Any = MISSING

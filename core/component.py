@@ -7,9 +7,8 @@ from typing import Any, Protocol
 
 KINDS = ("scheduler", "cache", "attention", "decoding", "model", "eviction", "executor", "cost_model", "router",
          "kv_transfer")
-"""Component kinds; each but ``model``, ``eviction`` and ``kv_transfer`` is a Hydra config
-group of the same name (a KV transfer connector is built by name, with its config object,
-by what deploys instances)."""
+"""Component kinds; each but ``model`` and ``eviction`` is a Hydra config group of the
+same name."""
 
 
 @dataclass(frozen=True, slots=True)

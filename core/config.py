@@ -10,6 +10,8 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from servelab.core.deployment import store_deployment_options
+
 
 @dataclass
 class ModelShapeConfig:
@@ -152,8 +154,10 @@ class EngineConfig:
     """What every servelab app composes to build an ``LLMEngine``: the model, one option
     of each component group (filled from the registry: the four contracts, the
     ``executor`` and, for ``executor=simulated``, the ``cost_model``; the ``router`` that
-    spreads requests over replicas), the ``hardware`` it is priced on, the ``parallel``
-    split, on ``device``."""
+    spreads requests over replicas; the ``kv_transfer`` connector that moves KV caches
+    between instances), the ``hardware`` it is priced on, the ``parallel`` split, on
+    ``device``, in a ``role`` (``mixed``; ``prefill`` or ``decode`` in a disaggregated
+    deployment, which sets it per pool)."""
 
     model: ModelConfig = MISSING
     cache: Any = MISSING
@@ -163,9 +167,11 @@ class EngineConfig:
     executor: Any = MISSING
     cost_model: Any = MISSING
     router: Any = MISSING
+    kv_transfer: Any = MISSING
     hardware: HardwareConfig = MISSING
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: str = "auto"
+    role: str = "mixed"
 
 
 @dataclass
@@ -207,6 +213,7 @@ def store_schemas() -> None:
     register_resolvers()
     store = ConfigStore.instance()
     store.store(name="servelab_schema", node=ServelabConfig)
+    store_deployment_options()
 
 
 register_resolvers()

@@ -6,6 +6,11 @@ thread receives its messages and hands each to the event loop in one
 ``loop.call_soon_threadsafe`` call, which settles pending adds, feeds the metrics and
 routes each step's delta outputs to the ``OutputStream`` that owns the request.
 
+A disaggregated deployment has several engine processes: a request is added to a
+prefill instance, and when that instance hands it off (``HandedOff``) its tickets go on
+to a decode instance, which streams the outputs from the first token. The ``routers``
+choose the instance of each pool; aborts go to the instance that holds the request.
+
 Admission (docs/server.md): ``server.max_queued_requests`` bounds the engine requests
 (one per prompt of an API call) accepted and not finished, waiting or running: past it a
 new call is answered 429 with ``Retry-After`` at once, before anything enters the engine,
@@ -24,8 +29,10 @@ from typing import Callable, TypeVar
 
 from servelab.core.errors import InvalidRequestError
 from servelab.core.sampling_params import SamplingParams
-from servelab.server.messages import (AbortRequests, AddRequest, EngineFailed, EngineInfo, RequestAdded,
-                                      StepReport, StopEngine)
+from servelab.core.router import Router
+from servelab.server.engine_instance import EngineInstance, combined_usage
+from servelab.server.messages import (AbortRequests, AbortTransfers, AddRequest, AdmitHandedOff, EngineFailed,
+                                      EngineInfo, HandedOff, RequestAdded, RequestFailed, StepReport, StopEngine)
 from servelab.server.engine_process import EngineProcess
 from servelab.server.errors import (RETRY_AFTER_S, EngineDeadError, QueueFullError, RequestAbortedError,
                                     RequestTimeoutError)
@@ -38,16 +45,27 @@ T = TypeVar("T")
 
 
 class AsyncEngine:
-    """The engine process seen from the event loop: admit API calls (``open_stream``, at
+    """The engine process(es) seen from the event loop: admit API calls (``open_stream``, at
     most ``max_queued_requests`` engine requests held, None: no limit; each call aborted
     after ``request_timeout_s``, None: never), add and abort requests, stream their
-    outputs, answer tokenizer questions locally (``call``)."""
+    outputs, answer tokenizer questions locally (``call``).
 
-    def __init__(self, process: EngineProcess, metrics: ServerMetrics, max_queued_requests: int | None = None,
-                 request_timeout_s: float | None = None):
-        self.process = process
-        self.conn = process.conn
-        self.engine: EngineInfo = process.info
+    ``processes``: one mixed engine, or the prefill instances then the ``decode`` ones of
+    a disaggregated deployment, each pool's instance chosen by its router (``routers``:
+    ``{"prefill": ..., "decode": ...}``; needed where a pool has more than one)."""
+
+    def __init__(self, processes: EngineProcess | list[EngineProcess], metrics: ServerMetrics,
+                 max_queued_requests: int | None = None, request_timeout_s: float | None = None,
+                 decode: list[EngineProcess] = (), routers: dict[str, Router] | None = None):
+        processes = [processes] if isinstance(processes, EngineProcess) else list(processes)
+        self.entry = [EngineInstance(i, p) for i, p in enumerate(processes)]
+        self.decode = [EngineInstance(len(processes) + i, p) for i, p in enumerate(decode)]
+        self.instances = self.entry + self.decode
+        self.routers = routers or {}
+        for pool, members in (("prefill", self.entry), ("decode", self.decode)):
+            if len(members) > 1 and pool not in self.routers:
+                raise ValueError(f"{len(members)} {pool} instances need a router")
+        self.engine: EngineInfo = processes[0].info
         self.metrics = metrics
         self.max_queued_requests = max_queued_requests
         self.request_timeout_s = request_timeout_s
@@ -55,10 +73,11 @@ class AsyncEngine:
         """Engine requests of the open streams: accepted and not finished."""
         self.dead: BaseException | None = None
         self._streams: dict[str, OutputStream] = {}
+        self._placed: dict[str, EngineInstance] = {}
         self._adding: dict[str, asyncio.Future] = {}
         self._idle = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._reader: threading.Thread | None = None
+        self._readers: list[threading.Thread] = []
         self._stopping = False
         self.on_failed: Callable[[str], None] | None = None
         """Called once, on the event loop, when the engine fails (the server shuts down)."""
@@ -68,8 +87,11 @@ class AsyncEngine:
         """Start receiving from the engine process; call from the running event loop."""
         self._loop = asyncio.get_running_loop()
         self._idle.set()
-        self._reader = threading.Thread(target=self._receive, name="servelab-engine-reader", daemon=True)
-        self._reader.start()
+        for instance in self.instances:
+            reader = threading.Thread(target=self._receive, args=(instance,), name=f"servelab-{instance.name}-reader",
+                                      daemon=True)
+            reader.start()
+            self._readers.append(reader)
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no request is in flight; False if ``timeout`` seconds passed first."""
@@ -86,18 +108,21 @@ class AsyncEngine:
         self.abort(list(self._streams))
 
     async def stop(self) -> None:
-        """Abort what is left, stop the engine process and wait for it to exit."""
-        if self._reader is None:
+        """Abort what is left, stop the engine processes and wait for them to exit."""
+        if not self._readers:
             return
         self.abort_all(RequestAbortedError())
         self._stopping = True
-        try:
-            self.conn.send(StopEngine())
-        except OSError:  # already gone
-            pass
-        await asyncio.to_thread(self.process.join)
-        await asyncio.to_thread(self._reader.join)
-        self._reader = None
+        for instance in self.instances:
+            try:
+                instance.send(StopEngine())
+            except OSError:  # already gone
+                pass
+        for instance in self.instances:
+            await asyncio.to_thread(instance.process.join)
+        for reader in self._readers:
+            await asyncio.to_thread(reader.join)
+        self._readers = []
 
     # -- requests -----------------------------------------------------------------------------
     @property
@@ -148,7 +173,9 @@ class AsyncEngine:
         added = self._loop.create_future()
         self._adding[request_id] = added
         try:
-            self._send(AddRequest(request_id, prompt, params, arrival_time))
+            instance = self._choose(self.entry, "prefill", prompt)
+            self._place(request_id, instance)
+            self._send(instance, AddRequest(request_id, prompt, params, arrival_time))
             length = await added
         except BaseException:  # rejected, or cancelled while the engine may have added it
             stream.untrack(request_id)
@@ -160,61 +187,115 @@ class AsyncEngine:
         return length
 
     def abort(self, request_ids: list[str]) -> None:
-        """Abort requests (unknown or finished ids are ignored); returns at once."""
+        """Abort requests (unknown or finished ids are ignored) on the instances that hold
+        them; returns at once."""
+        by_instance: dict[int, list[str]] = {}
         for request_id in request_ids:
+            instance = self._placed.get(request_id)
+            if instance is not None:
+                by_instance.setdefault(instance.index, []).append(request_id)
             self._forget(request_id)
-        if request_ids and self.dead is None and self._reader is not None:
+        if self.dead is not None or not self._readers:
+            return
+        for index, ids in by_instance.items():
             try:
-                self._send(AbortRequests(tuple(request_ids)))
+                self._send(self.instances[index], AbortRequests(tuple(ids)))
             except EngineDeadError:  # the process is gone with its requests; the reader reports it
                 pass
 
     def _check_alive(self) -> None:
-        if self.dead is not None or self._reader is None:
+        if self.dead is not None or not self._readers:
             raise EngineDeadError("the engine is not running" if self.dead is None
                                   else f"the engine loop failed: {self.dead}")
 
-    def _send(self, message: AddRequest | AbortRequests) -> None:
+    def _send(self, instance: EngineInstance, message: object) -> None:
         try:
-            self.conn.send(message)
+            instance.send(message)
         except OSError as exc:  # the engine process is gone; the reader reports it
-            raise EngineDeadError(f"the engine process is gone: {exc!r}") from exc
+            raise EngineDeadError(f"the engine process {instance.name} is gone: {exc!r}") from exc
+
+    def _choose(self, pool: list[EngineInstance], name: str, prompt: str | list[int]) -> EngineInstance:
+        """The instance of ``pool`` the router picks for a request with this prompt."""
+        if len(pool) == 1:
+            return pool[0]
+        token_ids = prompt if isinstance(prompt, list) else self.engine.tokenizer.encode(prompt)
+        return pool[self.routers[name].route(token_ids, [member.state(i) for i, member in enumerate(pool)])]
+
+    def _place(self, request_id: str, instance: EngineInstance | None) -> None:
+        """Record that ``instance`` holds the request now (None: no instance does)."""
+        previous = self._placed.pop(request_id, None)
+        if previous is not None:
+            previous.held -= 1
+        if instance is not None:
+            self._placed[request_id] = instance
+            instance.held += 1
 
     def _forget(self, request_id: str) -> None:
+        self._place(request_id, None)
         self._streams.pop(request_id, None)
         if not self._streams:
             self._idle.set()
 
-    # -- messages from the engine process (reader thread, then the event loop) ----------------
-    def _receive(self) -> None:
+    # -- messages from the engine processes (reader threads, then the event loop) -------------
+    def _receive(self, instance: EngineInstance) -> None:
         while True:
             try:
-                message = self.conn.recv()
+                message = instance.process.conn.recv()
             except (EOFError, OSError):
                 if not self._stopping:
-                    code = self.process.exitcode
-                    self._loop.call_soon_threadsafe(self._on_failed, f"the engine process exited (code {code})")
+                    code = instance.process.exitcode
+                    what = "the engine process" if len(self.instances) == 1 else f"engine instance {instance.name}"
+                    self._loop.call_soon_threadsafe(self._on_failed, f"{what} exited (code {code})")
                 return
-            self._loop.call_soon_threadsafe(self._on_message, message)
+            self._loop.call_soon_threadsafe(self._on_message, instance, message)
 
-    def _on_message(self, message: StepReport | RequestAdded | EngineFailed) -> None:
+    def _on_message(self, instance: EngineInstance, message: object) -> None:
         if isinstance(message, StepReport):
-            self._on_report(message)
+            self._on_report(instance, message)
         elif isinstance(message, RequestAdded):
             future = self._adding.get(message.request_id)
             if future is not None and not future.done():
                 if message.error is None:
                     future.set_result(message.prompt_length)
                 else:
+                    self._place(message.request_id, None)
                     future.set_exception(message.error)
+        elif isinstance(message, HandedOff):
+            self._on_handed_off(instance, message)
+        elif isinstance(message, RequestFailed):
+            stream = self._streams.get(message.request_id)
+            self._forget(message.request_id)
+            if stream is not None:
+                stream.fail(message.error)
         elif isinstance(message, EngineFailed):
             self._on_failed(message.description)
 
-    def _on_report(self, report: StepReport) -> None:
+    def _on_handed_off(self, prefill: EngineInstance, message: HandedOff) -> None:
+        """Send a handed-off request on to a decode instance, or drop its transfers when
+        it ended meanwhile."""
+        request_id, tickets = message.request_id, message.tickets
+        if request_id not in self._streams or not self.decode:
+            self._send_or_ignore(prefill, AbortTransfers(tickets))
+            return
+        handoff = tickets[0].handoff
+        decode = self._choose(self.decode, "decode", list(handoff.token_ids[:handoff.num_prompt_tokens]))
+        self._place(request_id, decode)
+        self._send_or_ignore(decode, AdmitHandedOff(tickets))
+
+    def _send_or_ignore(self, instance: EngineInstance, message: object) -> None:
+        try:
+            self._send(instance, message)
+        except EngineDeadError:  # the reader reports the dead instance, failing its requests
+            pass
+
+    def _on_report(self, instance: EngineInstance, report: StepReport) -> None:
         metrics = self.metrics
         for stats in report.stats:
             metrics.observe_step(stats)
-        metrics.set_gauges(report.num_running, report.num_waiting, report.kv)
+        instance.observe(report)
+        instances = self.instances
+        metrics.set_gauges(sum(i.num_running for i in instances), sum(i.num_waiting for i in instances),
+                           combined_usage(instances))
         metrics.record_aborted(report.num_aborted)
         for output in report.outputs:
             if output.finished:

@@ -19,11 +19,13 @@ def serve(cfg: DictConfig) -> None:
     configuration errors exit with status 2, an engine failure with 1."""
     import uvicorn
 
+    from servelab.core.deployment import is_disaggregated
     from servelab.core.errors import ConfigError
     from servelab.server.app import create_app
     from servelab.server.state import ServerState
     from servelab.server.async_engine import AsyncEngine
     from servelab.server.config import server_problems, served_model_name
+    from servelab.server.deployment import plan_instances
     from servelab.server.draining_server import DrainingServer
     from servelab.server.engine_process import EngineProcess
     from servelab.server.metrics import ServerMetrics
@@ -31,6 +33,9 @@ def serve(cfg: DictConfig) -> None:
     server_cfg = cfg.server
     try:
         problems = server_problems(server_cfg)
+        if is_disaggregated(cfg) and server_cfg.backend != "local":
+            problems.append(f"deployment=disaggregated runs its instances behind server.backend=local, "
+                            f"got server.backend={server_cfg.backend}")
         if problems:
             raise ConfigError(problems)
         if server_cfg.backend == "ray":
@@ -38,12 +43,17 @@ def serve(cfg: DictConfig) -> None:
 
             serve_on_ray(cfg, served_model_name(cfg))
             return
-        process = EngineProcess.launch(cfg)
+        plans = plan_instances(cfg, app_overrides())
+        processes = EngineProcess.launch_all(plans, server_cfg)
     except ConfigError as exc:
         print(f"servelab-serve: error: {exc}", file=sys.stderr)
         sys.exit(2)
-    metrics = ServerMetrics(process.info.prefix_caching, process.info.speculative)
-    engine = AsyncEngine(process, metrics, server_cfg.max_queued_requests, server_cfg.request_timeout_s)
+    prefill = [p for plan, p in zip(plans, processes) if plan.cfg.role != "decode"]
+    decode = [p for plan, p in zip(plans, processes) if plan.cfg.role == "decode"]
+    info = processes[0].info
+    metrics = ServerMetrics(info.prefix_caching, any(p.info.speculative for p in processes))
+    engine = AsyncEngine(prefill, metrics, server_cfg.max_queued_requests, server_cfg.request_timeout_s, decode,
+                         pool_routers(cfg, len(prefill), len(decode), info.block_size))
     state = ServerState(engine, server_cfg, served_model_name(cfg))
     config = uvicorn.Config(create_app(state), host=server_cfg.host, port=server_cfg.port,
                             log_level=server_cfg.log_level, access_log=server_cfg.access_log, lifespan="on",
@@ -52,6 +62,24 @@ def serve(cfg: DictConfig) -> None:
     server.run()
     if server.exit_code:
         sys.exit(server.exit_code)
+
+
+def app_overrides() -> list[str]:
+    """The command line's overrides of the running Hydra app (none outside one): what a
+    pool's config is composed from before its own overrides."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
+def pool_routers(cfg: DictConfig, num_prefill: int, num_decode: int, block_size: int) -> dict:
+    """The ``router`` plugin built for each pool of more than one instance."""
+    from servelab.core.engine.registry import get_registry
+    from servelab.core.router import RouterContext
+
+    registry = get_registry()
+    return {pool: registry.build("router", cfg.router, RouterContext(count, block_size))
+            for pool, count in (("prefill", num_prefill), ("decode", num_decode)) if count > 1}
 
 
 def main() -> None:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig
+from omegaconf import MISSING, DictConfig
 
 from servelab.core.config import EngineConfig
 
@@ -92,8 +92,10 @@ def server_problems(server: ServerConfig) -> list[str]:
 
 @dataclass
 class ServeConfig(EngineConfig):
-    """The ``servelab-serve`` app: the engine components plus ``server``."""
+    """The ``servelab-serve`` app: the engine components, the ``deployment`` of engine
+    instances (``single`` or ``disaggregated``) and ``server``."""
 
+    deployment: Any = MISSING
     server: ServerConfig = field(default_factory=ServerConfig)
 
 

@@ -4,30 +4,45 @@ the server over a pipe.
 It runs in the engine process (``engine_process.py``), so the HTTP side never holds the
 interpreter lock the engine needs, nor takes the cores its threads compute on. The
 messages are the frozen dataclasses of ``server/messages.py``.
+
+The engine's ``role`` decides what the loop does with a request. ``mixed`` runs it from
+prompt to end. ``prefill`` runs it to its first token, then hands its KV cache off
+through the ``kv_transfer`` connector and tells the server (``HandedOff``); only a request
+that ends at its first token is answered from here. ``decode`` admits handed-off
+requests in the order they came, each as soon as its cache has room, and generates the
+rest; one whose KV could never fit is answered with an error.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 from typing import Any
 
 from servelab.core.errors import InvalidRequestError
 from servelab.core.hookspecs import hookimpl
+from servelab.core.kv_transfer import KVTransfer, KVTransferError
 from servelab.core.outputs import RequestOutput
 from servelab.core.step_stats import StepStats
-from servelab.server.messages import (AbortRequests, AddRequest, EngineFailed, RequestAdded, StepReport,
-                                      StopEngine)
+from servelab.server.messages import (AbortRequests, AbortTransfers, AddRequest, AdmitHandedOff, EngineFailed,
+                                      HandedOff, RequestAdded, RequestFailed, StepReport, StopEngine)
 
 log = logging.getLogger(__name__)
 
 
 class EngineLoop:
     """Runs commands from the connection between engine steps; blocks on the connection
-    while the engine is idle, so an idle server costs nothing."""
+    while the engine is idle, so an idle server costs nothing. ``connector`` moves KV
+    caches for an engine whose ``role`` is prefill or decode."""
 
-    def __init__(self, engine: Any, conn: Any):
+    def __init__(self, engine: Any, conn: Any, connector: KVTransfer | None = None):
         self.engine = engine
         self.conn = conn
+        self.role = engine.cfg.get("role", "mixed")
+        if self.role != "mixed" and connector is None:
+            raise ValueError(f"a {self.role} engine loop needs a kv_transfer connector")
+        self.connector = connector
+        self._admitting: collections.deque[AdmitHandedOff] = collections.deque()
         self._stats: list[StepStats] = []
         self._num_aborted = 0
         self._observer = _StepCollector(engine, self._stats)
@@ -39,8 +54,11 @@ class EngineLoop:
         engine.registry.plugin_manager.register(self._observer)
         try:
             while self._run_commands(block=not engine.has_unfinished_requests()):
+                self._admit_handed_off()
                 if engine.has_unfinished_requests():
-                    self._report(engine.step())
+                    outputs = engine.step()
+                    self._hand_off_prefilled()  # first, so that the report counts the blocks it freed
+                    self._report(outputs)
                 elif self._num_aborted:
                     self._report([])
         except (EOFError, OSError):  # the server went away
@@ -51,6 +69,10 @@ class EngineLoop:
             self._refuse_until_stop(repr(exc))
         finally:
             engine.registry.plugin_manager.unregister(self._observer)
+            for command in self._admitting:
+                self._drop(command.tickets)
+            if self.connector is not None:
+                self.connector.shutdown()
             engine.shutdown()
 
     def _run_commands(self, block: bool) -> bool:
@@ -65,13 +87,19 @@ class EngineLoop:
                 self._add(command)
             elif isinstance(command, AbortRequests):
                 self._abort(list(command.request_ids))
+            elif isinstance(command, AdmitHandedOff):
+                self._admitting.append(command)
+            elif isinstance(command, AbortTransfers):
+                self._drop(command.tickets)
         return True
 
     def _add(self, command: AddRequest) -> None:
         engine = self.engine
         request_id, prompt, params = command.request_id, command.prompt, command.params
+        # A prefill instance answers only what ends at its first token, and all at once.
+        output_kind = "final" if self.role == "prefill" else "delta"
         try:
-            engine.add_request(prompt, params, request_id, arrival_time=command.arrival_time, output_kind="delta",
+            engine.add_request(prompt, params, request_id, arrival_time=command.arrival_time, output_kind=output_kind,
                                max_tokens_must_fit=True)
         except InvalidRequestError as exc:
             self.conn.send(RequestAdded(request_id, 0, exc))
@@ -82,6 +110,54 @@ class EngineLoop:
         groups = self.engine.outputs.groups
         self._num_aborted += sum(len(groups[r].children) for r in request_ids if r in groups)
         self.engine.abort_request(request_ids)
+        aborted = set(request_ids)
+        for command in [c for c in self._admitting if c.request_id in aborted]:
+            self._admitting.remove(command)
+            self._drop(command.tickets)
+
+    def _hand_off_prefilled(self) -> None:
+        """Prefill role: hand off every request whose prefill is done."""
+        if self.role != "prefill":
+            return
+        for request_id in self.engine.ready_to_hand_off():
+            try:
+                tickets = self.engine.hand_off(request_id, self.connector)
+            except KVTransferError as exc:  # the request stays here: answer it with the error
+                log.error("hand-off of %s failed: %s", request_id, exc)
+                self.engine.abort_request(request_id)
+                self.conn.send(RequestFailed(request_id, exc))
+            else:
+                self.conn.send(HandedOff(request_id, tickets))
+
+    def _admit_handed_off(self) -> None:
+        """Decode role: admit the handed-off requests that fit, oldest first; one that
+        cannot fit even with nothing else running is answered with an error."""
+        engine = self.engine
+        while self._admitting:
+            command = self._admitting[0]
+            try:
+                admitted = engine.admit_handed_off(command.tickets, self.connector, output_kind="delta")
+                if admitted is None and not engine.has_unfinished_requests():
+                    raise InvalidRequestError("prompt", self._never_fits(command))
+            except (InvalidRequestError, KVTransferError) as exc:
+                self._admitting.popleft()
+                self._drop(command.tickets)
+                self.conn.send(RequestFailed(command.request_id, exc))
+                continue
+            if admitted is None:
+                return  # wait for steps to free blocks
+            self._admitting.popleft()
+
+    def _never_fits(self, command: AdmitHandedOff) -> str:
+        cache = self.engine.cache
+        blocks = sum(ticket.num_blocks for ticket in command.tickets)
+        return (f"the KV cache of its {len(command.tickets)} sequence(s) takes {blocks} blocks of "
+                f"cache.block_size={cache.block_size} tokens, more than the decode instance's cache holds "
+                f"({cache.usage.total_blocks} blocks)")
+
+    def _drop(self, tickets: Any) -> None:
+        for ticket in tickets:
+            self.connector.abort(ticket)
 
     def _report(self, outputs: list[RequestOutput]) -> None:
         """Send the outputs (logprob tokens decoded here, where the tokenizer is warm)

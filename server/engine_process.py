@@ -16,13 +16,14 @@ import multiprocessing
 import os
 import signal
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 from omegaconf import DictConfig
 
 from servelab.core.errors import ConfigError
 from servelab.platform import die_with_parent
-from servelab.server.messages import EngineConfigError, EngineInfo, EngineReady
+from servelab.server.messages import EngineConfigError, EngineInfo, EngineReady, StopEngine
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +43,11 @@ class EngineProcess:
     """Handle on the engine process: ``launch`` it, trade messages over ``conn`` (its end
     of the pipe; the commands and messages of ``engine_loop``), ``join`` it at shutdown."""
 
-    def __init__(self, process: multiprocessing.Process, conn: Any, info: EngineInfo):
+    def __init__(self, process: multiprocessing.Process, conn: Any, info: EngineInfo, name: str = "engine"):
         self.process = process
         self.conn = conn
         self.info = info
+        self.name = name
 
     @classmethod
     def launch(cls, cfg: DictConfig, threads: int | None = None) -> "EngineProcess":
@@ -54,12 +56,19 @@ class EngineProcess:
         warm-up of ``server.warmup_tokens``, the priority of ``server.engine_nice``.
         Raises ``ConfigError`` for a bad configuration and ``RuntimeError`` if the process
         dies while starting."""
-        server = cfg.server
-        threads = server.engine_threads if threads is None else threads
+        threads = cfg.server.engine_threads if threads is None else threads
+        return cls.launch_all([InstancePlan("engine", cfg, threads)], cfg.server)[0]
+
+    @classmethod
+    def launch_all(cls, plans: Sequence["InstancePlan"], server: Any) -> list["EngineProcess"]:
+        """Start one engine process per plan, all at once, and wait until every one
+        serves (``server``: the ``server`` node, for warm-up and priority). If any fails
+        to start, the others are stopped and its error raised."""
         warmup_tokens, nice = server.warmup_tokens, server.engine_nice
         problems = []
-        if threads is not None and threads < 1:
-            problems.append(f"server.engine_threads must be at least 1 (or null for every core), got {threads}")
+        for plan in plans:
+            if plan.threads is not None and plan.threads < 1:
+                problems.append(f"server.engine_threads must be at least 1 (or null for every core), got {plan.threads}")
         if not 0 <= nice <= MAX_NICE:
             problems.append(f"server.engine_nice must be between 0 and {MAX_NICE} (a Unix nice increment), got {nice}")
         if warmup_tokens is not None and warmup_tokens < 0:
@@ -70,21 +79,44 @@ class EngineProcess:
         from servelab.core.config import resolved
 
         context = multiprocessing.get_context("spawn")
-        server_end, engine_end = context.Pipe()
-        process = context.Process(target=_engine_main, name="servelab-engine", daemon=False,
-                                  args=(resolved(cfg), engine_end, threads or default_engine_threads(), warmup_tokens,
-                                        nice))
-        process.start()
-        engine_end.close()
+        started = []
+        for plan in plans:
+            server_end, engine_end = context.Pipe()
+            process = context.Process(target=_engine_main, name=f"servelab-{plan.name}", daemon=False,
+                                      args=(resolved(plan.cfg), engine_end, plan.name,
+                                            plan.threads or default_engine_threads(), plan.cores, warmup_tokens,
+                                            nice))
+            process.start()
+            engine_end.close()
+            started.append((plan, process, server_end))
+        engines, failure = [], None
+        for plan, process, conn in started:
+            try:
+                message = conn.recv()
+            except EOFError:
+                message = None
+            if isinstance(message, EngineReady):
+                engines.append(cls(process, conn, message.info, plan.name))
+                continue
+            process.join()
+            conn.close()
+            if failure is None:
+                failure = (ConfigError(list(message.problems)) if isinstance(message, EngineConfigError) else
+                           RuntimeError(f"the engine process {plan.name} exited with code {process.exitcode} "
+                                        f"while starting"))
+        if failure is not None:
+            for engine in engines:
+                engine.stop()
+            raise failure
+        return engines
+
+    def stop(self) -> None:
+        """Send the stop command (if the process still listens) and ``join``."""
         try:
-            message = server_end.recv()
-        except EOFError:
-            process.join()
-            raise RuntimeError(f"the engine process exited with code {process.exitcode} while starting") from None
-        if isinstance(message, EngineConfigError):
-            process.join()
-            raise ConfigError(list(message.problems))
-        return cls(process, server_end, message.info)
+            self.conn.send(StopEngine())
+        except OSError:
+            pass
+        self.join()
 
     def join(self) -> None:
         """Wait for the process to exit after the stop command (killing it past
@@ -102,8 +134,24 @@ class EngineProcess:
         return self.process.exitcode
 
 
-def _engine_main(cfg: DictConfig, conn: Any, threads: int, warmup_tokens: int | None, nice: int) -> None:
+@dataclass(frozen=True, slots=True)
+class InstancePlan:
+    """One engine process to start: its ``name`` (unique in the deployment, the KV
+    connector's instance id), its engine config (``role`` included), ``threads`` compute
+    threads (None: every core it may use) and the ``cores`` it is pinned to (None: not
+    pinned)."""
+
+    name: str
+    cfg: DictConfig
+    threads: int | None = None
+    cores: tuple[int, ...] | None = None
+
+
+def _engine_main(cfg: DictConfig, conn: Any, name: str, threads: int, cores: tuple[int, ...] | None,
+                 warmup_tokens: int | None, nice: int) -> None:
     """Entry point of the engine process."""
+    if cores is not None:
+        os.sched_setaffinity(0, cores)  # before any compute thread starts
     if nice:
         lower_priority(nice)  # before torch starts its compute threads, which take it over
     # The server process decides when the engine stops; a Ctrl-C reaches the whole group.
@@ -117,15 +165,37 @@ def _engine_main(cfg: DictConfig, conn: Any, threads: int, warmup_tokens: int | 
     from servelab.server.engine_loop import EngineLoop
 
     torch.set_num_threads(threads)
+    engine = connector = None
     try:
         engine = LLMEngine(cfg)
+        connector = build_connector(engine, name)
     except ConfigError as exc:
         conn.send(EngineConfigError(tuple(exc.problems)))
+        if engine is not None:
+            engine.shutdown()
         return
     warm_up(engine, warmup_tokens)
     conn.send(EngineReady(EngineInfo.of(engine)))
-    log.info("engine ready (%d compute threads)", threads)
-    EngineLoop(engine, conn).run()
+    log.info("%s ready (role %s, pid %d, %d compute threads%s)", name, engine.cfg.role, os.getpid(), threads,
+             f", cores {list(cores)}" if cores is not None else "")
+    EngineLoop(engine, conn, connector).run()
+
+
+def build_connector(engine: Any, name: str) -> Any:
+    """The ``kv_transfer`` connector of a prefill or decode engine (None for a mixed one);
+    ``ConfigError`` when its executor cannot hand KV caches over."""
+    role = engine.cfg.role
+    if role == "mixed":
+        return None
+    if engine.executor.local_kv_caches() is None:
+        executor = engine.registry.spec_for_config("executor", engine.cfg.executor).name
+        raise ConfigError([f"role={role} needs the whole KV cache in one process: executor={executor} with "
+                           f"parallel.tensor_parallel_size={engine.cfg.parallel.tensor_parallel_size} and "
+                           f"parallel.pipeline_parallel_size={engine.cfg.parallel.pipeline_parallel_size} cannot "
+                           f"hand it over (use one device per instance)"])
+    from servelab.core.kv_transfer import KVTransferContext
+
+    return engine.registry.build("kv_transfer", engine.cfg.kv_transfer, KVTransferContext(name, engine.registry))
 
 
 def lower_priority(increment: int) -> None:

@@ -1,10 +1,13 @@
 """The messages between the server process and the engine process of ``servelab-serve``,
 pickled through one ``multiprocessing`` pipe.
 
-server -> engine: ``AddRequest``, ``AbortRequests``, ``StopEngine``.
+server -> engine: ``AddRequest``, ``AbortRequests``, ``StopEngine``; in a disaggregated
+deployment also ``AdmitHandedOff`` (to a decode instance) and ``AbortTransfers``.
 engine -> server: ``EngineReady`` or ``EngineConfigError`` once at start-up, then
 ``RequestAdded`` for every ``AddRequest``, a ``StepReport`` after every step (and after
-aborts), and ``EngineFailed`` once if the loop fails.
+aborts), and ``EngineFailed`` once if the loop fails; a prefill instance sends
+``HandedOff`` for every request it hands off, a decode instance ``RequestFailed`` for one
+it cannot admit.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from servelab.core.kv_cache import KVCacheUsage
+from servelab.core.kv_transfer import TransferTicket
 from servelab.core.outputs import RequestOutput
 from servelab.core.sampling_params import SamplingParams
 from servelab.core.step_stats import StepStats
@@ -28,12 +32,13 @@ class EngineInfo:
     tokenizer: Any
     prefix_caching: bool
     speculative: bool
+    block_size: int
 
     @classmethod
     def of(cls, engine: Any) -> "EngineInfo":
         """The info of a built ``LLMEngine``."""
         return cls(engine.max_model_len, engine.vocab_size, engine.tokenizer, engine.cache.prefix_caching,
-                   engine.strategy.num_lookahead_tokens > 0)
+                   engine.strategy.num_lookahead_tokens > 0, engine.cache.block_size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +57,27 @@ class AbortRequests:
     """Abort these requests (unknown ids are ignored)."""
 
     request_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AdmitHandedOff:
+    """Continue a request a prefill instance handed off: admit ``tickets`` (one per
+    sequence) when the cache has room, in the order they came; outputs stream back as
+    deltas from the first token."""
+
+    tickets: tuple[TransferTicket, ...]
+
+    @property
+    def request_id(self) -> str:
+        """The API request the tickets continue."""
+        return self.tickets[0].handoff.group
+
+
+@dataclass(frozen=True, slots=True)
+class AbortTransfers:
+    """Drop these transfers (their request ended before a decode instance took them)."""
+
+    tickets: tuple[TransferTicket, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +121,24 @@ class StepReport:
     num_waiting: int = 0
     kv: KVCacheUsage | None = None
     num_aborted: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class HandedOff:
+    """A prefill instance published ``request_id``'s KV and state (``tickets``, one per
+    sequence) and dropped it: a decode instance continues it."""
+
+    request_id: str
+    tickets: tuple[TransferTicket, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFailed:
+    """A decode instance could not continue ``request_id``: ``error`` names why (a
+    request whose KV can never fit its cache, a failed transfer)."""
+
+    request_id: str
+    error: Exception
 
 
 @dataclass(frozen=True, slots=True)

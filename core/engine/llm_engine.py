@@ -12,6 +12,7 @@ from omegaconf import DictConfig
 
 from servelab.core.clock import Clock, VirtualClock, WallClock
 from servelab.core.decoding import DecodingContext
+from servelab.core.deployment import ROLES
 from servelab.core.errors import ConfigError, EngineShutdownError, InvalidRequestError
 from servelab.core.executor import ExecutedStep, ExecutorContext
 from servelab.core.kv_transfer import HandOff, KVTransfer, TransferTicket
@@ -79,6 +80,8 @@ class LLMEngine:
         self.max_model_len = resolved.max_model_len
         self.vocab_size = shape.vocab_size
         problems = list(resolved.problems)
+        if cfg.get("role", "mixed") not in ROLES:
+            problems.append(f"role must be one of {', '.join(ROLES)}, got {cfg.role!r}")
         attention_spec = shape.attention_spec(self.dtype, self.device, self.max_model_len, kv_dtype=kv_dtype)
         cfg.attention = registry.spec_for_config("attention", cfg.attention).cls.resolve(
             cfg.attention, attention_spec, registry)

@@ -35,7 +35,7 @@ REGISTER_HOOKS = {
     "router": "servelab_register_routers",
     "kv_transfer": "servelab_register_kv_transfers",
 }
-CONFIG_GROUPS = ("cache", "attention", "scheduler", "decoding", "executor", "cost_model", "router")
+CONFIG_GROUPS = ("cache", "attention", "scheduler", "decoding", "executor", "cost_model", "router", "kv_transfer")
 """Kinds that are Hydra config groups (models are picked from ``config.json``; eviction
 policies by name with ``cache.eviction``)."""
 
