@@ -8,6 +8,7 @@ import pytest
 
 from servelab import ConfigError, InvalidRequestError, LLMEngine, SamplingParams
 from servelab.core.engine.registry import get_registry
+from servelab.core.hookspecs import hookimpl
 from servelab.core.entrypoints.compose import compose_config
 from servelab.core.kv_transfer import KVTransferContext, KVTransferError
 
@@ -74,7 +75,7 @@ def disaggregated(params: SamplingParams, prefill_overrides: tuple[str, ...], de
     return done
 
 
-@pytest.mark.parametrize("scheduler", ["continuous", "chunked"])
+@pytest.mark.parametrize("scheduler", ["continuous", "chunked", "static", "dynamic"])
 def test_greedy_output_equals_one_engine(scheduler):
     prefill_side = (f"scheduler={scheduler}", "scheduler.token_budget=8") if scheduler == "chunked" else (
         f"scheduler={scheduler}",)
@@ -84,6 +85,24 @@ def test_greedy_output_equals_one_engine(scheduler):
 def test_seeded_sampling_continues_its_random_stream():
     params = SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, seed=11, ignore_eos=True)
     assert disaggregated(params, (), ()) == one_engine(params)
+
+
+def test_preemption_on_the_decode_side_recomputes_and_output_is_unchanged():
+    small = ("cache.block_size=4", "cache.num_blocks=12", "model.max_model_len=48")  # prompts fit (11 blocks), outputs not
+    seen = []
+
+    class Preemptions:
+        @hookimpl
+        def servelab_step_end(self, engine, stats):
+            seen.append(stats.num_preempted)
+
+    registry = get_registry()
+    registry.plugin_manager.register(observer := Preemptions())
+    try:
+        assert disaggregated(GREEDY, small, small) == one_engine(GREEDY)
+    finally:
+        registry.plugin_manager.unregister(observer)
+    assert sum(seen) > 0
 
 
 def test_prefix_caching_and_quantized_kv_on_both_sides():
