@@ -14,9 +14,10 @@ drops a transfer and everything it holds.
 from __future__ import annotations
 
 import abc
+import contextlib
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
@@ -195,6 +196,14 @@ class KVTransfer(abc.ABC):
 
     def shutdown(self) -> None:
         """Drop every transfer this instance sent and not yet handed over. Nothing by default."""
+
+    @classmethod
+    def host_deployment(cls, config: Any) -> contextlib.AbstractContextManager:
+        """What the process that starts a deployment's instances holds open while they run,
+        for their connectors (built with ``config``) to meet, e.g. a rendezvous store that
+        must outlive every instance; entered before the first instance starts and left
+        after the last one stopped. Nothing by default."""
+        return contextlib.nullcontext()
 
 
 def check_receivable(ticket: TransferTicket, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int]) -> None:

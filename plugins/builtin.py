@@ -74,10 +74,11 @@ def servelab_register_routers():
 
 @hookimpl
 def servelab_register_kv_transfers():
-    """shared_memory (memory-backed files between instances on one host)."""
-    from servelab.plugins.kv_transfer import shared_memory
+    """shared_memory (memory-backed files between instances on one host) and
+    torch_distributed (send/recv over torch.distributed, on one host or several)."""
+    from servelab.plugins.kv_transfer import shared_memory, torch_distributed
 
-    return [shared_memory.SPEC]
+    return [shared_memory.SPEC, torch_distributed.SPEC]
 
 
 @hookimpl

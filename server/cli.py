@@ -14,21 +14,15 @@ GRACEFUL_SHUTDOWN_TIMEOUT_S = 5
 
 
 def serve(cfg: DictConfig) -> None:
-    """Start the engine process from ``cfg`` and serve it on ``server.host:server.port``
-    until SIGTERM/SIGINT (``server.backend=ray``: replicas on Ray Serve, ``ray_serve.app``);
-    configuration errors exit with status 2, an engine failure with 1."""
-    import uvicorn
-
+    """Start the engine processes of ``cfg``'s deployment and serve them on
+    ``server.host:server.port`` until SIGTERM/SIGINT (``server.backend=ray``: replicas on
+    Ray Serve, ``ray_serve.app``); configuration errors exit with status 2, an engine
+    failure with 1."""
     from servelab.core.deployment import is_disaggregated
     from servelab.core.errors import ConfigError
-    from servelab.server.app import create_app
-    from servelab.server.state import ServerState
-    from servelab.server.async_engine import AsyncEngine
     from servelab.server.config import server_problems, served_model_name
-    from servelab.server.deployment import plan_instances
-    from servelab.server.draining_server import DrainingServer
+    from servelab.server.deployment import deployment_service, plan_instances
     from servelab.server.engine_process import EngineProcess
-    from servelab.server.metrics import ServerMetrics
 
     server_cfg = cfg.server
     try:
@@ -43,11 +37,28 @@ def serve(cfg: DictConfig) -> None:
 
             serve_on_ray(cfg, served_model_name(cfg))
             return
-        plans = plan_instances(cfg, app_overrides())
-        processes = EngineProcess.launch_all(plans, server_cfg)
+        with deployment_service(cfg):
+            plans = plan_instances(cfg, app_overrides())
+            processes = EngineProcess.launch_all(plans, server_cfg)
+            run_server(cfg, plans, processes)
     except ConfigError as exc:
         print(f"servelab-serve: error: {exc}", file=sys.stderr)
         sys.exit(2)
+
+
+def run_server(cfg: DictConfig, plans: list, processes: list) -> None:
+    """Serve the started engine processes on ``server.host:server.port`` until
+    SIGTERM/SIGINT; an engine failure exits with status 1."""
+    import uvicorn
+
+    from servelab.server.app import create_app
+    from servelab.server.async_engine import AsyncEngine
+    from servelab.server.config import served_model_name
+    from servelab.server.draining_server import DrainingServer
+    from servelab.server.metrics import ServerMetrics
+    from servelab.server.state import ServerState
+
+    server_cfg = cfg.server
     prefill = [p for plan, p in zip(plans, processes) if plan.cfg.role != "decode"]
     decode = [p for plan, p in zip(plans, processes) if plan.cfg.role == "decode"]
     info = processes[0].info

@@ -4,10 +4,11 @@ and, when the cores go round, cores of its own."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Sequence
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from servelab.core.deployment import is_disaggregated, pool_problems
 from servelab.core.entrypoints.compose import compose_pool_config
@@ -15,6 +16,17 @@ from servelab.core.errors import ConfigError
 from servelab.server.engine_process import InstancePlan
 
 POOLS = ("prefill", "decode")
+
+
+def deployment_service(cfg: DictConfig) -> contextlib.AbstractContextManager:
+    """What the server holds open while a disaggregated deployment's instances run: its
+    ``kv_transfer`` connector's ``host_deployment`` (nothing for one engine)."""
+    if not is_disaggregated(cfg):
+        return contextlib.nullcontext()
+    from servelab.core.engine.registry import get_registry
+
+    spec = get_registry().spec_for_config("kv_transfer", cfg.kv_transfer)
+    return spec.cls.host_deployment(OmegaConf.to_object(cfg.kv_transfer))
 
 
 def plan_instances(cfg: DictConfig, base_overrides: Sequence[str] = (), config_name: str = "serve",

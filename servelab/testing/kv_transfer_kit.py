@@ -9,6 +9,7 @@ written; a killed sender never hangs the receiver; shutdown drops what was not h
 
 from __future__ import annotations
 
+import json
 import pickle
 import subprocess
 import sys
@@ -53,15 +54,15 @@ def handoff(request_id: str = "req-0") -> HandOff:
 
 
 SENDER = textwrap.dedent('''
-    import pickle, sys
+    import json, pickle, sys
     from servelab.core.engine.registry import get_registry
     from servelab.core.kv_transfer import KVTransferContext
     from servelab.testing.kv_transfer_kit import cache_layers, handoff
     import torch
 
-    name, dtype_name, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    name, dtype_name, seed, config = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
     registry = get_registry()
-    connector = registry.build("kv_transfer", registry.get("kv_transfer", name).config_cls(),
+    connector = registry.build("kv_transfer", registry.get("kv_transfer", name).config_cls(**config),
                                KVTransferContext("prefill-remote", registry))
     ticket = connector.send(cache_layers(getattr(torch, dtype_name), seed), [6, 1, 3], handoff("remote"))
     sys.stdout.write(pickle.dumps(ticket).hex() + "\\n")
@@ -70,17 +71,20 @@ SENDER = textwrap.dedent('''
 ''')
 
 
-def start_remote_sender(name: str, dtype_name: str, seed: int) -> tuple[subprocess.Popen, Any]:
+def start_remote_sender(name: str, dtype_name: str, seed: int,
+                        config: dict[str, Any] | None = None) -> tuple[subprocess.Popen, Any]:
     """A process that sends blocks [6, 1, 3] of ``cache_layers(dtype, seed)`` with connector
-    ``name`` and exits when it reads a line; returns it and its ticket."""
-    sender = subprocess.Popen([sys.executable, "-c", SENDER, name, dtype_name, str(seed)],
+    ``name`` (its config dataclass built from ``config``, JSON values) and exits when it
+    reads a line; returns it and its ticket."""
+    sender = subprocess.Popen([sys.executable, "-c", SENDER, name, dtype_name, str(seed), json.dumps(config or {})],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     return sender, pickle.loads(bytes.fromhex(sender.stdout.readline().strip()))
 
 
 class KVTransferConformance(ConformanceKit):
     """Run against every registered KV transfer connector (or the ``names`` listed).
-    ``configs`` maps a connector name to keyword arguments of its config dataclass."""
+    ``configs`` maps a connector name to keyword arguments of its config dataclass (JSON
+    values: the sender in another process is built with them too)."""
 
     kind = "kv_transfer"
     configs: ClassVar[dict[str, dict[str, Any]]] = {}
@@ -130,7 +134,7 @@ class KVTransferConformance(ConformanceKit):
 
     def test_blocks_arrive_from_another_process(self, component):
         receiver = self.build(component, "decode-0")
-        sender, ticket = start_remote_sender(component, "bfloat16", 7)
+        sender, ticket = start_remote_sender(component, "bfloat16", 7, self.configs.get(component))
         try:
             target = cache_layers(torch.bfloat16)
             assert receiver.receive(ticket, target, [0, 1, 2]).request_id == "remote"
@@ -187,7 +191,7 @@ class KVTransferConformance(ConformanceKit):
 
     def test_killed_sender_never_hangs_the_receiver(self, component):
         receiver = self.build(component, "decode-0")
-        sender, ticket = start_remote_sender(component, "float32", 5)
+        sender, ticket = start_remote_sender(component, "float32", 5, self.configs.get(component))
         sender.kill()
         sender.wait(timeout=60)
         target = cache_layers(torch.float32)

@@ -3,6 +3,7 @@ conformance kits of ``servelab.testing``, as a third-party package runs them."""
 
 from __future__ import annotations
 
+from servelab.platform import free_port
 from servelab.testing import (AttentionConformance, DecodingConformance, EntryPointConformance,
                               ExecutorConformance, KVCacheConformance, KVTransferConformance, SchedulerConformance,
                               StressConformance)
@@ -30,6 +31,8 @@ class TestExecutors(ExecutorConformance):
 
 class TestKVTransfers(KVTransferConformance):
     """Every KV transfer connector, within a process and across two."""
+
+    configs = {"torch_distributed": {"port": free_port()}}  # not the default port another run may use
 
 
 class TestStress(StressConformance):

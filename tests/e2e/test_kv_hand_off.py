@@ -9,6 +9,7 @@ import pytest
 from servelab import ConfigError, InvalidRequestError, LLMEngine, SamplingParams
 from servelab.core.engine.registry import get_registry
 from servelab.core.hookspecs import hookimpl
+from servelab.platform import free_port
 from servelab.core.entrypoints.compose import compose_config
 from servelab.core.kv_transfer import KVTransferContext, KVTransferError
 
@@ -20,9 +21,9 @@ def engine(*overrides: str) -> LLMEngine:
     return LLMEngine(compose_config(["model=toy", "device=cpu", *overrides]))
 
 
-def connector(instance_id: str):
+def connector(instance_id: str, name: str = "shared_memory", **config):
     registry = get_registry()
-    return registry.build("kv_transfer", registry.get("kv_transfer", "shared_memory").config_cls(),
+    return registry.build("kv_transfer", registry.get("kv_transfer", name).config_cls(**config),
                           KVTransferContext(instance_id, registry))
 
 
@@ -52,10 +53,12 @@ def one_engine(params: SamplingParams, *overrides: str) -> dict[str, list[int]]:
     return done
 
 
-def disaggregated(params: SamplingParams, prefill_overrides: tuple[str, ...], decode_overrides: tuple[str, ...]):
-    """Prefill every prompt on one engine, hand each off after its first token, decode on another."""
+def disaggregated(params: SamplingParams, prefill_overrides: tuple[str, ...], decode_overrides: tuple[str, ...],
+                  connectors: tuple = ()):
+    """Prefill every prompt on one engine, hand each off after its first token (through
+    ``connectors``, default two shared-memory ones), decode on another."""
     prefill, decode = engine(*prefill_overrides), engine(*decode_overrides)
-    sender, receiver = connector("prefill-0"), connector("decode-0")
+    sender, receiver = connectors or (connector("prefill-0"), connector("decode-0"))
     for i, prompt in enumerate(PROMPTS):
         prefill.add_request(prompt, params, request_id=f"r{i}")
     handed_off = []
@@ -82,27 +85,52 @@ def test_greedy_output_equals_one_engine(scheduler):
     assert disaggregated(GREEDY, prefill_side, ("scheduler=continuous",)) == one_engine(GREEDY)
 
 
+def test_torch_distributed_connector_hands_off_the_same():
+    port = free_port()
+    pair = (connector("prefill-0", "torch_distributed", port=port), connector("decode-0", "torch_distributed", port=port))
+    try:
+        assert disaggregated(GREEDY, ("scheduler=chunked", "scheduler.token_budget=8"), (), pair) == one_engine(GREEDY)
+    finally:
+        for end in pair:
+            end.shutdown()
+
+
 def test_seeded_sampling_continues_its_random_stream():
     params = SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, seed=11, ignore_eos=True)
     assert disaggregated(params, (), ()) == one_engine(params)
 
 
+class StepLog:
+    """The ``StepStats`` of every step of every engine while registered (``with StepLog() as log``)."""
+
+    def __init__(self):
+        self.stats = []
+
+    @hookimpl
+    def servelab_step_end(self, engine, stats):
+        self.stats.append(stats)
+
+    def __enter__(self):
+        get_registry().plugin_manager.register(self)
+        return self
+
+    def __exit__(self, *exc):
+        get_registry().plugin_manager.unregister(self)
+
+
 def test_preemption_on_the_decode_side_recomputes_and_output_is_unchanged():
     small = ("cache.block_size=4", "cache.num_blocks=12", "model.max_model_len=48")  # prompts fit (11 blocks), outputs not
-    seen = []
-
-    class Preemptions:
-        @hookimpl
-        def servelab_step_end(self, engine, stats):
-            seen.append(stats.num_preempted)
-
-    registry = get_registry()
-    registry.plugin_manager.register(observer := Preemptions())
-    try:
+    with StepLog() as log:
         assert disaggregated(GREEDY, small, small) == one_engine(GREEDY)
-    finally:
-        registry.plugin_manager.unregister(observer)
-    assert sum(seen) > 0
+    assert sum(stats.num_preempted for stats in log.stats) > 0
+
+
+def test_speculative_decoding_on_the_decode_side_catches_its_draft_up():
+    tiny = ("model=tiny",)
+    with StepLog() as log:
+        assert disaggregated(GREEDY, tiny, (*tiny, "decoding=speculative", "decoding.num_speculative_tokens=3")) == \
+            one_engine(GREEDY, *tiny)
+    assert sum(stats.spec_accepted for stats in log.stats) > 0
 
 
 def test_prefix_caching_and_quantized_kv_on_both_sides():

@@ -23,6 +23,7 @@ from test_openai_structured_output import test_completion_with_a_json_schema  # 
 from test_parallel_faults import alive, spawned_children
 
 from servelab.core.errors import ConfigError
+from servelab.platform import free_port
 from servelab.server.config import compose_serve_config
 from servelab.server.deployment import plan_instances
 
@@ -77,10 +78,11 @@ def test_a_prompt_too_long_is_refused_naming_the_limit(http):
     assert response.status_code == 400 and "maximum context length is 512 tokens" in response.text, response.text
 
 
-def test_two_prefill_instances_with_chunked_prefills_and_an_ngram_decode_pool(tmp_path, greedy):
+def test_two_prefill_instances_with_chunked_prefills_an_ngram_decode_pool_over_torch_distributed(tmp_path, greedy):
     server = ServerProcess(tmp_path / "server.log", "deployment=disaggregated", "deployment.prefill.instances=2",
                            'deployment.prefill.overrides=["scheduler=chunked","scheduler.token_budget=16"]',
-                           'deployment.decode.overrides=["decoding=ngram"]', "router=least_loaded")
+                           'deployment.decode.overrides=["decoding=ngram"]', "router=least_loaded",
+                           "kv_transfer=torch_distributed", f"kv_transfer.port={free_port()}")
     try:
         prompts = [PROMPTS[i % len(PROMPTS)] * (1 + i % 3) for i in range(8)]
         expected = greedy(prompts, 12)
