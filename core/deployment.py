@@ -30,11 +30,15 @@ class PoolConfig:
     """One pool of a disaggregated deployment: ``instances`` engines, each the app's
     config with ``overrides`` (Hydra overrides, e.g. ``["scheduler=chunked"]``) applied;
     ``engine_threads`` compute threads each (null: this process's cores split evenly over
-    every instance of the deployment, at least one each)."""
+    every instance of the deployment, at least one each; on Ray, ``server.replica_cpus``).
+    ``ray_resources``: with ``server.backend=ray``, the custom Ray resources each instance
+    reserves, which place the pool on the machines started with them
+    (``ray start --resources='{"prefill": 8}'``)."""
 
     instances: int = 1
     overrides: list[str] = field(default_factory=list)
     engine_threads: Optional[int] = None
+    ray_resources: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

@@ -27,23 +27,43 @@ def serve(cfg: DictConfig) -> None:
     server_cfg = cfg.server
     try:
         problems = server_problems(server_cfg)
-        if is_disaggregated(cfg) and server_cfg.backend != "local":
-            problems.append(f"deployment=disaggregated runs its instances behind server.backend=local, "
-                            f"got server.backend={server_cfg.backend}")
         if problems:
             raise ConfigError(problems)
-        if server_cfg.backend == "ray":
+        if server_cfg.backend == "ray" and is_disaggregated(cfg):
+            serve_instances_on_ray(cfg)
+        elif server_cfg.backend == "ray":
             from servelab.server.ray_serve.app import serve_on_ray
 
             serve_on_ray(cfg, served_model_name(cfg))
-            return
-        with deployment_service(cfg):
-            plans = plan_instances(cfg, app_overrides())
-            processes = EngineProcess.launch_all(plans, server_cfg)
-            run_server(cfg, plans, processes)
+        else:
+            with deployment_service(cfg):
+                plans = plan_instances(cfg, app_overrides())
+                run_server(cfg, plans, EngineProcess.launch_all(plans, server_cfg))
     except ConfigError as exc:
         print(f"servelab-serve: error: {exc}", file=sys.stderr)
         sys.exit(2)
+
+
+def serve_instances_on_ray(cfg: DictConfig) -> None:
+    """``server.backend=ray deployment=disaggregated``: every instance an engine actor on
+    the Ray cluster this machine belongs to (or a local one), placed by its pool's
+    ``ray_resources``, behind this process's HTTP server."""
+    import dataclasses
+
+    import ray
+
+    from servelab.server.deployment import deployment_service, plan_instances
+    from servelab.server.ray_serve.remote_engine import launch_on_ray
+
+    ray.init()
+    try:
+        with deployment_service(cfg):
+            plans = [dataclasses.replace(plan, cores=None, threads=cfg.deployment[plan.cfg.role].engine_threads or
+                                         max(1, int(cfg.server.replica_cpus)))
+                     for plan in plan_instances(cfg, app_overrides())]
+            run_server(cfg, plans, launch_on_ray(plans, cfg))
+    finally:
+        ray.shutdown()
 
 
 def run_server(cfg: DictConfig, plans: list, processes: list) -> None:
