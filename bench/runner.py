@@ -11,6 +11,7 @@ from servelab.bench.config import (HttpTargetConfig, InprocTargetConfig, NoBasel
 from servelab.bench.metrics import summarize
 from servelab.bench.system import System
 from servelab.bench.workload import build_workload, warmup_workload
+from servelab.core.deployment import is_disaggregated
 from servelab.core.errors import ConfigError
 
 
@@ -22,6 +23,9 @@ def open_system(cfg: DictConfig, folder: str) -> System:
     if baseline is not NoBaselineConfig and target is not InprocTargetConfig:
         raise ConfigError([f"baseline={'vllm' if baseline is VllmBaselineConfig else 'transformers'} runs in this "
                            f"process: use target=inproc (measure a remote server with baseline=none target=http)"])
+    if baseline is not NoBaselineConfig and is_disaggregated(cfg):
+        raise ConfigError([f"baseline={'vllm' if baseline is VllmBaselineConfig else 'transformers'} runs one engine: "
+                           f"use deployment=single (deployment=disaggregated measures servelab's pools)"])
     if baseline is TransformersBaselineConfig:
         from servelab.bench.baselines.hf_generate import TransformersSystem
 
@@ -34,6 +38,11 @@ def open_system(cfg: DictConfig, folder: str) -> System:
         from servelab.bench.targets.http import HttpSystem
 
         return HttpSystem(cfg)
+    if is_disaggregated(cfg):
+        from servelab.bench.targets.disaggregated import DisaggregatedSystem
+        from servelab.core.entrypoints.compose import app_overrides
+
+        return DisaggregatedSystem(cfg, app_overrides())
     if cfg.target.replicas != 1:
         from servelab.bench.targets.cluster import ClusterSystem
 

@@ -93,6 +93,15 @@ class SamplingConfig:
 
 
 @dataclass
+class LinkConfig:
+    """One kind of link a device moves data over to another instance's device:
+    ``bandwidth`` bytes/s in one direction, ``latency_s`` the fixed cost of one transfer."""
+
+    bandwidth: float = 1.0e10
+    latency_s: float = 1.0e-5
+
+
+@dataclass
 class HardwareConfig:
     """One device of the machine a cost model prices (``hardware=a100-80gb``), from its
     datasheet: ``peak_flops``, dense matmul FLOP/s in the compute dtype (bfloat16/float16
@@ -109,7 +118,9 @@ class HardwareConfig:
     reaches (calibrated against measured all-reduce times); ``network_bandwidth``: bytes/s
     each device sends off its node (its share of the node's InfiniBand/Ethernet), used by
     collectives that span more than ``devices_per_node`` devices and by pipeline sends
-    between nodes."""
+    between nodes. ``links``: the links a KV cache can move over between the instances of
+    a disaggregated deployment (``nvlink``, ``pcie``, ``infiniband``, ``roce``; a device
+    without one leaves it out), chosen by ``deployment.link``."""
 
     name: str = "local"
     peak_flops: float = 1.0e11
@@ -125,6 +136,7 @@ class HardwareConfig:
     memory_efficiency: float = 0.8
     interconnect_efficiency: float = 0.7
     network_bandwidth: float = 25.0e9
+    links: dict[str, LinkConfig] = field(default_factory=dict)
 
 
 @dataclass

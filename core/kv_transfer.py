@@ -169,8 +169,12 @@ class KVTransfer(abc.ABC):
     Built as ``cls(config, KVTransferContext)``. ``kv_caches`` are one instance's per-layer
     cache tensors viewed with their blocks first (``Executor.local_kv_caches``: ``[num_blocks,
     *block_shape]``, possibly not contiguous, any ``cache.kv_dtype``: the bytes move as they
-    are, scales included); ``block_ids`` index that first axis.
+    are, scales included); ``block_ids`` index that first axis. ``handles_meta_caches``:
+    True for a connector that takes caches of meta tensors (shapes without storage, from
+    ``executor=simulated``) and prices a transfer instead of moving bytes.
     """
+
+    handles_meta_caches: bool = False
 
     @abc.abstractmethod
     def send(self, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int], handoff: HandOff) -> TransferTicket:

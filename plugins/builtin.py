@@ -77,8 +77,9 @@ def servelab_register_kv_transfers():
     """shared_memory (memory-backed files between instances on one host) and
     torch_distributed (send/recv over torch.distributed, on one host or several)."""
     from servelab.plugins.kv_transfer import shared_memory, torch_distributed
+    from servelab.plugins.kv_transfer import simulated  # simulated engines: no bytes, each transfer priced
 
-    return [shared_memory.SPEC, torch_distributed.SPEC]
+    return [shared_memory.SPEC, torch_distributed.SPEC, simulated.SPEC]
 
 
 @hookimpl

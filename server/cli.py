@@ -19,6 +19,7 @@ def serve(cfg: DictConfig) -> None:
     Ray Serve, ``ray_serve.app``); configuration errors exit with status 2, an engine
     failure with 1."""
     from servelab.core.deployment import is_disaggregated
+    from servelab.core.entrypoints.compose import app_overrides
     from servelab.core.errors import ConfigError
     from servelab.server.config import server_problems, served_model_name
     from servelab.server.deployment import deployment_service, plan_instances
@@ -52,6 +53,7 @@ def serve_instances_on_ray(cfg: DictConfig) -> None:
 
     import ray
 
+    from servelab.core.entrypoints.compose import app_overrides
     from servelab.server.deployment import deployment_service, plan_instances
     from servelab.server.ray_serve.remote_engine import launch_on_ray
 
@@ -93,14 +95,6 @@ def run_server(cfg: DictConfig, plans: list, processes: list) -> None:
     server.run()
     if server.exit_code:
         sys.exit(server.exit_code)
-
-
-def app_overrides() -> list[str]:
-    """The command line's overrides of the running Hydra app (none outside one): what a
-    pool's config is composed from before its own overrides."""
-    from hydra.core.hydra_config import HydraConfig
-
-    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
 def pool_routers(cfg: DictConfig, num_prefill: int, num_decode: int, block_size: int) -> dict:

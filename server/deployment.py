@@ -29,7 +29,7 @@ def deployment_service(cfg: DictConfig) -> contextlib.AbstractContextManager:
     return spec.cls.host_deployment(OmegaConf.to_object(cfg.kv_transfer))
 
 
-def plan_instances(cfg: DictConfig, base_overrides: Sequence[str] = (), config_name: str = "serve",
+def plan_instances(cfg: DictConfig, base_overrides: Sequence[str] | None = None, config_name: str = "serve",
                    cores: Sequence[int] | None = None) -> list[InstancePlan]:
     """The engine processes of ``cfg``'s deployment, prefill instances first: ``engine``
     for ``deployment=single``, else ``prefill-0..`` and ``decode-0..``, each pool's config

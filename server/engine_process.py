@@ -187,12 +187,14 @@ def build_connector(engine: Any, name: str) -> Any:
     role = engine.cfg.role
     if role == "mixed":
         return None
-    if engine.executor.local_kv_caches() is None:
+    caches = engine.executor.local_kv_caches()
+    if caches is None or (caches and caches[0].is_meta):
         executor = engine.registry.spec_for_config("executor", engine.cfg.executor).name
         raise ConfigError([f"role={role} needs the whole KV cache in one process: executor={executor} with "
                            f"parallel.tensor_parallel_size={engine.cfg.parallel.tensor_parallel_size} and "
                            f"parallel.pipeline_parallel_size={engine.cfg.parallel.pipeline_parallel_size} cannot "
-                           f"hand it over (use one device per instance)"])
+                           f"hand it over (use one device per instance running the model; simulated pools run "
+                           f"under servelab-bench)"])
     from servelab.core.kv_transfer import KVTransferContext
 
     return engine.registry.build("kv_transfer", engine.cfg.kv_transfer, KVTransferContext(name, engine.registry))

@@ -254,7 +254,7 @@ class LLMEngine:
                     f"{request.request_id!r} cannot be handed off now: it has {request.num_output_tokens} generated "
                     f"tokens and {request.num_computed_tokens} of {request.num_tokens} tokens cached (a hand-off "
                     f"follows its prefill: one token or more generated, all but the newest cached, no step in flight)"))
-        caches = self._local_kv_caches()
+        caches = self._local_kv_caches(connector)
         tickets: list[TransferTicket] = []
         try:
             for request in group.children:
@@ -289,7 +289,7 @@ class LLMEngine:
         self.check_request(list(first.token_ids[:first.num_prompt_tokens]), first.sampling_params)
         if group_id in self.outputs.groups:
             raise InvalidRequestError("request_id", f"{group_id!r} is already running")
-        caches = self._local_kv_caches()
+        caches = self._local_kv_caches(connector)
         now = self.clock.now()
         requests = [handoff.restore(self._eos_token_id(), now, self.device) for handoff in handoffs]
         running = [request for request in requests if not request.is_finished]
@@ -317,12 +317,19 @@ class LLMEngine:
         """The registered name of the engine's executor, for error messages."""
         return self.registry.spec_for_config("executor", self.cfg.executor).name
 
-    def _local_kv_caches(self) -> list:
-        """The executor's KV tensors, or ``ConfigError`` naming why a hand-off cannot run here."""
+    def _local_kv_caches(self, connector: KVTransfer) -> list:
+        """The executor's KV tensors, or ``ConfigError`` naming why a hand-off through
+        ``connector`` cannot run here: the cache is split over processes, or it is only a
+        shape (meta tensors: ``executor=simulated``) and the connector moves bytes (only a
+        connector with ``handles_meta_caches``, ``kv_transfer=simulated``, takes shapes)."""
         caches = self.executor.local_kv_caches()
         if caches is None:
             raise ConfigError([f"executor={self._executor_name()} does not hold the whole KV cache in this process (tensor or "
-                               f"pipeline parallel, or simulated): a KV hand-off needs one device"])
+                               f"pipeline parallel): a KV hand-off needs one device"])
+        if caches and caches[0].is_meta and not connector.handles_meta_caches:
+            raise ConfigError([f"executor={self._executor_name()} does not hold the whole KV cache in this process, only its "
+                               f"shape (no bytes to move): hand it off with kv_transfer=simulated, which prices the "
+                               f"transfer instead of moving it"])
         return caches
 
     def has_unfinished_requests(self) -> bool:

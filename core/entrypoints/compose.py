@@ -7,6 +7,7 @@ import copy
 from omegaconf import DictConfig, read_write
 
 from servelab.core.config import store_schemas
+from servelab.core.errors import ConfigError
 from servelab.core.engine.registry import get_registry
 
 
@@ -29,11 +30,24 @@ def compose_config(overrides: list[str] | None = None, config_name: str = "confi
         return compose(config_name=config_name, overrides=overrides)
 
 
-def compose_pool_config(cfg: DictConfig, role: str, base_overrides: list[str], config_name: str) -> DictConfig:
+def app_overrides() -> list[str] | None:
+    """The command line's overrides of the running Hydra app (what a pool's config is
+    composed from before its own overrides); None outside one."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else None
+
+
+def compose_pool_config(cfg: DictConfig, role: str, base_overrides: list[str] | None, config_name: str) -> DictConfig:
     """The config of one instance of pool ``role``: a copy of ``cfg`` when the pool has no
     overrides, else ``conf/<config_name>.yaml`` composed again with ``base_overrides``
-    (the app's) then the pool's; ``role`` set either way."""
+    (the app's, ``app_overrides()``) then the pool's; ``role`` set either way.
+    ``ConfigError`` when the pool has overrides and ``base_overrides`` is None (outside a
+    Hydra app: ``cfg``'s own overrides are not known)."""
     overrides = list(cfg.deployment[role].overrides)
+    if overrides and base_overrides is None:
+        raise ConfigError([f"deployment.{role}.overrides recompose the app's config from its command line, which "
+                           f"is known only inside a Hydra app (servelab-serve, servelab-bench)"])
     if overrides:
         pool = compose_config(list(base_overrides) + overrides, config_name=config_name)
     else:

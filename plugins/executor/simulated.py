@@ -16,6 +16,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 from random import Random
 
+import torch
 from omegaconf import OmegaConf
 
 from servelab.core.component import ComponentSpec
@@ -24,6 +25,7 @@ from servelab.core.decoding import DecodeResult, DecodingStrategy, lookahead_all
 from servelab.core.errors import ConfigError
 from servelab.core.executor import ExecutedStep, Executor, ExecutorContext
 from servelab.core.kv_cache import KVCacheManager, KVCacheSpec
+from servelab.core.kv_cache_dtype import SCALE_BYTES, is_quantized
 from servelab.core.model import ModelShape
 from servelab.core.outputs import Logprob
 from servelab.core.quantization import WeightQuantization, weight_memory_bytes
@@ -77,6 +79,8 @@ class SimulatedExecutor(Executor):
         self.stage_free = [0.0] * self.parallel.pipeline_parallel_size
         self.draft_cost_model: CostModel | None = None
         self._pending: deque[PricedStep] = deque()
+        self._meta_caches: list[torch.Tensor] = []
+        self._block_bytes = 0
 
     def _cost_model(self, shape: ModelShape, quantization: WeightQuantization | None = None) -> CostModel:
         cfg = self.context.engine_cfg
@@ -106,12 +110,33 @@ class SimulatedExecutor(Executor):
         return int(left)
 
     def attach(self, cache: KVCacheManager, strategy: DecodingStrategy) -> None:
-        """Keep the cache's block size for pricing block moves, and a cost model for the
-        strategy's draft model if it has one."""
+        """Keep the cache's block bytes for pricing block moves, the whole cache's shape
+        for hand-offs, and a cost model for the strategy's draft model if it has one."""
         self.cache = cache
         self.strategy = strategy
+        kv_dtype = self.context.kv_dtype or self.context.dtype
+        self._block_bytes = self.context.shape.kv_cache_spec(
+            kv_dtype, self.context.max_model_len, self.parallel.tensor_parallel_size,
+            self.parallel.pipeline_parallel_size).bytes_per_token * cache.block_size
+        shape = self.context.shape
+        row = shape.head_dim + (SCALE_BYTES if is_quantized(kv_dtype) else 0)
+        block = (cache.num_blocks, 2, cache.block_size, shape.num_kv_heads, row)
+        self._meta_caches = [torch.empty(block, dtype=kv_dtype, device="meta") for _ in range(shape.num_layers)]
         if strategy.draft_model_shape is not None:
             self.draft_cost_model = self._cost_model(strategy.draft_model_shape)
+
+    def local_kv_caches(self) -> list[torch.Tensor]:
+        """The whole model's KV cache as it would be stored, with no storage: one meta
+        tensor per layer (every pipeline stage's), ``[num_blocks, 2, block_size,
+        num_kv_heads, head_dim]`` of the cache dtype (one-byte dtypes: ``head_dim`` + 4
+        scale bytes per row), every KV head (the ranks' shares together). A connector
+        that handles meta caches (``kv_transfer=simulated``) reads the bytes a hand-off
+        moves from them."""
+        return self._meta_caches
+
+    def shutdown(self) -> None:
+        """Drop the cache's shapes; a simulated executor holds nothing else."""
+        self._meta_caches = []
 
     # -- one step -------------------------------------------------------------------------------
     def submit(self, output: SchedulerOutput) -> None:
@@ -181,12 +206,11 @@ class SimulatedExecutor(Executor):
 
     def _block_moves_time(self, output: SchedulerOutput) -> float:
         """Swapping over the host link, copy-on-write within device memory."""
-        block_bytes = self.context.shape.kv_cache_spec(
-            self.context.kv_dtype or self.context.dtype, self.context.max_model_len, self.parallel.tensor_parallel_size,
-            self.parallel.pipeline_parallel_size).bytes_per_token * self.cache.block_size
         swapped = len(output.blocks_to_swap_out) + len(output.blocks_to_swap_in)
-        return (swapped * block_bytes / self.hardware.host_bandwidth
-                + 2 * len(output.blocks_to_copy) * block_bytes / self.hardware.memory_bandwidth)
+        if not swapped and not output.blocks_to_copy:
+            return 0.0
+        return (swapped * self._block_bytes / self.hardware.host_bandwidth
+                + 2 * len(output.blocks_to_copy) * self._block_bytes / self.hardware.memory_bandwidth)
 
     def _draft_time(self, output: SchedulerOutput, allowances: tuple[int, ...]) -> float:
         """The draft model's passes: one token per drafting request per drafted position."""
