@@ -25,12 +25,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 from servelab.core.errors import InvalidRequestError
 from servelab.core.sampling_params import SamplingParams
-from servelab.core.router import Router
-from servelab.server.engine_instance import EngineInstance, combined_usage
+from servelab.core.kv_cache import KVCacheUsage
+from servelab.core.router import ReplicaState, Router
 from servelab.server.messages import (AbortRequests, AbortTransfers, AddRequest, AdmitHandedOff, EngineFailed,
                                       EngineInfo, HandedOff, RequestAdded, RequestFailed, StepReport, StopEngine)
 from servelab.server.engine_process import EngineProcess
@@ -42,6 +42,46 @@ from servelab.server.output_stream import OutputStream
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+class EngineInstance:
+    """An ``EngineProcess`` with the requests the server placed on it (``held``: added and
+    not yet finished, handed off or aborted) and its latest scheduler and cache gauges."""
+
+    def __init__(self, index: int, process: EngineProcess):
+        self.index = index
+        self.process = process
+        self.name = process.name
+        self.held = 0
+        self.num_running = 0
+        self.num_waiting = 0
+        self.kv: KVCacheUsage | None = None
+
+    def send(self, message: Any) -> None:
+        """Send a command down the pipe (``OSError`` once the process is gone)."""
+        self.process.conn.send(message)
+
+    def observe(self, report: StepReport) -> None:
+        """Keep the gauges of a step report."""
+        self.num_running, self.num_waiting = report.num_running, report.num_waiting
+        if report.kv is not None:
+            self.kv = report.kv
+
+    def state(self, index: int) -> ReplicaState:
+        """What a router sees of this instance as replica ``index`` of its pool: the
+        requests placed on it (exact, unlike the gauges of its last report) and its KV
+        occupancy."""
+        return ReplicaState(index, self.held, 0, self.kv.usage if self.kv is not None else 0.0)
+
+
+def combined_usage(instances: list[EngineInstance]) -> KVCacheUsage | None:
+    """The KV occupancy of every instance together (None before any report)."""
+    usages = [instance.kv for instance in instances if instance.kv is not None]
+    if not usages:
+        return None
+    return KVCacheUsage(*(sum(getattr(u, name) for u in usages) for name in
+                          ("total_slots", "reserved_slots", "used_slots", "total_blocks", "used_blocks",
+                           "cached_blocks")))
 
 
 class AsyncEngine:
@@ -292,10 +332,13 @@ class AsyncEngine:
         metrics = self.metrics
         for stats in report.stats:
             metrics.observe_step(stats)
-        instance.observe(report)
         instances = self.instances
-        metrics.set_gauges(sum(i.num_running for i in instances), sum(i.num_waiting for i in instances),
-                           combined_usage(instances))
+        if len(instances) == 1:
+            metrics.set_gauges(report.num_running, report.num_waiting, report.kv)
+        else:
+            instance.observe(report)
+            metrics.set_gauges(sum(i.num_running for i in instances), sum(i.num_waiting for i in instances),
+                               combined_usage(instances))
         metrics.record_aborted(report.num_aborted)
         for output in report.outputs:
             if output.finished:
