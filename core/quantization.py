@@ -175,7 +175,7 @@ def quantized_weights(weights: Iterable[tuple[str, torch.Tensor]],
                       quantization: WeightQuantization) -> Iterator[tuple[str, torch.Tensor]]:
     """Checkpoint tensors with every decoder linear weight ``<layer>.weight`` [N, K]
     replaced by ``<layer>.qweight`` and ``<layer>.scales`` (and ``<layer>.zeros`` for int4)
-    in servelab's format (``kernels/quantized_weights.py``); the rest pass unchanged."""
+    in servelab's format (``servelab/kernels/quantized_weights.py``); the rest pass unchanged."""
     from servelab.kernels.quantized_weights import quantize_int4, quantize_int8
 
     for name, tensor in weights:

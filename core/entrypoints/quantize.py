@@ -4,7 +4,7 @@
 
 The folder holds ``model.safetensors`` (every decoder linear weight ``<layer>.weight`` as
 ``<layer>.qweight`` / ``<layer>.scales`` (/ ``<layer>.zeros``) in the format of
-``kernels/quantized_weights.py``, every other tensor as it was), the source's config.json
+``servelab/kernels/quantized_weights.py``, every other tensor as it was), the source's config.json
 with a ``quantization_config`` entry (``{"quant_method": "servelab", "bits": 8 | 4,
 "group_size": 128 | -1}``) and the source's other files (tokenizer, generation config).
 ``servelab model=local model.path=/tmp/tiny-int4`` serves it quantized (docs/quantization.md).

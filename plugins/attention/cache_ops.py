@@ -1,5 +1,5 @@
 """Torch operations on the ``[2, num_blocks, block_size, Hkv, D]`` cache layout (rows of
-``D + 4`` bytes, values then scale, when quantized: ``kernels/kv_quantization.py``)."""
+``D + 4`` bytes, values then scale, when quantized: ``servelab/kernels/kv_quantization.py``)."""
 
 from __future__ import annotations
 

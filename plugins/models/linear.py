@@ -2,7 +2,7 @@
 
 ``torch.nn.Linear`` reorders its weight for the matmul library on every call; on the CPU
 that reorder dominates at decode batch sizes. ``Linear`` keeps a packed copy: float32
-weights in servelab's blocked layout for ``float_linear`` (``kernels/blocked_linear.py``),
+weights in servelab's blocked layout for ``float_linear`` (``servelab/kernels/blocked_linear.py``),
 bfloat16 ones for oneDNN, whose input rows it pads to a few bucket sizes so oneDNN compiles
 a bounded set of kernels; see docs/cpu_kernels.md.
 """

@@ -1,15 +1,15 @@
 """Linear layers with quantized weights (int8 per output channel, int4 group-wise).
 
-The weights are stored in servelab's format (``kernels/quantized_weights.py``, what the
+The weights are stored in servelab's format (``servelab/kernels/quantized_weights.py``, what the
 checkpoint holds). On the CPU, int8 layers multiply through servelab's native weight-only
-kernel (``kernels/quantized_cpu.py``: a copy of the weight repacked once, widened to
+kernel (``servelab/kernels/quantized_cpu.py``: a copy of the weight repacked once, widened to
 float32 in registers, any number of rows), or, with ``int8_activations`` (w8a8), its int8
-x int8 kernel (``kernels/w8a8_cpu.py``: each input row quantized to int8, int8 dot
+x int8 kernel (``servelab/kernels/w8a8_cpu.py``: each input row quantized to int8, int8 dot
 products; its torch reference where the kernel is missing); int4 layers through torch's
 ``aten._weight_int4pack_mm_for_cpu`` (a copy repacked once by
 ``aten._convert_weight_to_int4pack_for_cpu``, groups of 32, 64, 128 or 256) for single
 rows (``INT4_KERNEL_MAX_ROWS``). On CUDA, servelab's Triton kernel
-(``kernels/quantized_matmul.py``, int4 groups of multiples of 32) dequantizes the weight
+(``servelab/kernels/quantized_matmul.py``, int4 groups of multiples of 32) dequantizes the weight
 tile by tile inside the matmul. Elsewhere (more int4 rows, another device or dtype, no
 native CPU ops or ``SERVELAB_NATIVE_CPU=0`` on the CPU) the reference runs: dequantize
 the whole weight, then ``F.linear``; tests use it as the oracle.

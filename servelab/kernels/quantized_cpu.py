@@ -1,5 +1,5 @@
 """servelab's weight-only int8 CPU matmul (``torch.ops.servelab_cpu.int8_linear``,
-``csrc/blocked_linear.cpp``) on the blocked weight layout of ``kernels/blocked_linear.py``,
+``csrc/blocked_linear.cpp``) on the blocked weight layout of ``servelab/kernels/blocked_linear.py``,
 built once at load.
 
 The kernel widens int8 weights to float32 in registers inside a blocked matmul, so a

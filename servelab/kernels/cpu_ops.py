@@ -82,7 +82,7 @@ def native_cpu_unavailable_reason() -> str | None:
              is_python_module=False, verbose=False)
     except Exception as error:  # a failed build leaves servelab working on the torch ops
         logger.warning("native CPU ops unavailable, using torch ops: %s", error)
-        return f"building the native CPU ops (kernels/csrc) failed: {error}"
+        return f"building the native CPU ops (servelab/kernels/csrc) failed: {error}"
     return None
 
 

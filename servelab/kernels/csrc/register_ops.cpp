@@ -3,7 +3,7 @@
 // embedding, SiLU x up, greedy argmax) and the int8 matmuls (weight-only, and with int8
 // activations), registered as torch.ops.servelab_cpu.*.
 //
-// Built on first use by kernels/cpu_ops.py (torch.utils.cpp_extension, -O3 -march=native,
+// Built on first use by servelab/kernels/cpu_ops.py (torch.utils.cpp_extension, -O3 -march=native,
 // CPU_CAPABILITY set to torch's so at::vec::Vectorized uses the widest SIMD of the host)
 // from every source of this folder as one library; this file is its one registration.
 

@@ -1,5 +1,5 @@
 // blocked_linear: y = x @ W.T for float32 rows x and a weight repacked once at load into
-// blocks of 16 output channels stored k-major (kernels/blocked_linear.py builds it):
+// blocks of 16 output channels stored k-major (servelab/kernels/blocked_linear.py builds it):
 // packed[b][k][j] = W[16 b + j][k], the channels padded with zeros to a multiple of
 // kPackChannels. Two weight types share the kernel:
 //

@@ -14,7 +14,7 @@
 //   w8a8_linear.cpp       w8a8_linear, supports_w8a8 (int8 weights and per-row int8 activations)
 //
 // Shared helpers: vec.h (SIMD, dtype conversions and dispatch), amx.h (the tile unit).
-// kernels/cpu_ops.py compiles all of them into one extension.
+// servelab/kernels/cpu_ops.py compiles all of them into one extension.
 #pragma once
 
 #include <ATen/core/Tensor.h>

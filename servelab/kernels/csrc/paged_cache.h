@@ -61,7 +61,7 @@ template <typename C>
 constexpr float kQuantMax = std::is_same_v<C, int8_t> ? 127.f : 448.f;
 
 // Quantizes n values of x into dst[offset(d)] (int8: round half to even; float8: the
-// cast's rounding) and returns their scale, amax / kQuantMax; as kernels/kv_quantization.py.
+// cast's rounding) and returns their scale, amax / kQuantMax; as servelab/kernels/kv_quantization.py.
 template <typename C, typename T, typename Offset>
 inline float quantize_row(const T* x, int64_t n, C* dst, Offset&& offset) {
   float amax = 0.f;

@@ -7,7 +7,7 @@
 // stored as xq + 128 (0..254) and 128 * sum_k q[n, k] (precomputed per channel) is
 // subtracted from the int32 dot product, which is exact.
 //
-// Packed layout (kernels/w8a8_cpu.py builds it): blocks of 16 output channels, each a
+// Packed layout (servelab/kernels/w8a8_cpu.py builds it): blocks of 16 output channels, each a
 // run of K / 4 groups of [16 channels][4 consecutive k], packed[b][k4][j][i] =
 // q[16 b + j][4 k4 + i]; channels padded to a multiple of 64 and K to a multiple of 4
 // with zeros. One 64-byte load feeds one vpdpbusd for 16 channels.

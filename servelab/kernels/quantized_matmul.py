@@ -1,6 +1,6 @@
 """Triton kernel: weight-only quantized matmul, the weight dequantized tile by tile inside
 the K loop (never whole in memory). ``y = x @ w.T`` with ``w`` in servelab's format
-(``kernels/quantized_weights.py``): int8 with one scale per output channel (applied once
+(``servelab/kernels/quantized_weights.py``): int8 with one scale per output channel (applied once
 to the accumulator), or int4 in groups whose scale and zero apply to each K tile (a tile
 never straddles two groups). The reference is ``F.linear(x, dequantize(w))``
 (``QuantizedLinear``'s reference path); tests run this kernel under ``TRITON_INTERPRET=1``.
