@@ -46,6 +46,19 @@ def metric(http: httpx.Client, name: str) -> float:
     raise AssertionError(f"{name} not exported")
 
 
+def complete_concurrently(url: str, prompts: list[str], max_tokens: int) -> list[str]:
+    """Every prompt's greedy completion from the server at ``url``, all sent at once."""
+    with httpx.Client(base_url=url, timeout=120) as client:
+        def complete(prompt: str) -> str:
+            response = client.post("/v1/completions", json={
+                "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+            assert response.status_code == 200, response.text
+            return response.json()["choices"][0]["text"]
+
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            return list(pool.map(complete, prompts))
+
+
 def test_seeded_sampling_continues_on_the_decode_instance(client, offline):
     from servelab import SamplingParams
 
@@ -85,17 +98,7 @@ def test_two_prefill_instances_with_chunked_prefills_an_ngram_decode_pool_over_t
                            "kv_transfer=torch_distributed", f"kv_transfer.port={free_port()}")
     try:
         prompts = [PROMPTS[i % len(PROMPTS)] * (1 + i % 3) for i in range(8)]
-        expected = greedy(prompts, 12)
-        with httpx.Client(base_url=server.url, timeout=120) as client:
-            def complete(prompt: str) -> str:
-                response = client.post("/v1/completions", json={
-                    "model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0})
-                assert response.status_code == 200, response.text
-                return response.json()["choices"][0]["text"]
-
-            with concurrent.futures.ThreadPoolExecutor(8) as pool:
-                texts = list(pool.map(complete, prompts))
-        assert texts == [text for text, _, _ in expected]
+        assert complete_concurrently(server.url, prompts, 12) == [text for text, _, _ in greedy(prompts, 12)]
         log = server.log()
         assert "prefill-0 ready (role prefill" in log and "prefill-1 ready (role prefill" in log, log
     finally:
