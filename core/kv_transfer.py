@@ -46,12 +46,13 @@ class HandOff:
     sent; its ``sampling_params`` and ``generator_state`` (the seeded random stream, None
     without a seed).
 
-    The rest is what the client has been given nothing of yet and the decode instance
-    answers with: which sequence it is (``index`` of ``num_sequences`` of the API request
-    ``group_id``; None: the request itself), the ``prompt`` text, its logprobs so far, its
-    timestamps on the (host-wide monotonic) clock, and how it ended when it already did
-    (``finish_reason``: a sibling that stopped at its first token travels with the others,
-    with no blocks)."""
+    The rest is what the decode instance answers the client with: which sequence it is
+    (``index`` of ``num_sequences`` of the API request ``group_id``; None: the request
+    itself), the ``prompt`` text, its logprobs so far, its timestamps on the (host-wide
+    monotonic) clock, how it ended when it already did (``finish_reason``: a sibling that
+    stopped at its first token travels with the others, with no blocks), and what a delta
+    stream has sent of it already (``sent_tokens`` output tokens, ``sent_chars`` characters,
+    ``sent_prompt_logprobs``), so that the decode instance's deltas continue after it."""
 
     request_id: str
     token_ids: tuple[int, ...]
@@ -75,10 +76,16 @@ class HandOff:
     stop_reason: int | str | None = None
     stop_text_len: int | None = None
     finished_time: float | None = None
+    sent_tokens: int = 0
+    sent_chars: int = 0
+    sent_prompt_logprobs: bool = False
 
     @classmethod
-    def of(cls, request: Request, num_sequences: int = 1) -> "HandOff":
-        """The hand-off of ``request`` as it stands (one of ``num_sequences`` siblings)."""
+    def of(cls, request: Request, num_sequences: int = 1, sent_tokens: int = 0, sent_chars: int = 0,
+           sent_prompt_logprobs: bool = False) -> "HandOff":
+        """The hand-off of ``request`` as it stands (one of ``num_sequences`` siblings, of
+        which a delta stream sent ``sent_tokens`` tokens, ``sent_chars`` characters and, if
+        ``sent_prompt_logprobs``, the prompt's logprobs)."""
         generator, logprobs, prompt_logprobs = request.generator, request.logprobs, request.prompt_logprobs
         return cls(
             request_id=request.request_id, token_ids=tuple(request.token_ids),
@@ -92,7 +99,8 @@ class HandOff:
             token_times=tuple(request.token_times), num_cached_prompt_tokens=request.num_cached_prompt_tokens,
             num_preemptions=request.num_preemptions, finish_reason=request.finish_reason,
             stop_reason=request.stop_reason, stop_text_len=request.stop_text_len,
-            finished_time=request.finished_time)
+            finished_time=request.finished_time, sent_tokens=sent_tokens, sent_chars=sent_chars,
+            sent_prompt_logprobs=sent_prompt_logprobs)
 
     @property
     def group(self) -> str:

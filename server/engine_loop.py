@@ -6,11 +6,11 @@ interpreter lock the engine needs, nor takes the cores its threads compute on. T
 messages are the frozen dataclasses of ``server/messages.py``.
 
 The engine's ``role`` decides what the loop does with a request. ``mixed`` runs it from
-prompt to end. ``prefill`` runs it to its first token, then hands its KV cache off
-through the ``kv_transfer`` connector and tells the server (``HandedOff``); only a request
-that ends at its first token is answered from here. ``decode`` admits handed-off
-requests in the order they came, each as soon as its cache has room, and generates the
-rest; one whose KV could never fit is answered with an error.
+prompt to end. ``prefill`` runs it to its first token, reports that token (so the client
+gets it from here), then hands its KV cache off through the ``kv_transfer`` connector and
+tells the server (``HandedOff``). ``decode`` admits handed-off requests in the order they
+came, each as soon as its cache has room, and streams the rest, after what the prefill
+instance sent; one whose KV could never fit is answered with an error.
 """
 
 from __future__ import annotations
@@ -57,8 +57,10 @@ class EngineLoop:
                 self._admit_handed_off()
                 if engine.has_unfinished_requests():
                     outputs = engine.step()
-                    self._hand_off_prefilled()  # first, so that the report counts the blocks it freed
-                    self._report(outputs)
+                    handed_off = self._hand_off_prefilled()  # first, so that the report counts the freed blocks
+                    self._report(outputs)  # then the first tokens, before the server moves the requests on
+                    for message in handed_off:
+                        self.conn.send(message)
                 elif self._num_aborted:
                     self._report([])
         except (EOFError, OSError):  # the server went away
@@ -96,10 +98,8 @@ class EngineLoop:
     def _add(self, command: AddRequest) -> None:
         engine = self.engine
         request_id, prompt, params = command.request_id, command.prompt, command.params
-        # A prefill instance answers only what ends at its first token, and all at once.
-        output_kind = "final" if self.role == "prefill" else "delta"
         try:
-            engine.add_request(prompt, params, request_id, arrival_time=command.arrival_time, output_kind=output_kind,
+            engine.add_request(prompt, params, request_id, arrival_time=command.arrival_time, output_kind="delta",
                                max_tokens_must_fit=True)
         except InvalidRequestError as exc:
             self.conn.send(RequestAdded(request_id, 0, exc))
@@ -115,19 +115,20 @@ class EngineLoop:
             self._admitting.remove(command)
             self._drop(command.tickets)
 
-    def _hand_off_prefilled(self) -> None:
-        """Prefill role: hand off every request whose prefill is done."""
+    def _hand_off_prefilled(self) -> list[HandedOff | RequestFailed]:
+        """Prefill role: hand off every request whose prefill is done; the messages that
+        tell the server."""
         if self.role != "prefill":
-            return
+            return []
+        messages: list[HandedOff | RequestFailed] = []
         for request_id in self.engine.ready_to_hand_off():
             try:
-                tickets = self.engine.hand_off(request_id, self.connector)
+                messages.append(HandedOff(request_id, self.engine.hand_off(request_id, self.connector)))
             except KVTransferError as exc:  # the request stays here: answer it with the error
                 log.error("hand-off of %s failed: %s", request_id, exc)
                 self.engine.abort_request(request_id)
-                self.conn.send(RequestFailed(request_id, exc))
-            else:
-                self.conn.send(HandedOff(request_id, tickets))
+                messages.append(RequestFailed(request_id, exc))
+        return messages
 
     def _admit_handed_off(self) -> None:
         """Decode role: admit the handed-off requests that fit, oldest first; one that

@@ -257,10 +257,12 @@ class LLMEngine:
         caches = self._local_kv_caches(connector)
         tickets: list[TransferTicket] = []
         try:
-            for request in group.children:
+            for i, request in enumerate(group.children):
                 blocks = [] if request.is_finished else self.cache.block_table(request)[
                     :math.ceil(request.num_computed_tokens / self.cache.block_size)]
-                tickets.append(connector.send(caches, blocks, HandOff.of(request, len(group.children))))
+                handoff = HandOff.of(request, len(group.children), group.sent_tokens[i], group.sent_chars[i],
+                                     group.sent_prompt_logprobs)
+                tickets.append(connector.send(caches, blocks, handoff))
         except BaseException:
             for ticket in tickets:
                 connector.abort(ticket)
@@ -274,7 +276,8 @@ class LLMEngine:
         returned): take blocks for its cached tokens, receive its KV into them through
         ``connector`` and queue it to decode; returns its request id, or None with nothing
         changed when the cache has no room yet (the tickets stay valid: admit them again
-        after steps free blocks). Its outputs start from its first token. The request is
+        after steps free blocks). Its outputs start from its first token; as ``delta``,
+        after what the sender's delta outputs already gave. The request is
         checked as ``add_request`` checks a prompt; a failed transfer frees its blocks,
         drops the other tickets and raises ``KVTransferError``."""
         self._ensure_running("admit_handed_off")
@@ -309,6 +312,11 @@ class LLMEngine:
             raise
         requests.sort(key=lambda request: request.index)
         self._track(group_id, requests, output_kind)
+        if output_kind == "delta":  # continue after what the sender's delta stream sent
+            tracker, sent = self.outputs.groups[group_id], {h.index: h for h in handoffs}
+            tracker.sent_tokens = [sent[r.index].sent_tokens for r in requests]
+            tracker.sent_chars = [sent[r.index].sent_chars for r in requests]
+            tracker.sent_prompt_logprobs = first.sent_prompt_logprobs
         for request in running:
             self.scheduler.add_request(request)
         return group_id

@@ -230,6 +230,29 @@ def test_delta_outputs_of_the_decode_engine_start_at_the_first_token():
     decode.shutdown()
 
 
+def test_delta_outputs_continue_after_what_the_prefill_engine_streamed():
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2, prompt_logprobs=1, n=2)
+    prefill, decode = engine(), engine()
+    sender, receiver = connector("prefill-0"), connector("decode-0")
+    prefill.add_request(PROMPTS[1], params, request_id="streamed", output_kind="delta")
+    first = []
+    while "streamed" not in prefill.ready_to_hand_off():
+        first += prefill.step()
+    decode.admit_handed_off(prefill.hand_off("streamed", sender), receiver, output_kind="delta")
+    deltas = list(first)
+    while decode.has_unfinished_requests():
+        deltas += decode.step()
+    expected = one_engine(SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, n=2))["r1"]
+    for i, (tokens, _) in enumerate(expected):
+        assert [t for delta in deltas for t in delta.outputs[i].token_ids] == tokens
+        assert sum(len(delta.outputs[i].logprobs) for delta in deltas) == 8
+        assert "".join(delta.outputs[i].text for delta in deltas) == decode.tokenizer.decode(tokens)
+    assert all(sum(len(d.outputs[i].token_ids) for d in first) >= 1 for i in range(2))  # from the prefill engine
+    assert len(deltas[0].prompt_logprobs) == len(PROMPTS[1]) and all(d.prompt_logprobs is None for d in deltas[1:])
+    prefill.shutdown()
+    decode.shutdown()
+
+
 def test_tickets_of_different_requests_are_refused():
     prefill, decode = engine(), engine()
     sender, receiver = connector("prefill-0"), connector("decode-0")
