@@ -75,34 +75,29 @@ class ActorPipe:
         """Nothing to close on this side."""
 
 
-class RemoteEngineProcess:
+class RemoteEngineProcess(EngineProcess):
     """An ``EngineActor`` as ``AsyncEngine`` drives an ``EngineProcess``: ``conn``, ``info``,
-    ``name``, ``join``, ``stop`` and ``exitcode``."""
+    ``name``, ``join``, ``stop`` (inherited) and ``exitcode``."""
 
     def __init__(self, actor: Any, info: Any, name: str):
         self.actor = actor
         self.conn = ActorPipe(actor)
         self.info = info
         self.name = name
-        self.exitcode: int | None = None
+        self._exitcode: int | None = None
+
+    @property
+    def exitcode(self) -> int | None:
+        """The engine process's exit status once joined (-1: the actor was lost)."""
+        return self._exitcode
 
     def join(self) -> None:
         """Wait for the engine process to exit, then end the actor."""
         try:
-            self.exitcode = ray.get(self.actor.join.remote())
+            self._exitcode = ray.get(self.actor.join.remote())
         except ray.exceptions.RayError:
-            self.exitcode = -1
+            self._exitcode = -1
         ray.kill(self.actor)
-
-    def stop(self) -> None:
-        """Send the stop command and ``join``."""
-        from servelab.server.messages import StopEngine
-
-        try:
-            self.conn.send(StopEngine())
-        except OSError:
-            pass
-        self.join()
 
 
 def launch_on_ray(plans: Sequence[InstancePlan], cfg: DictConfig) -> list[RemoteEngineProcess]:
