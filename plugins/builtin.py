@@ -42,10 +42,10 @@ def servelab_register_decoding_strategies():
 
 @hookimpl
 def servelab_register_models():
-    """The Llama family architectures."""
-    from servelab.plugins.models import llama
+    """The Llama family and Phi-3 architectures."""
+    from servelab.plugins.models import llama, phi3
 
-    return llama.model_specs()
+    return llama.model_specs() + phi3.model_specs()
 
 
 @hookimpl

@@ -27,8 +27,10 @@ class DeviceWorker:
     """One device's model, attention backend and KV cache tensors (``kv_caches`` on the
     device, ``host_caches`` for swapping)."""
 
-    def __init__(self, model: Any, attention: Any, dtype: torch.dtype, device: torch.device, parallel: ModelParallel):
+    def __init__(self, model: Any, attention: Any, dtype: torch.dtype, device: torch.device, parallel: ModelParallel,
+                 num_layers: int):
         self.model = model
+        self.num_layers = num_layers
         self.attention = attention
         self.dtype = dtype
         self.device = device
@@ -45,7 +47,8 @@ class DeviceWorker:
                                           model.kv_dtype)
         attention = registry.build("attention", attention_config, spec)
         network = load_model(model.checkpoint, model.model_cls, attention, model.dtype, model.max_model_len, parallel)
-        return cls(network.to(model.device).eval(), attention, model.dtype, model.device, parallel)
+        return cls(network.to(model.device).eval(), attention, model.dtype, model.device, parallel,
+                   len(parallel.layer_range(model.shape.num_layers)))
 
     @classmethod
     def for_rank(cls, cfg: Any, parallel: ModelParallel, rank: int) -> "DeviceWorker":
@@ -62,8 +65,8 @@ class DeviceWorker:
         return cls.load(registry, model, cfg.attention, parallel)
 
     def allocate(self, num_blocks: int, block_size: int, host_blocks: int = 0) -> None:
-        """KV tensors for this stage's layers (and the host pool's, for swapping)."""
-        layers = len(self.model.model.layers)
+        """KV tensors for this stage's ``num_layers`` layers (and the host pool's, for swapping)."""
+        layers = self.num_layers
         dtype = self.attention.spec.cache_dtype
         shape = self.attention.kv_cache_shape(num_blocks, block_size)
         self.kv_caches = [huge_page_zeros(shape, dtype, self.device) for _ in range(layers)]

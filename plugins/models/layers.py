@@ -1,5 +1,6 @@
 """Building blocks shared by the decoder models: RMSNorm and rotary embeddings (the linear
-layer is ``servelab.plugins.models.linear.Linear``)."""
+layer is ``servelab.plugins.models.linear.Linear``; LayerNorm is torch's ``nn.LayerNorm``,
+there is no native op for it)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ def use_native(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and native_cpu_available()
 
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 class RMSNorm(nn.Module):
@@ -56,7 +57,13 @@ class RotaryEmbedding(nn.Module):
     """Rotary position embedding with a precomputed cos/sin table over ``max_positions``.
 
     The inverse frequencies come from the checkpoint's ``rope_parameters`` (default,
-    linear, llama3 and yarn scaling), computed exactly as the reference implementation.
+    linear, llama3, yarn and longrope scaling), computed exactly as the reference
+    implementation; ``partial_rotary_factor`` rotates the first ``rotary_dim`` features
+    of each head and passes the rest through. longrope's short factors give the rows of
+    positions below ``original_max_position_embeddings`` and its long factors the rest:
+    transformers switches a whole forward pass to the long factors once its last position
+    passes that length, which equals this table for prompts up to it (the decode steps
+    past it rotate with the long factors in both).
     """
 
     def __init__(self, hf_config: Any, head_dim: int, max_positions: int, dtype: torch.dtype):
@@ -64,29 +71,42 @@ class RotaryEmbedding(nn.Module):
         params = getattr(hf_config, "rope_parameters", None) or {}
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ConfigError([f"rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"])
+            raise ConfigError([f"rope_scaling.rope_type {rope_type!r} is not supported; supported: "
+                               f"{', '.join(SUPPORTED_ROPE_TYPES)}"])
+        factor = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None) or 1.0)
+        self.rotary_dim = int(head_dim * factor)
+        positions = torch.arange(max_positions, dtype=torch.long)[:, None].float()
         if rope_type == "default":
             theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-            scaling = 1.0
+            dim = self.rotary_dim
+            inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+            freqs, scaling = positions * inv_freq.float(), 1.0
         else:
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
-        freqs = torch.arange(max_positions, dtype=torch.long)[:, None].float() * inv_freq.float()
+            freqs = positions * inv_freq.float()
+            if rope_type == "longrope":
+                original = params["original_max_position_embeddings"]
+                long_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), seq_len=original + 1)
+                freqs[original:] = positions[original:] * long_freq.float()
         table = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", (table.cos() * scaling).to(dtype), persistent=False)
         self.register_buffer("sin", (table.sin() * scaling).to(dtype), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [T]; q: [T, H, D]; k: [T, Hkv, D]. Returns rotated (q, k); the native
-        CPU op rotates them in place."""
+        CPU op rotates them in place (their first ``rotary_dim`` features)."""
+        rot = self.rotary_dim
         if use_native(q) and q.stride(-1) == 1 and k.stride(-1) == 1:
-            torch.ops.servelab_cpu.rotary_embedding(q, k, positions, self.cos, self.sin)
+            torch.ops.servelab_cpu.rotary_embedding(q[..., :rot], k[..., :rot], positions, self.cos, self.sin)
             return q, k
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if rot == q.shape[-1]:
+            return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return (torch.cat((_rotate(q[..., :rot], cos, sin), q[..., rot:]), dim=-1),
+                torch.cat((_rotate(k[..., :rot], cos, sin), k[..., rot:]), dim=-1))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -7,30 +7,48 @@ import os
 import random
 from typing import Any, Sequence
 
-FAMILIES = ("llama", "llama3", "qwen2", "qwen3", "mistral")
+FAMILIES = ("llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "opt", "opt-postnorm", "opt-project",
+            "falcon", "falcon-new")
+"""Tiny configs: the Llama family; Phi-3 (longrope, partial rotary); OPT pre-norm, post-norm
+(350m-style) and with project_in/out (``word_embed_proj_dim`` != hidden); Falcon 7B-style
+(multi-query, one norm, parallel attention and MLP) and ``new_decoder_architecture``
+(grouped KV heads, ln_attn and ln_mlp)."""
 
 
 def tiny_config(family: str, vocab_size: int, **overrides: Any) -> Any:
     """A small random-model config of ``family`` (see ``FAMILIES``)."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    import transformers
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                   bos_token_id=vocab_size - 1, eos_token_id=vocab_size - 1)
-    if family == "llama":
-        config = LlamaConfig(**common, tie_word_embeddings=False)
-    elif family == "llama3":
-        config = LlamaConfig(**common, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
-                             rope_theta=500000.0)
-    elif family == "qwen2":
-        config = Qwen2Config(**common, tie_word_embeddings=True)
-    elif family == "qwen3":
-        config = Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
-    elif family == "mistral":
-        config = MistralConfig(**common, sliding_window=None)
-    else:
+    ids = dict(vocab_size=vocab_size, bos_token_id=vocab_size - 1, eos_token_id=vocab_size - 1, pad_token_id=None)
+    opt = dict(ids, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
+               max_position_embeddings=256, word_embed_proj_dim=64)
+    falcon = dict(ids, hidden_size=64, ffn_hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=256, alibi=False, bias=False)
+    longrope = {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6], "long_factor": [1.5, 2.0, 3.0, 4.0]}
+    configs = {
+        "llama": lambda: transformers.LlamaConfig(**common, tie_word_embeddings=False),
+        "llama3": lambda: transformers.LlamaConfig(
+            **common, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+            rope_theta=500000.0),
+        "qwen2": lambda: transformers.Qwen2Config(**common, tie_word_embeddings=True),
+        "qwen3": lambda: transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True),
+        "mistral": lambda: transformers.MistralConfig(**common, sliding_window=None),
+        "phi3": lambda: transformers.Phi3Config(**dict(common, pad_token_id=None), partial_rotary_factor=0.5,
+                                                original_max_position_embeddings=64, rope_scaling=longrope),
+        "opt": lambda: transformers.OPTConfig(**opt),
+        "opt-postnorm": lambda: transformers.OPTConfig(**opt, do_layer_norm_before=False),
+        "opt-project": lambda: transformers.OPTConfig(**dict(opt, word_embed_proj_dim=32)),
+        "falcon": lambda: transformers.FalconConfig(**falcon, multi_query=True, parallel_attn=True,
+                                                    new_decoder_architecture=False),
+        "falcon-new": lambda: transformers.FalconConfig(**falcon, num_kv_heads=2, new_decoder_architecture=True),
+    }
+    if family not in configs:
         raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {family!r}")
+    config = configs[family]()
     for key, value in overrides.items():
         setattr(config, key, value)
     return config

@@ -76,3 +76,43 @@ def test_large_batch_of_decodes_matches_transformers(llama, attention):
     prompts = mixed_prompts(257, lengths=[3 + (i * 37) % 90 for i in range(48)], seed=3)
     assert_engine_matches_transformers(llama, [f"attention={attention}", "cache.block_size=8"], prompts=prompts,
                                        max_tokens=6)
+
+
+FAMILY_REPRESENTATIVES = ("phi3",)
+"""One tiny config per family beyond Llama, run through every combination."""
+FAMILY_LAYOUTS = {
+    "phi3-window": ("phi3", {"sliding_window": 16}, ("continuous", "paged", "cpu"), ("chunked", "contiguous", "sdpa")),
+}
+"""Other layouts of those families: (family, config overrides, combinations)."""
+
+
+@pytest.fixture(scope="module")
+def family_checkpoints(tmp_path_factory) -> dict[str, str]:
+    """Folders of the families' representatives and of their other layouts."""
+    from servelab.testing import tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("families")
+    folders = {family: tiny_checkpoint(root / family, family) for family in FAMILY_REPRESENTATIVES}
+    for name, (family, overrides, *_) in FAMILY_LAYOUTS.items():
+        folders[name] = tiny_checkpoint(root / name, family, **overrides)
+    return folders
+
+
+@pytest.mark.parametrize("family", FAMILY_REPRESENTATIVES)
+@pytest.mark.parametrize("scheduler,cache,attention", COMBINATIONS)
+def test_every_family_matches_transformers(family_checkpoints, family, scheduler, cache, attention):
+    """Phi-3 (fused checkpoint projections, partial rotary, longrope) through every combination."""
+    assert_engine_matches_transformers(
+        family_checkpoints[family], [f"scheduler={scheduler}", f"cache={cache}", f"attention={attention}",
+                                     "cache.memory_bytes=4000000"], max_tokens=20)
+
+
+@pytest.mark.parametrize("layout, combination", [(name, combination) for name, (_, _, *combinations)
+                                                 in FAMILY_LAYOUTS.items() for combination in combinations])
+def test_family_layouts_match_transformers(family_checkpoints, layout, combination):
+    """Each other layout on a few combinations (prefill, chunked prefill, decode, both caches)."""
+    scheduler, cache, attention = combination
+    overrides = [f"scheduler={scheduler}", f"cache={cache}", f"attention={attention}", "cache.memory_bytes=4000000"]
+    if scheduler == "chunked":
+        overrides.append("scheduler.token_budget=16")
+    assert_engine_matches_transformers(family_checkpoints[layout], overrides, max_tokens=20)

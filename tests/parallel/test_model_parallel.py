@@ -28,6 +28,17 @@ def models(tmp_path_factory) -> dict[str, str]:
             "draft": tiny_checkpoint(root / "draft", "llama", seed=5)}
 
 
+@pytest.fixture(scope="module")
+def families(tmp_path_factory) -> dict[str, str]:
+    """Tiny checkpoints of the families beyond Llama and their layouts."""
+    root = tmp_path_factory.mktemp("families")
+    return {family: tiny_checkpoint(root / family, family) for family in FAMILY_SPLITS}
+
+
+FAMILY_SPLITS = ("phi3",)
+"""Families (and layouts) checked at tp=2 and at pp=2."""
+
+
 def matches(folder: str, *overrides: str, prompts=None) -> None:
     """Greedy tokens equal transformers' through an engine with ``overrides``; the engine
     (and its workers) shut down afterwards."""
@@ -50,6 +61,14 @@ def matches(folder: str, *overrides: str, prompts=None) -> None:
         "tp2-ngram-swap-prefix"])
 def test_greedy_output_equals_one_device(models, model, overrides):
     matches(models[model], *overrides)
+
+
+@pytest.mark.parametrize("family", FAMILY_SPLITS)
+@pytest.mark.parametrize("split", ["parallel.tensor_parallel_size=2", "parallel.pipeline_parallel_size=2"],
+                         ids=["tp2", "pp2"])
+def test_families_split_like_one_device(families, family, split):
+    """Each family's fused, replicated and stage-local weights land where one device has them."""
+    matches(families[family], split, PAGED, "scheduler=chunked", "scheduler.token_budget=16")
 
 
 def test_tensor_and_pipeline_together_with_a_draft_model(models):

@@ -1,0 +1,279 @@
+"""What every decoder-only family shares: the vocabulary embedding, the LM head (tied or
+not), this pipeline stage's layers, the forward loop over them, and the weight loader.
+
+A family subclasses ``DecoderForCausalLM`` and builds its modules with Hugging Face's
+names, so that checkpoint tensors land on parameters of the same name; it says where its
+layers sit in the checkpoint (``LAYER_PREFIX``), which other tensors only some stages
+hold (``STAGE_WEIGHTS``), and how tensor parallelism splits its unfused linear layers
+(``ROW_PARALLEL``: input columns, the bias added by rank 0 alone; ``COLUMN_PARALLEL``:
+output rows). A module that fuses or reorders checkpoint tensors (q/k/v into one matmul,
+Falcon's interleaved ``query_key_value``) has a ``pieces(leaf, tensor)`` method that
+returns the ``WeightPiece``s this rank keeps, and ``fused_counts()``: how many pieces
+each fused child's parameters wait for. Every parameter must be filled exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from servelab.core.errors import ConfigError
+from servelab.core.model import CausalLM, ModelParallel
+from servelab.plugins.models.linear import Linear, warm_up_linears
+from servelab.plugins.models.quantized_linear import pack_quantized_linears
+
+
+def tied_embeddings(hf_config: Any) -> bool:
+    """True when the checkpoint's LM head reuses the embedding matrix."""
+    return bool(getattr(hf_config, "tie_word_embeddings", False))
+
+
+@dataclass(frozen=True, slots=True)
+class WeightPiece:
+    """Rows ``start`` to ``start + len(tensor)`` of parameter ``param`` (its name relative
+    to the module that made the piece) come from ``tensor``."""
+
+    param: str
+    start: int
+    tensor: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class HeadSplit:
+    """This tensor-parallel rank's attention heads: ``heads`` and ``kv_heads`` are the
+    global indices it holds (a KV head is replicated among the ranks that share it when
+    there are fewer KV heads than ranks), each of ``head_dim`` features."""
+
+    heads: range
+    kv_heads: range
+    head_dim: int
+    total_heads: int
+    total_kv_heads: int
+
+    @classmethod
+    def of(cls, num_heads: int, num_kv_heads: int, head_dim: int, parallel: ModelParallel) -> HeadSplit:
+        """The share of ``parallel``'s rank."""
+        heads = parallel.split(num_heads)
+        first_kv = heads.start * num_kv_heads // num_heads
+        return cls(heads, range(first_kv, first_kv + max(1, num_kv_heads // parallel.tp_size)), head_dim,
+                   num_heads, num_kv_heads)
+
+    @property
+    def q_size(self) -> int:
+        """Query features on this rank."""
+        return len(self.heads) * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        """Key (and value) features on this rank."""
+        return len(self.kv_heads) * self.head_dim
+
+    def rows(self, heads: range) -> slice:
+        """The checkpoint rows of ``heads`` in a [heads * head_dim, ...] projection."""
+        return slice(heads.start * self.head_dim, heads.stop * self.head_dim)
+
+    def qkv_pieces(self, leaf: str, tensor: torch.Tensor, target: str = "qkv_proj") -> list[WeightPiece] | None:
+        """This rank's rows of a q/k/v projection for the fused ``target`` [q | k | v]:
+        from separate ``q_proj`` / ``k_proj`` / ``v_proj`` tensors or from one already
+        fused as [all q | all k | all v] (Phi-3's ``qkv_proj``); None for other leaves."""
+        source, _, suffix = leaf.partition(".")
+        param = f"{target}.{suffix}"
+        q, kv = self.q_size, self.kv_size
+        if source == target:
+            total_q = self.total_heads * self.head_dim
+            total_kv = self.total_kv_heads * self.head_dim
+            parts = tensor.split((total_q, total_kv, total_kv))
+            return [WeightPiece(param, 0, parts[0][self.rows(self.heads)]),
+                    WeightPiece(param, q, parts[1][self.rows(self.kv_heads)]),
+                    WeightPiece(param, q + kv, parts[2][self.rows(self.kv_heads)])]
+        starts = {"q_proj": (0, self.heads), "k_proj": (q, self.kv_heads), "v_proj": (q + kv, self.kv_heads)}
+        if source not in starts:
+            return None
+        start, heads = starts[source]
+        return [WeightPiece(param, start, tensor[self.rows(heads)])]
+
+
+class VocabEmbedding(nn.Module):
+    """The token embedding over this rank's ``vocab`` rows: tokens of other ranks embed to
+    zeros and the ranks' rows are summed."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, parallel: ModelParallel):
+        super().__init__()
+        self.vocab = parallel.padded_split(vocab_size)
+        self.parallel = parallel
+        self.weight = nn.Parameter(torch.empty(len(self.vocab), hidden_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: [T] -> [T, hidden]."""
+        if self.parallel.tp_size == 1:
+            return nn.functional.embedding(input_ids, self.weight)
+        outside = (input_ids < self.vocab.start) | (input_ids >= self.vocab.stop)
+        local = (input_ids - self.vocab.start).masked_fill(outside, 0)
+        return self.parallel.all_reduce(nn.functional.embedding(local, self.weight).masked_fill(outside[:, None], 0))
+
+
+class DecoderForCausalLM(CausalLM):
+    """The shared half of a decoder-only family (see the module docstring). Subclasses
+    build their modules, then call ``finish_init``; they implement ``embed`` (first
+    stage: token ids to the state carried through the layers), ``final_hidden`` (last
+    stage: that state to the LM head's input) and ``decoder_layers``. A layer is called as
+    ``layer(*state, positions, kv_cache, meta)`` and returns the next state (a tuple)."""
+
+    LAYER_PREFIX = "model.layers."
+    """Where the checkpoint's decoder layers are (followed by the layer's index)."""
+    STAGE_WEIGHTS: tuple[str, ...] = ("model.embed_tokens.", "model.norm.", "lm_head.")
+    """Prefixes of weights outside the layers that only some pipeline stages hold."""
+    ROW_PARALLEL: tuple[str, ...] = ()
+    """Linear layers (the last part of their name) whose input columns tensor parallelism splits."""
+    COLUMN_PARALLEL: tuple[str, ...] = ()
+    """Unfused linear layers whose output rows tensor parallelism splits."""
+    VOCAB_WEIGHTS = ("embed_tokens.weight", "word_embeddings.weight", "lm_head.weight")
+    """Weights split by vocabulary rows."""
+
+    def __init__(self, hf_config: Any, attention: Any, dtype: torch.dtype, max_positions: int,
+                 parallel: ModelParallel = ModelParallel()):
+        super().__init__(hf_config, attention, dtype, max_positions, parallel)
+        self.hf_config = hf_config
+        self.parallel = parallel
+        self.vocab_size = hf_config.vocab_size
+        self.tie_word_embeddings = tied_embeddings(hf_config)
+        self.is_last_stage = parallel.is_last_stage
+        self.layer_indices = parallel.layer_range(hf_config.num_hidden_layers)
+
+    def needs_embedding(self) -> bool:
+        """True on the stages that hold the token embedding (the first; the last too when tied)."""
+        return self.parallel.is_first_stage or (self.tie_word_embeddings and self.parallel.is_last_stage)
+
+    def finish_init(self, head_features: int, embedding: VocabEmbedding | None, dtype: torch.dtype) -> None:
+        """Add the LM head (last stage: ``head_features`` in, this rank's vocabulary rows
+        out, the embedding's own parameter when tied) and cast to ``dtype``."""
+        if self.is_last_stage:
+            vocab = self.parallel.padded_split(self.vocab_size)
+            self.lm_head = Linear(head_features, len(vocab), bias=False)
+            if self.tie_word_embeddings:  # one parameter, named after the embedding; still packed
+                self.lm_head.weight = embedding.weight
+        self.to(dtype)
+
+    @property
+    def decoder_layers(self) -> nn.ModuleList:
+        """This stage's decoder layers."""
+        raise NotImplementedError
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple:
+        """input_ids, positions: [T] -> the first layer's input state."""
+        raise NotImplementedError
+
+    def final_hidden(self, state: tuple) -> torch.Tensor:
+        """The last layer's output state -> the LM head's input [T, features]."""
+        raise NotImplementedError
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                attn_meta: Any, carried: tuple[torch.Tensor, ...] | None = None) -> Any:
+        """input_ids, positions: [T] -> hidden states on the last stage, else the state the
+        next stage carries on with."""
+        state = self.embed(input_ids, positions) if carried is None else tuple(carried)
+        for layer, kv_cache in zip(self.decoder_layers, kv_caches):
+            state = layer(*state, positions, kv_cache, attn_meta)
+        return self.final_hidden(state) if self.is_last_stage else state
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, features] -> float32 logits [N, vocab] (this rank's vocabulary rows,
+        gathered from every tensor-parallel rank)."""
+        logits = self.lm_head(hidden).float()
+        return (self.parallel.all_gather(logits) if self.parallel.tp_size > 1 else logits)[:, :self.vocab_size]
+
+    def warm_up(self, max_tokens: int) -> int:
+        """Compile the prepacked CPU matmuls for every row bucket up to ``max_tokens`` and
+        pack the quantized layers' weights for their CPU kernels."""
+        return warm_up_linears(self, max_tokens) + pack_quantized_linears(self)
+
+    def skips(self, name: str) -> bool:
+        """True for checkpoint tensors that have no parameter by design (rotary tables, a
+        tied LM head)."""
+        return "rotary_emb" in name or (self.tie_word_embeddings and name == "lm_head.weight")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face tensors in, keeping this rank's share and this stage's layers
+        (fused pieces through their module's ``pieces``); every parameter must be set."""
+        params = dict(self.named_parameters())
+        pending = {name: 1 for name in params}
+        for path, module in self.named_modules():
+            for child, count in getattr(module, "fused_counts", dict)().items():
+                prefix = f"{path}.{child}."
+                for name in params:
+                    if name.startswith(prefix):
+                        pending[name] = count
+        prefix, layers = self.LAYER_PREFIX, self.layer_indices
+        with torch.no_grad():
+            for name, tensor in weights:
+                if self.skips(name):
+                    continue
+                if name.startswith(prefix):
+                    index, _, rest = name[len(prefix):].partition(".")
+                    if int(index) not in layers:
+                        continue
+                    name = f"{prefix}{int(index) - layers.start}.{rest}"
+                elif name not in params and name.startswith(self.STAGE_WEIGHTS):
+                    continue  # held by another pipeline stage
+                self._load_one(params, pending, name, tensor)
+        missing = sorted(n for n, count in pending.items() if count > 0)
+        if missing:
+            raise ConfigError([f"checkpoint is missing weights: {', '.join(missing[:8])}"])
+
+    def _load_one(self, params: dict, pending: dict, name: str, tensor: torch.Tensor) -> None:
+        path, leaf = _module_and_leaf(name)
+        try:
+            module = self.get_submodule(path)
+        except AttributeError:
+            module = None
+        pieces = module.pieces(leaf, tensor) if hasattr(module, "pieces") else None
+        if pieces is not None:
+            for piece in pieces:
+                target = f"{path}.{piece.param}"
+                params[target][piece.start:piece.start + len(piece.tensor)].copy_(piece.tensor)
+                pending[target] -= 1
+            return
+        if name not in params:
+            raise ConfigError([f"checkpoint weight {name!r} has no place in {type(self).__name__}"])
+        tensor = self._share(name, tensor, params[name])
+        if params[name].shape != tensor.shape:
+            raise ConfigError([f"checkpoint weight {name!r} has shape {tuple(tensor.shape)}, "
+                               f"expected {tuple(params[name].shape)}"])
+        params[name].copy_(tensor)
+        pending[name] -= 1
+
+    def _share(self, name: str, tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+        """This rank's part of an unfused weight: vocabulary rows of the embedding and LM
+        head (zero rows past the vocabulary); input columns of the row-parallel layers (of
+        their 2-D quantized tensors too: int4 bytes and groups hold consecutive input
+        features), their biases on rank 0 only (the all-reduce adds them once); output rows
+        of the column-parallel ones."""
+        parallel = self.parallel
+        if parallel.tp_size == 1:
+            return tensor
+        if name.endswith(self.VOCAB_WEIGHTS):
+            vocab = parallel.padded_split(self.vocab_size)
+            part = torch.zeros_like(param)
+            rows = tensor[vocab.start:min(vocab.stop, self.vocab_size)]
+            part[:len(rows)] = rows
+            return part
+        layer, _, leaf = name.rpartition(".")
+        if layer.endswith(self.ROW_PARALLEL):
+            if tensor.dim() == 2:
+                columns = param.shape[1]
+                return tensor[:, parallel.tp_rank * columns:(parallel.tp_rank + 1) * columns]
+            if leaf == "bias":
+                return tensor if parallel.tp_rank == 0 else torch.zeros_like(tensor)
+        if layer.endswith(self.COLUMN_PARALLEL):
+            rows = parallel.split(tensor.shape[0])
+            return tensor[rows.start:rows.stop]
+        return tensor
+
+
+def _module_and_leaf(name: str) -> tuple[str, str]:
+    """``a.b.child.weight`` -> (``a.b``, ``child.weight``)."""
+    parts = name.split(".")
+    return ".".join(parts[:-2]), ".".join(parts[-2:])
