@@ -207,15 +207,27 @@ GROUP_OPTIONS = {
 """Options of the bench-only groups whose nodes are dataclasses (no YAML files)."""
 
 
+def product(*factors: float) -> float:
+    """``${servelab_product:a,b,...}``: the product of the factors (a per-GPU rate times a
+    setup's GPUs, in presets that sweep load per GPU)."""
+    result = 1.0
+    for factor in factors:
+        result *= float(factor)
+    return result
+
+
 def register_bench_resolvers() -> None:
-    """Register ``servelab_trace`` (the path of a shipped trace); idempotent. Runs when
-    this module is imported, so a job process of a launcher resolves presets too."""
+    """Register ``servelab_trace`` (the path of a shipped trace) and ``servelab_product``;
+    idempotent. Runs when this module is imported, so a job process of a launcher resolves
+    presets too."""
     from omegaconf import OmegaConf
 
     from servelab.bench.trace import shipped_trace
 
     if not OmegaConf.has_resolver("servelab_trace"):
         OmegaConf.register_new_resolver("servelab_trace", shipped_trace)
+    if not OmegaConf.has_resolver("servelab_product"):
+        OmegaConf.register_new_resolver("servelab_product", product)
 
 
 def store_bench_schemas() -> None:

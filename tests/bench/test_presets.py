@@ -53,4 +53,4 @@ def test_preset_composes_for_every_job(bench_config, name):
         for override in job:
             key, value = override.split("=")
             if "." in key:
-                assert OmegaConf.select(cfg, key) == yaml.safe_load(value)
+                assert OmegaConf.select(cfg, key.lstrip("+")) == yaml.safe_load(value)
