@@ -17,9 +17,11 @@ from servelab.core.kv_cache import KVCacheSpec
 class ModelShape:
     """Sizes the engine (and a cost model) needs before building a model: ``num_layers``
     decoder layers, each with attention of ``num_heads`` query and ``num_kv_heads`` KV heads
-    of ``head_dim`` and a gated MLP (gate, up, down) of ``intermediate_size`` over
-    ``hidden_size``; ``sliding_window`` (None = full attention); ``max_positions`` and
-    ``vocab_size``; ``tied_embeddings`` when the LM head reuses the embedding matrix."""
+    of ``head_dim`` and an MLP of ``intermediate_size`` over ``hidden_size``: ``mlp_kind``
+    "gated" (gate, up and down matrices: SwiGLU) or "plain" (up and down: OPT's fc1/fc2,
+    Falcon's dense_h_to_4h/dense_4h_to_h); ``sliding_window`` (None = full attention);
+    ``max_positions`` and ``vocab_size``; ``tied_embeddings`` when the LM head reuses the
+    embedding matrix."""
 
     num_layers: int
     num_heads: int
@@ -31,13 +33,19 @@ class ModelShape:
     hidden_size: int = 0
     intermediate_size: int = 0
     tied_embeddings: bool = False
+    mlp_kind: str = "gated"
+
+    @property
+    def mlp_matrices(self) -> int:
+        """Weight matrices of the MLP: 3 when gated, 2 when plain."""
+        return 3 if self.mlp_kind == "gated" else 2
 
     @property
     def layer_parameters(self) -> int:
-        """Weights of one decoder layer: the q, k, v and output projections, the gated
-        MLP's three matrices and the two norms."""
+        """Weights of one decoder layer: the q, k, v and output projections, the MLP's
+        matrices (``mlp_matrices``) and the two norms (biases are not counted)."""
         attention = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
-        return attention + 3 * self.hidden_size * self.intermediate_size + 2 * self.hidden_size
+        return attention + self.mlp_matrices * self.hidden_size * self.intermediate_size + 2 * self.hidden_size
 
     @property
     def num_parameters(self) -> int:
@@ -49,14 +57,18 @@ class ModelShape:
 
     def linear_shapes(self, tensor_parallel_size: int = 1) -> dict[str, tuple[int, int]]:
         """(output, input) features of each decoder layer's linear layers (Hugging Face
-        names) on one of ``tensor_parallel_size`` ranks: the q, k, v, gate and up
-        projections split their outputs, the output and down projections their inputs."""
+        names) on one of ``tensor_parallel_size`` ranks: the q, k, v, gate (gated MLPs
+        only) and up projections split their outputs, the output and down projections
+        their inputs."""
         hidden, tp = self.hidden_size, tensor_parallel_size
         q_width, kv_width = self.num_heads * self.head_dim // tp, self.kv_heads_per_rank(tp) * self.head_dim
         mlp = self.intermediate_size // tp
-        return {"self_attn.q_proj": (q_width, hidden), "self_attn.k_proj": (kv_width, hidden),
-                "self_attn.v_proj": (kv_width, hidden), "self_attn.o_proj": (hidden, q_width),
-                "mlp.gate_proj": (mlp, hidden), "mlp.up_proj": (mlp, hidden), "mlp.down_proj": (hidden, mlp)}
+        shapes = {"self_attn.q_proj": (q_width, hidden), "self_attn.k_proj": (kv_width, hidden),
+                  "self_attn.v_proj": (kv_width, hidden), "self_attn.o_proj": (hidden, q_width),
+                  "mlp.gate_proj": (mlp, hidden), "mlp.up_proj": (mlp, hidden), "mlp.down_proj": (hidden, mlp)}
+        if self.mlp_kind != "gated":
+            del shapes["mlp.gate_proj"]
+        return shapes
 
     def linear_in_features(self, tensor_parallel_size: int = 1) -> dict[str, int]:
         """Input features of each decoder layer's linear layers on one of

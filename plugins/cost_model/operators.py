@@ -5,7 +5,7 @@ Shared by ``cost_model=roofline`` (which turns each operator into time on a roof
 rest, attention above all, with the roofline). Names follow the measured tables
 (Vidur's ``mlp.csv``): ``input_layernorm``, ``attn_pre_proj`` (the fused QKV projection),
 ``attn_rope``, ``attn_post_proj`` (the output projection), ``post_attention_layernorm``,
-``mlp_up_proj`` (gate and up, fused), ``mlp_act``, ``mlp_down_proj``, ``add`` (the
+``mlp_up_proj`` (gate and up, fused; up alone for a plain MLP), ``mlp_act``, ``mlp_down_proj``, ``add`` (the
 residual add; the other one is fused into the post-attention norm, as vLLM does), plus
 ``attn_prefill`` and ``attn_decode`` (attention over the KV cache), and per step ``emb``,
 ``final_norm``, ``lm_head`` and ``sampling``.
@@ -49,7 +49,9 @@ class Widths:
     """What one tensor-parallel rank holds of a layer: ``q_heads``, ``kv_heads`` of
     ``head_dim``, ``mlp`` columns, ``vocab`` rows of the LM head (of ``full_vocab``); and
     the element sizes of weights (``wb``), KV cache (``kvb``) and activations (``ab``);
-    ``quantization``: the decoder linear layers' integer format, if any."""
+    ``quantization``: the decoder linear layers' integer format, if any; ``gated``: the
+    MLP's up projection holds gate and up columns and its activation multiplies them
+    (``ModelShape.mlp_kind``)."""
 
     hidden: int
     full_vocab: int
@@ -62,6 +64,7 @@ class Widths:
     kvb: float
     ab: float
     quantization: WeightQuantization | None = None
+    gated: bool = True
 
     @classmethod
     def of(cls, shape: ModelShape, tp: int, wb: float, kvb: float, ab: float,
@@ -69,7 +72,7 @@ class Widths:
         """The per-rank widths of ``shape`` split over ``tp`` ranks."""
         return cls(shape.hidden_size, shape.vocab_size, shape.num_heads // tp, shape.kv_heads_per_rank(tp),
                    shape.head_dim, shape.intermediate_size // tp, -(-shape.vocab_size // tp), wb, kvb, ab,
-                   quantization)
+                   quantization, shape.mlp_kind == "gated")
 
     def linear_weight_bytes(self, inputs: int) -> float:
         """Bytes per weight of a decoder linear layer with ``inputs`` input features."""
@@ -110,8 +113,8 @@ def layer_operators(num_tokens: int, w: Widths) -> list[Operator]:
         elementwise("attn_rope", rope_elements, 1, 1, w, 4.0),
         matmul("attn_post_proj", n, q_width, h, w),
         elementwise("post_attention_layernorm", n * h, 2, 2, w, 5.0, h * w.wb),
-        matmul("mlp_up_proj", n, h, 2 * w.mlp, w),
-        elementwise("mlp_act", n * w.mlp, 2, 1, w, 5.0),
+        matmul("mlp_up_proj", n, h, (2 if w.gated else 1) * w.mlp, w),
+        elementwise("mlp_act", n * w.mlp, 2 if w.gated else 1, 1, w, 5.0 if w.gated else 4.0),
         matmul("mlp_down_proj", n, w.mlp, h, w),
         elementwise("add", n * h, 2, 1, w),
     ]
