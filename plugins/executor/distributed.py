@@ -7,7 +7,8 @@ Global rank ``pp_rank * tp + tp_rank``; rank 0 is the driver (the engine's proce
 scheduler, the cache manager and the decoding strategy run there alone). Every step the
 driver sends each worker one int64 header and one int64 payload (the flat batch: token
 ids, positions, query starts, context lengths, block table, slots, logits rows, block
-moves), not Python objects. A stage sends its (output, residual) pair to the same
+moves), not Python objects. A stage sends its carried state (the (output, residual) pair, or
+the model's ``CARRIED_TENSORS``) to the same
 tensor rank of the next stage, with the stages' busy seconds; the last stage's rank 0
 sends the gathered logits back to the driver. On one node the driver starts the workers
 (``worker_group.py``); across nodes ``torchrun`` starts every rank
@@ -231,8 +232,9 @@ def run_worker(cfg: Any, topology: Topology, rank: int, groups: list[Any]) -> No
 
 def run_stage(worker: DeviceWorker, topology: Topology, rank: int, input_ids: torch.Tensor,
               positions: torch.Tensor, layout: BatchLayout, rows: torch.Tensor) -> None:
-    """A worker rank's part of one step: receive the (output, residual) pair from the
-    stage before, run ``worker``'s layers, send on to the next stage, or, on the last
+    """A worker rank's part of one step: receive what the stage before carries on (the
+    model's ``CARRIED_TENSORS`` [T, hidden] tensors: the (output, residual) pair unless it
+    says otherwise), run ``worker``'s layers, send on to the next stage, or, on the last
     stage's tensor rank 0, send the logits of ``rows`` to the driver, with the stages'
     busy seconds either way."""
     stage_times = torch.zeros(topology.pp, dtype=torch.float64)
@@ -240,8 +242,8 @@ def run_stage(worker: DeviceWorker, topology: Topology, rank: int, input_ids: to
     parallel = worker.parallel
     if not parallel.is_first_stage:
         hidden = worker.model.hf_config.hidden_size
-        carried = (torch.empty(input_ids.numel(), hidden, dtype=worker.dtype, device=worker.device),
-                   torch.empty(input_ids.numel(), hidden, dtype=worker.dtype, device=worker.device))
+        carried = tuple(torch.empty(input_ids.numel(), hidden, dtype=worker.dtype, device=worker.device)
+                        for _ in range(getattr(worker.model, "CARRIED_TENSORS", 2)))
         for tensor in (*carried, stage_times):
             dist.recv(tensor, rank - topology.tp)
     started = time.perf_counter()

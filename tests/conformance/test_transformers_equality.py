@@ -78,10 +78,17 @@ def test_large_batch_of_decodes_matches_transformers(llama, attention):
                                        max_tokens=6)
 
 
-FAMILY_REPRESENTATIVES = ("phi3",)
+FAMILY_REPRESENTATIVES = ("phi3", "opt", "falcon-new")
 """One tiny config per family beyond Llama, run through every combination."""
 FAMILY_LAYOUTS = {
     "phi3-window": ("phi3", {"sliding_window": 16}, ("continuous", "paged", "cpu"), ("chunked", "contiguous", "sdpa")),
+    "opt-postnorm": ("opt-postnorm", {}, ("continuous", "paged", "cpu"), ("chunked", "contiguous", "sdpa")),
+    "opt-project": ("opt-project", {}, ("continuous", "paged", "cpu"), ("static", "contiguous", "naive")),
+    "falcon-7b": ("falcon", {}, ("continuous", "paged", "cpu"), ("chunked", "contiguous", "sdpa"),
+                  ("dynamic", "paged", "naive")),
+    "falcon-sequential": ("falcon", {"multi_query": False, "parallel_attn": False, "bias": True},
+                          ("continuous", "paged", "cpu"), ("chunked", "paged", "sdpa")),
+    "falcon-new-one-norm": ("falcon-new", {"num_ln_in_parallel_attn": 1}, ("chunked", "paged", "cpu")),
 }
 """Other layouts of those families: (family, config overrides, combinations)."""
 
@@ -101,10 +108,11 @@ def family_checkpoints(tmp_path_factory) -> dict[str, str]:
 @pytest.mark.parametrize("family", FAMILY_REPRESENTATIVES)
 @pytest.mark.parametrize("scheduler,cache,attention", COMBINATIONS)
 def test_every_family_matches_transformers(family_checkpoints, family, scheduler, cache, attention):
-    """Phi-3 (fused checkpoint projections, partial rotary, longrope) through every combination."""
+    """Phi-3 (fused checkpoint projections, partial rotary, longrope), OPT (pre-norm) and
+    Falcon (new_decoder_architecture) through every combination."""
     assert_engine_matches_transformers(
         family_checkpoints[family], [f"scheduler={scheduler}", f"cache={cache}", f"attention={attention}",
-                                     "cache.memory_bytes=4000000"], max_tokens=20)
+                                     "cache.memory_bytes=4000000"])
 
 
 @pytest.mark.parametrize("layout, combination", [(name, combination) for name, (_, _, *combinations)

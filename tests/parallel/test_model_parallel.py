@@ -35,7 +35,7 @@ def families(tmp_path_factory) -> dict[str, str]:
     return {family: tiny_checkpoint(root / family, family) for family in FAMILY_SPLITS}
 
 
-FAMILY_SPLITS = ("phi3",)
+FAMILY_SPLITS = ("phi3", "opt-project", "falcon", "falcon-new")
 """Families (and layouts) checked at tp=2 and at pp=2."""
 
 
@@ -67,7 +67,9 @@ def test_greedy_output_equals_one_device(models, model, overrides):
 @pytest.mark.parametrize("split", ["parallel.tensor_parallel_size=2", "parallel.pipeline_parallel_size=2"],
                          ids=["tp2", "pp2"])
 def test_families_split_like_one_device(families, family, split):
-    """Each family's fused, replicated and stage-local weights land where one device has them."""
+    """Each family's fused, replicated and stage-local weights land where one device has them
+    (Phi-3's fused projections, OPT's positions, project_in/out and tied head, Falcon's
+    query_key_value in the multi-query and grouped layouts)."""
     matches(families[family], split, PAGED, "scheduler=chunked", "scheduler.token_budget=16")
 
 
@@ -92,6 +94,18 @@ def test_splits_that_cannot_work_name_the_numbers(models, overrides, message):
     with pytest.raises(ConfigError, match=message):
         LLM(folder, overrides=[*BASE, *overrides])
     assert not dist.is_initialized(), "a refused engine left its process group (and workers) behind"
+
+
+@pytest.mark.parametrize("family, fields, overrides, message", [
+    ("opt", {}, ["parallel.tensor_parallel_size=3"], "tensor_parallel_size=3 does not divide the model's 4 attention heads"),
+    ("falcon-new", {"ffn_hidden_size": 130}, ["parallel.tensor_parallel_size=4"],
+     "tensor_parallel_size=4 does not divide the MLP's intermediate size 130"),
+])
+def test_family_splits_that_cannot_work_name_the_numbers(tmp_path, family, fields, overrides, message):
+    folder = tiny_checkpoint(tmp_path / family, family, **fields)
+    with pytest.raises(ConfigError, match=message):
+        LLM(folder, overrides=[*BASE, *overrides])
+    assert not dist.is_initialized()
 
 
 def test_a_dead_worker_fails_the_engine_at_once(models):
