@@ -33,8 +33,8 @@ from torch import nn
 from servelab.core.component import ComponentSpec
 from servelab.core.errors import ConfigError
 from servelab.core.model import ModelParallel, ModelShape
-from servelab.plugins.models.decoder import DecoderForCausalLM, HeadSplit, VocabEmbedding, WeightPiece, tied_embeddings
-from servelab.plugins.models.layers import RotaryEmbedding
+from servelab.plugins.models.decoder import (DecoderForCausalLM, HeadSplit, RotaryEmbedding, VocabEmbedding,
+                                             WeightPiece, tied_embeddings)
 from servelab.plugins.models.linear import Linear
 
 ARCHITECTURES = ("FalconForCausalLM",)

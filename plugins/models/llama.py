@@ -24,9 +24,9 @@ from torch import nn
 from servelab.core.component import ComponentSpec
 from servelab.core.errors import ConfigError
 from servelab.core.model import ModelParallel, ModelShape
-from servelab.plugins.models.decoder import DecoderForCausalLM, HeadSplit, VocabEmbedding, WeightPiece, tied_embeddings
+from servelab.plugins.models.decoder import (DecoderForCausalLM, HeadSplit, RMSNorm, RotaryEmbedding, VocabEmbedding,
+                                             WeightPiece, tied_embeddings, use_native)
 from servelab.plugins.models.linear import Linear, linear_input
-from servelab.plugins.models.layers import RMSNorm, RotaryEmbedding, use_native
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
