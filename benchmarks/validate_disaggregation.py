@@ -37,6 +37,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--rates", type=float, nargs="+", default=[2.0, 4.0])
     parser.add_argument("--requests", type=int, default=120)
+    parser.add_argument("--workload", default="sharegpt", help="the workload preset (conf/workload/)")
     parser.add_argument("--out", default="runs/disaggregation")
     args = parser.parse_args()
     out = Path(args.out).resolve()
@@ -46,14 +47,14 @@ def main() -> None:
 
         make_checkpoint(str(checkpoint), "26m")
     model = ["model=local", f"model.path={checkpoint}", "model.dtype=float32", "use_tqdm=false"]
-    workload = ["workload=sharegpt", "workload.arrival=poisson", f"workload.num_requests={args.requests}"]
+    workload = [f"workload={args.workload}", "workload.arrival=poisson", f"workload.num_requests={args.requests}"]
     for round_ in range(1, args.rounds + 1):
         bench(*model, "torch_threads=1", "mode=profile", f"hydra.run.dir={out}/round-{round_}")
         server = ServerProcess.servelab(out / f"server-{round_}.log", *model[:3], "deployment=disaggregated")
         try:
             for rate in args.rates:
                 bench(*model, *workload, "target=http", f"target.url={server.url}", f"workload.rate={rate:g}",
-                      f"workload.seed={round_}", f"hydra.run.dir={out}/1p1d-rate{rate:g}/real-{round_}")
+                      f"workload.seed={round_}", f"hydra.run.dir={out}/{args.workload}-rate{rate:g}/real-{round_}")
         finally:
             server.stop()
     for round_ in range(1, args.rounds + 1):
@@ -61,7 +62,7 @@ def main() -> None:
             bench(*model, *workload, "torch_threads=1", "executor=simulated", "cost_model=profiled", "hardware=local",
                   f"cost_model.table={out}/round-{round_}/profile.json", "deployment=disaggregated",
                   "deployment.link=pcie", f"workload.rate={rate:g}", f"workload.seed={round_}",
-                  f"hydra.run.dir={out}/1p1d-rate{rate:g}/sim-{round_}")
+                  f"hydra.run.dir={out}/{args.workload}-rate{rate:g}/sim-{round_}")
     subprocess.run([sys.executable, str(Path(__file__).with_name("validate_cost_models.py")), "cpu", str(out)],
                    check=True)
 
