@@ -4,7 +4,7 @@
 It runs on the Llama family's modules: their ``pieces`` split the fused tensors per
 tensor-parallel rank exactly as they fuse Llama's separate ones. What Phi-3 adds is read
 from its config: ``partial_rotary_factor`` (rotary embedding of the first part of each
-head, ``layers.RotaryEmbedding``), ``rope_scaling`` of type ``longrope`` (short factors
+head, ``decoder.RotaryEmbedding``), ``rope_scaling`` of type ``longrope`` (short factors
 below ``original_max_position_embeddings``, long ones past it) and an optional
 ``sliding_window``. No attention or MLP biases.
 """
