@@ -194,6 +194,10 @@ class CausalLM(nn.Module, abc.ABC):
     index among this instance's layers.
     """
 
+    CARRIED_TENSORS = 2
+    """How many [T, hidden] tensors a pipeline stage passes to the next (``forward``'s
+    ``carried``): 2 for an (output, residual) pair, 1 for a plain hidden state."""
+
     @classmethod
     @abc.abstractmethod
     def shape_of(cls, hf_config: Any) -> ModelShape:

@@ -233,17 +233,16 @@ def run_worker(cfg: Any, topology: Topology, rank: int, groups: list[Any]) -> No
 def run_stage(worker: DeviceWorker, topology: Topology, rank: int, input_ids: torch.Tensor,
               positions: torch.Tensor, layout: BatchLayout, rows: torch.Tensor) -> None:
     """A worker rank's part of one step: receive what the stage before carries on (the
-    model's ``CARRIED_TENSORS`` [T, hidden] tensors: the (output, residual) pair unless it
-    says otherwise), run ``worker``'s layers, send on to the next stage, or, on the last
-    stage's tensor rank 0, send the logits of ``rows`` to the driver, with the stages'
-    busy seconds either way."""
+    model's ``CARRIED_TENSORS`` [T, hidden] tensors), run ``worker``'s layers, send on to
+    the next stage, or, on the last stage's tensor rank 0, send the logits of ``rows`` to
+    the driver, with the stages' busy seconds either way."""
     stage_times = torch.zeros(topology.pp, dtype=torch.float64)
     carried = None
     parallel = worker.parallel
     if not parallel.is_first_stage:
         hidden = worker.model.hf_config.hidden_size
         carried = tuple(torch.empty(input_ids.numel(), hidden, dtype=worker.dtype, device=worker.device)
-                        for _ in range(getattr(worker.model, "CARRIED_TENSORS", 2)))
+                        for _ in range(worker.model.CARRIED_TENSORS))
         for tensor in (*carried, stage_times):
             dist.recv(tensor, rank - topology.tp)
     started = time.perf_counter()

@@ -238,8 +238,6 @@ class DecoderForCausalLM(CausalLM):
     """Unfused linear layers whose output rows tensor parallelism splits."""
     VOCAB_WEIGHTS = ("embed_tokens.weight", "word_embeddings.weight", "lm_head.weight")
     """Weights split by vocabulary rows."""
-    CARRIED_TENSORS = 2
-    """How many [T, hidden] tensors the state between layers (and pipeline stages) holds."""
 
     def __init__(self, hf_config: Any, attention: Any, dtype: torch.dtype, max_positions: int,
                  parallel: ModelParallel = ModelParallel()):
