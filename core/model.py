@@ -19,7 +19,9 @@ class ModelShape:
     decoder layers, each with attention of ``num_heads`` query and ``num_kv_heads`` KV heads
     of ``head_dim`` and an MLP of ``intermediate_size`` over ``hidden_size``: ``mlp_kind``
     "gated" (gate, up and down matrices: SwiGLU) or "plain" (up and down: OPT's fc1/fc2,
-    Falcon's dense_h_to_4h/dense_4h_to_h); ``sliding_window`` (None = full attention);
+    Falcon's dense_h_to_4h/dense_4h_to_h); ``sliding_window`` (None = full attention), the
+    window of every layer unless ``layer_windows`` gives one per layer (None: that layer
+    attends to the whole context; Gemma interleaves windowed and global layers);
     ``max_positions`` and ``vocab_size``; ``tied_embeddings`` when the LM head reuses the
     embedding matrix."""
 
@@ -34,6 +36,11 @@ class ModelShape:
     intermediate_size: int = 0
     tied_embeddings: bool = False
     mlp_kind: str = "gated"
+    layer_windows: tuple[int | None, ...] = ()
+
+    def window_of(self, layer: int) -> int | None:
+        """The attention window of decoder layer ``layer`` (None: the whole context)."""
+        return self.layer_windows[layer] if self.layer_windows else self.sliding_window
 
     @property
     def mlp_matrices(self) -> int:
