@@ -7,6 +7,8 @@ CUDA graphs.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from servelab.core.kv_cache_dtype import SCALE_BYTES, is_quantized, quantized_kv_dtypes
@@ -24,6 +26,15 @@ def check(cond: bool, msg: str) -> None:
     """Raise ValueError(msg) unless cond holds (unlike assert, survives ``python -O``)."""
     if not cond:
         raise ValueError(msg)
+
+
+def window_constexpr(sliding_window: int | None) -> int:
+    """The kernels' WINDOW: ``sliding_window`` (a positive int) or 0 for full attention."""
+    if sliding_window is None:
+        return 0
+    check(isinstance(sliding_window, numbers.Integral) and sliding_window >= 1,
+          f"sliding_window must be None or a positive int, got {sliding_window!r}")
+    return int(sliding_window)
 
 
 def check_runnable(device: torch.device) -> None:

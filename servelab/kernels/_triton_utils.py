@@ -23,6 +23,16 @@ def mma(a, b, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def window_start(pos, WINDOW: tl.constexpr):
+    """First context position a query at ``pos`` attends to: ``pos - WINDOW + 1``, at
+    least 0 (keys ``pos - WINDOW < k <= pos``); 0 when WINDOW is 0 (full attention)."""
+    start = 0
+    if WINDOW > 0:
+        start = tl.maximum(pos - WINDOW + 1, 0)
+    return start
+
+
+@triton.jit
 def load_kv_tile(
     kv_ptr, table_row, start_n, hi, offs_d, d_valid,
     stride_c0, stride_cb, stride_cs, head_off,

@@ -2,7 +2,8 @@
 
 Decode has one query token per request, so a FlashAttention grid over
 (requests x heads) leaves most of a big GPU idle for small batches and long
-contexts.  Here each request's context is cut into ``num_splits`` chunks:
+contexts.  Here each request's context -- with a sliding window, only the
+window's last W keys -- is cut into ``num_splits`` chunks:
 kernel 1 runs one program per (request, KV head, split) -- the GQA heads of
 the KV head are the rows of its tile -- and writes a partial normalised output
 and its log-sum-exp; kernel 2 merges the splits of each (request, head).
@@ -29,6 +30,7 @@ from servelab.kernels._checks import (
     check_runnable,
     check_same_device,
     next_pow2,
+    window_constexpr,
 )
 from servelab.kernels._triton_utils import (
     check_launchable,
@@ -38,6 +40,7 @@ from servelab.kernels._triton_utils import (
     load_kv_tile,
     mma,
     offsets_i64,
+    window_start,
 )
 from servelab.kernels.availability import triton_interpret_enabled
 from servelab.kernels.varlen_attention_reference import varlen_paged_attention_reference
@@ -61,13 +64,15 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, OFFSETS_I64: tl.constexpr,
     QUANTIZED: tl.constexpr,                     # int8 / float8 cache rows: D values, then a float32 scale
+    WINDOW: tl.constexpr,                        # sliding window; 0: full attention
 ):
-    """Grid (requests, KV heads, splits): attention of a KV group's heads over one split."""
+    """Grid (requests, KV heads, splits): attention of a KV group's heads over one split
+    of the keys from the window start to the context's end."""
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
-    lo = split * tokens_per_split
+    lo = window_start(seq_len - 1, WINDOW) + split * tokens_per_split
     hi = tl.minimum(lo + tokens_per_split, seq_len)
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -117,12 +122,13 @@ def _decode_reduce_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, seq_lens_ptr, tokens_per_split,
     stride_pr, stride_ph, stride_ps, stride_lr, stride_lh, stride_or, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     """Grid (requests, heads): merge the splits' partial outputs by their log-sum-exps."""
     req = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + req)
-    used = tl.minimum(tl.cdiv(seq_len, tokens_per_split), NUM_SPLITS)
+    used = tl.minimum(tl.cdiv(seq_len - window_start(seq_len - 1, WINDOW), tokens_per_split), NUM_SPLITS)
     offs_s = tl.arange(0, BLOCK_S)
     s_valid = offs_s < used
     lse = tl.load(part_lse_ptr + req * stride_lr + head * stride_lh + offs_s, mask=s_valid,
@@ -166,6 +172,7 @@ def paged_decode_attention(
     max_seq_len: int | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Single-token decode attention (flash-decoding); returns [R, H, D].
 
@@ -174,7 +181,8 @@ def paged_decode_attention(
     block_table: int32 [R, max_blocks].  max_seq_len: host int, an upper bound of
     every seq_lens entry (keys past it are not read; no GPU sync checks it), which
     sizes the splits; default: the block table's capacity.  num_splits overrides
-    the heuristic in ``choose_num_splits``.  out: optional [R, H, D].
+    the heuristic in ``choose_num_splits``.  out: optional [R, H, D].  sliding_window:
+    W reads only each sequence's last W keys (split among the programs), none before.
     """
     _, block_size, num_kv_heads, head_dim = check_kv_cache(kv_cache)
     check(q.dim() == 3, f"q must be [R, H, D], got {tuple(q.shape)}")
@@ -197,8 +205,10 @@ def paged_decode_attention(
     capacity = block_table.shape[1] * block_size
     max_seq_len = capacity if max_seq_len is None else min(int(max_seq_len), capacity)
     check(max_seq_len >= 1, "max_seq_len must be >= 1")
+    window = window_constexpr(sliding_window)
+    span = min(max_seq_len, window) if window else max_seq_len  # keys one sequence reads at most
     if num_splits is None:
-        num_splits = choose_num_splits(max_seq_len, num_reqs, num_kv_heads, device)
+        num_splits = choose_num_splits(span, num_reqs, num_kv_heads, device)
     check(isinstance(num_splits, int) and 1 <= num_splits <= MAX_SPLITS, f"num_splits must be in [1, {MAX_SPLITS}]")
 
     group = num_heads // num_kv_heads
@@ -206,8 +216,8 @@ def paged_decode_attention(
     interp = triton_interpret_enabled()
     num_warps = 1 if interp else 4
     block_n = 16 if interp else kv_tile_size(block_d, num_warps)
-    tokens_per_split = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
-    num_splits = triton.cdiv(max_seq_len, tokens_per_split)  # drop splits left empty by rounding
+    tokens_per_split = triton.cdiv(triton.cdiv(span, num_splits), block_n) * block_n
+    num_splits = triton.cdiv(span, tokens_per_split)  # drop splits left empty by rounding
 
     part_out = torch.empty(num_reqs, num_heads, num_splits, block_d, dtype=torch.float32, device=device)
     part_lse = torch.empty(num_reqs, num_heads, num_splits, dtype=torch.float32, device=device)
@@ -224,6 +234,7 @@ def paged_decode_attention(
         num_warps=num_warps, num_stages=1 if interp else 2,
         OFFSETS_I64=offsets_i64(kv_cache),
         QUANTIZED=is_quantized(kv_cache.dtype),
+        WINDOW=window,
         **dot_flags(q.dtype),
     )
     _decode_reduce_kernel[(num_reqs, num_heads)](
@@ -232,14 +243,16 @@ def paged_decode_attention(
         part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits, BLOCK_S=next_pow2(num_splits),
-        num_warps=1 if interp else 4,
+        WINDOW=window, num_warps=1 if interp else 4,
     )
     return out
 
 
 def paged_decode_attention_reference(
-    q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float
+    q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Reference for ``paged_decode_attention``: the varlen reference with query_len = 1."""
     query_start_loc = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
-    return varlen_paged_attention_reference(q, kv_cache, query_start_loc, seq_lens, block_table, scale)
+    return varlen_paged_attention_reference(q, kv_cache, query_start_loc, seq_lens, block_table, scale,
+                                            sliding_window=sliding_window)

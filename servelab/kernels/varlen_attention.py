@@ -5,7 +5,9 @@ tokens; the rows of the tile are (query token, query head of the KV head's
 group) pairs, so GQA heads share every K/V tile they load.  The program walks
 the context in BLOCK_N-token key tiles read through the block table, keeps an
 online softmax in float32 (base-2 exponentials) and stops at the tile's causal
-limit, so the N x N score matrix never exists.
+limit, so the N x N score matrix never exists.  With a sliding window it starts
+at the window of the tile's first query: keys before it are never loaded (their
+block-table entries may name a placeholder block).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from servelab.kernels._checks import (
     check_runnable,
     check_same_device,
     next_pow2,
+    window_constexpr,
 )
 from servelab.kernels._triton_utils import (
     check_launchable,
@@ -38,6 +41,7 @@ from servelab.kernels._triton_utils import (
     load_kv_tile,
     mma,
     offsets_i64,
+    window_start,
 )
 from servelab.kernels.availability import triton_interpret_enabled
 from servelab.kernels.varlen_attention_reference import varlen_paged_attention_reference
@@ -66,6 +70,7 @@ def _varlen_paged_attention_kernel(
     DOT_UPCAST: tl.constexpr,    # see _triton_utils.mma
     OFFSETS_I64: tl.constexpr,   # int64 cache offsets (huge caches)
     QUANTIZED: tl.constexpr,     # int8 / float8 cache rows: D values, then a float32 scale
+    WINDOW: tl.constexpr,        # sliding window (keys pos - WINDOW < k <= pos); 0: full attention
 ):
     """Grid (query tiles, requests, KV heads); see the module docstring."""
     q_tile = tl.program_id(0)
@@ -99,11 +104,12 @@ def _varlen_paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    # Keys this tile may see: positions < causal limit of its last valid row.
+    # Keys this tile may see: from the window start of its first row to the causal limit of its last.
+    lo = window_start(first_pos + q_tile * BLOCK_Q, WINDOW)
     hi = first_pos + tl.minimum((q_tile + 1) * BLOCK_Q, q_len)
     table_row = block_table_ptr + req.to(tl.int64) * stride_bt
     head_off = kv_head * stride_ch
-    for start_n in range(0, hi, BLOCK_N):
+    for start_n in range(lo, hi, BLOCK_N):
         k_t, v, k_pos, k_valid, row_off = load_kv_tile(
             kv_ptr, table_row, start_n, hi, offs_d, d_valid, stride_c0, stride_cb, stride_cs, head_off,
             BLOCK_SIZE, BLOCK_N, OFFSETS_I64)
@@ -115,6 +121,8 @@ def _varlen_paged_attention_kernel(
         if QUANTIZED:
             s = s * k_scale[None, :]
         keep = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
+        if WINDOW > 0:
+            keep = keep & (k_pos[None, :] > q_pos[:, None] - WINDOW)
         s = tl.where(keep, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -151,14 +159,17 @@ def varlen_paged_attention(
     scale: float,
     max_query_len: int,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of a flat batch's new tokens over their paged context; returns [T, H, D].
 
     q: [T, H, D]; kv_cache: [2, num_blocks, block_size, Hkv, D] (new tokens already
     written); query_start_loc: int32 [R+1]; seq_lens: int32 [R] (context incl. new
     tokens); block_table: int32 [R, max_blocks]; max_query_len: host-side max (or upper
-    bound) of the query lengths (no GPU sync); out: optional [T, H, D] output buffer.
-    Query row i of request r sits at position seq_lens[r] - query_len_r + i.
+    bound) of the query lengths (no GPU sync); out: optional [T, H, D] output buffer;
+    sliding_window: W lets position p see keys p - W < k <= p (None: full causal).
+    Query row i of request r sits at position seq_lens[r] - query_len_r + i; keys before
+    the window of a request's first query are not read.
     Values are not checked (that needs a GPU sync): query_len_r <= seq_lens[r] and
     the block table must cover each context.
     """
@@ -176,6 +187,7 @@ def varlen_paged_attention(
     check_index_tensor(seq_lens, "seq_lens", (num_reqs,), torch.int32)
     check_block_table(block_table, num_reqs)
     check(isinstance(max_query_len, numbers.Integral) and max_query_len >= 0, "max_query_len must be a non-negative int")
+    window = window_constexpr(sliding_window)
     device = q.device
     check_same_device(device, kv_cache=kv_cache, query_start_loc=query_start_loc,
                       seq_lens=seq_lens, block_table=block_table)
@@ -205,6 +217,7 @@ def varlen_paged_attention(
         GROUP_PAD=group_pad,
         OFFSETS_I64=offsets_i64(kv_cache),
         QUANTIZED=is_quantized(kv_cache.dtype),
+        WINDOW=window,
         **dot_flags(q.dtype),
         **cfg,
     )

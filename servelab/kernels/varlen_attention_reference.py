@@ -1,7 +1,8 @@
 """Pure-torch reference for causal attention over a flat batch and a paged KV cache.
 
 Slow and simple on purpose (a loop over requests, the context gathered
-through the block table, an explicit causal mask, GQA by repeat_interleave);
+through the block table, an explicit causal and window mask, GQA by
+repeat_interleave);
 the Triton kernels in ``varlen_attention`` and ``decode_attention`` are tested
 against it.
 """
@@ -15,19 +16,22 @@ from servelab.kernels.kv_quantization import dequantize_kv
 
 
 def gather_context(
-    kv_cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int
+    kv_cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int, start: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return one request's keys and values ``[seq_len, Hkv, D]`` in position order
-    (dequantized to float32 from an int8 / float8_e4m3fn cache)."""
+    """Return one request's keys and values of positions ``start .. seq_len``
+    ``[seq_len - start, Hkv, D]`` in position order (dequantized to float32 from an int8 /
+    float8_e4m3fn cache); blocks wholly before ``start`` are not read."""
     block_size, num_kv_heads, row = kv_cache.shape[2:]
     num_blocks = -(-seq_len // block_size)
     if num_blocks > block_table_row.shape[0]:
         raise ValueError(f"seq_len {seq_len} needs {num_blocks} blocks, table has {block_table_row.shape[0]}")
-    blocks = block_table_row[:num_blocks].long()
+    first = start // block_size
+    blocks = block_table_row[first:num_blocks].long()
+    span = slice(start - first * block_size, seq_len - first * block_size)
     quantized = is_quantized(kv_cache.dtype)
     raw = kv_cache.view(torch.uint8) if quantized else kv_cache
-    k = raw[0, blocks].reshape(-1, num_kv_heads, row)[:seq_len].view(kv_cache.dtype)
-    v = raw[1, blocks].reshape(-1, num_kv_heads, row)[:seq_len].view(kv_cache.dtype)
+    k = raw[0, blocks].reshape(-1, num_kv_heads, row)[span].view(kv_cache.dtype)
+    v = raw[1, blocks].reshape(-1, num_kv_heads, row)[span].view(kv_cache.dtype)
     if quantized:
         return dequantize_kv(k, torch.float32), dequantize_kv(v, torch.float32)
     return k, v
@@ -42,12 +46,14 @@ def varlen_paged_attention_reference(
     scale: float,
     max_query_len: int | None = None,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Reference for ``varlen_paged_attention`` (same arguments; max_query_len is unused).
 
     Request r owns q rows ``query_start_loc[r]:query_start_loc[r+1]``; they are the
-    last positions of its ``seq_lens[r]``-token context and attend causally to it.
-    Computes in float32 and casts to q's dtype.
+    last positions of its ``seq_lens[r]``-token context and attend causally to it
+    (position p to keys p - sliding_window < k <= p with a window; keys before the
+    first row's window are not read). Computes in float32 and casts to q's dtype.
     """
     num_heads = q.shape[1]
     num_kv_heads = kv_cache.shape[3]
@@ -65,14 +71,17 @@ def varlen_paged_attention_reference(
             continue
         if q_len > seq_len:
             raise ValueError(f"request {r}: query_len {q_len} > seq_len {seq_len}")
-        k, v = gather_context(kv_cache, block_table[r], seq_len)
+        start = 0 if sliding_window is None else max(seq_len - q_len - sliding_window + 1, 0)
+        k, v = gather_context(kv_cache, block_table[r], seq_len, start)
         k = k.float().repeat_interleave(group, dim=1)
         v = v.float().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[q_lo:q_hi].float(), k) * scale
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        k_pos = torch.arange(seq_len, device=q.device)
-        causal = k_pos[None, :] <= q_pos[:, None]
-        scores = scores.masked_fill(~causal, float("-inf"))
+        k_pos = torch.arange(start, seq_len, device=q.device)
+        allowed = k_pos[None, :] <= q_pos[:, None]
+        if sliding_window is not None:
+            allowed &= k_pos[None, :] > q_pos[:, None] - sliding_window
+        scores = scores.masked_fill(~allowed, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[q_lo:q_hi] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
     return out

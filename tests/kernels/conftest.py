@@ -93,6 +93,20 @@ def build_paged_batch(
     )
 
 
+def drop_before_window(batch: dict, window: int) -> None:
+    """Make ``batch`` what a windowed cache holds: the table entries of blocks wholly before
+    each request's first query's window point at a NaN placeholder block, and the
+    positions before it in the window's first block are NaN, so any read of them shows."""
+    kv, table = batch["kv_cache"], batch["block_table"]
+    block_size = kv.shape[2]
+    placeholder = int(table[0, -1])  # the table's last column is unused: a spare NaN block
+    query_lens = batch["query_start_loc"].diff().tolist()
+    for r, (seq_len, q_len) in enumerate(zip(batch["seq_lens"].tolist(), query_lens)):
+        start = max(seq_len - q_len - window + 1, 0)
+        table[r, :start // block_size] = placeholder
+        kv[:, int(table[r, start // block_size]), :start % block_size] = float("nan")
+
+
 @pytest.fixture
 def paged_batch():
     """The ``build_paged_batch`` factory, as a fixture."""
@@ -104,6 +118,12 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     atol, rtol = TOLERANCES[expected.dtype]
     assert not torch.isnan(actual).any(), "kernel output has NaN (read outside the context?)"
     torch.testing.assert_close(actual.float().cpu(), expected.float().cpu(), atol=atol, rtol=rtol)
+
+
+@pytest.fixture
+def windowed():
+    """The ``drop_before_window`` helper, as a fixture."""
+    return drop_before_window
 
 
 @pytest.fixture

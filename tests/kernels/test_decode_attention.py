@@ -40,6 +40,30 @@ def test_matches_reference(decode, paged_batch, close, device, block_size, num_s
     close(out, decode.paged_decode_attention_reference(**args))
 
 
+@pytest.mark.parametrize("window", [1, 7, 33, 200])
+@pytest.mark.parametrize("block_size, num_splits, dtype", [
+    (1, None, torch.float32), (16, 3, torch.bfloat16), (None, 8, torch.float32)])
+def test_sliding_window(decode, paged_batch, windowed, close, device, block_size, num_splits, dtype, window):
+    """Each sequence's last W keys split among programs; the keys before them are NaN
+    behind placeholder blocks, so a read of one shows."""
+    batch = paged_batch(SEQ_LENS, [1] * len(SEQ_LENS), 4, 2, 32, block_size, dtype, device)
+    windowed(batch, window)
+    args = decode_args(batch)
+    out = decode.paged_decode_attention(**args, max_seq_len=max(SEQ_LENS), num_splits=num_splits,
+                                        sliding_window=window)
+    close(out, decode.paged_decode_attention_reference(**args, sliding_window=window))
+
+
+def test_sliding_window_agrees_with_varlen_kernel(decode, paged_batch, windowed, device):
+    """Decode and the varlen kernel read the same window (fp32)."""
+    from servelab.kernels.varlen_attention import varlen_paged_attention
+
+    batch = paged_batch(SEQ_LENS, [1] * len(SEQ_LENS), 4, 2, 32, 16, torch.float32, device)
+    windowed(batch, 20)
+    out = decode.paged_decode_attention(**decode_args(batch), num_splits=4, sliding_window=20)
+    torch.testing.assert_close(out, varlen_paged_attention(**batch, sliding_window=20), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("head_dim", [48, 128])
 def test_head_dims_and_default_bound(decode, paged_batch, close, device, head_dim):
     """Padded and large head dims; max_seq_len omitted (bounded by the block table)."""
@@ -87,6 +111,7 @@ def test_rejects_bad_arguments(decode, paged_batch, device):
         {"block_table": args["block_table"].to(torch.int64)},
         {"num_splits": 0},
         {"num_splits": 1000},
+        {"sliding_window": -1},
     ]
     for override in bad:
         with pytest.raises(ValueError):

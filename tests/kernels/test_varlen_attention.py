@@ -62,6 +62,38 @@ def test_reference_matches_dense_sdpa(paged_batch):
         torch.testing.assert_close(out[starts[r]:starts[r + 1]], expected, atol=1e-5, rtol=1e-5)
 
 
+def test_reference_window_matches_masked_sdpa(paged_batch):
+    """Anchor: with a window, the reference equals SDPA under an explicit causal-window mask."""
+    window, pairs = 6, [(40, 9), (12, 12)]
+    batch = paged_batch([s for s, _ in pairs], [q for _, q in pairs], 2, 2, 16, 16, torch.float32)
+    out = varlen_paged_attention_reference(**batch, sliding_window=window)
+    starts = batch["query_start_loc"].tolist()
+    for r, (seq_len, q_len) in enumerate(pairs):
+        k = torch.cat([batch["kv_cache"][0, b] for b in batch["block_table"][r].tolist()])[:seq_len]
+        v = torch.cat([batch["kv_cache"][1, b] for b in batch["block_table"][r].tolist()])[:seq_len]
+        q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+        k_pos = torch.arange(seq_len)[None, :]
+        mask = (k_pos <= q_pos) & (k_pos > q_pos - window)
+        expected = F.scaled_dot_product_attention(
+            batch["q"][starts[r]:starts[r + 1]].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+            attn_mask=mask, scale=batch["scale"],
+        ).transpose(0, 1)
+        torch.testing.assert_close(out[starts[r]:starts[r + 1]], expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 40, 200])
+@pytest.mark.parametrize("block_size", [1, 16, None])
+def test_sliding_window(attn, paged_batch, windowed, close, device, block_size, window):
+    """Windows inside one key tile, across tiles and past the context, on a mixed batch
+    (a two-tile prefill, chunks, decode); keys before each window are NaN behind
+    placeholder blocks, so a read of one shows."""
+    seq_lens, query_lens = zip(*SCENARIOS["mixed"])
+    batch = paged_batch(list(seq_lens), list(query_lens), 4, 2, 32, block_size, torch.float32, device)
+    windowed(batch, window)
+    out = attn(**batch, sliding_window=window)
+    close(out, varlen_paged_attention_reference(**batch, sliding_window=window))
+
+
 @pytest.mark.parametrize("block_size, scenario, gqa, dtype", CASES)
 def test_matches_reference(attn, paged_batch, close, device, block_size, scenario, gqa, dtype):
     """All scenarios x block sizes (shuffled tables), GQA 1/2/4, fp32 and bf16."""
@@ -139,6 +171,7 @@ def test_rejects_bad_arguments(attn, paged_batch, device):
         {"kv_cache": batch["kv_cache"][0]},                           # not [2, ...]
         {"q": batch["q"][:, :3]},                                     # 3 heads over 2 KV heads
         {"out": torch.empty(1, 4, 32, device=device)},                # out shape
+        {"sliding_window": 0},                                        # window must be >= 1
     ]
     for override in bad:
         with pytest.raises(ValueError):
