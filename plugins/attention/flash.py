@@ -42,16 +42,13 @@ class FlashAttention(AttentionBackend):
 
     @classmethod
     def unsupported_reasons(cls, config: Any, spec: AttentionSpec) -> list[str]:
-        """Needs triton with CUDA (or the interpreter) and full attention."""
+        """Needs triton with CUDA (or the interpreter)."""
         from servelab.kernels.availability import triton_unavailable_reason
 
         reasons = []
         unavailable = triton_unavailable_reason()
         if unavailable:
             reasons.append(unavailable)
-        if spec.sliding_window is not None:
-            reasons.append(f"sliding-window attention (window {spec.sliding_window}) is not supported; "
-                           "use attention=sdpa or attention=naive")
         if (spec.kv_dtype == getattr(torch, "float8_e4m3fn", None) and spec.device.type == "cuda"
                 and torch.cuda.get_device_capability(spec.device) < FP8_MIN_CAPABILITY):
             reasons.append("cache.kv_dtype=fp8_e4m3 needs a GPU of compute capability 8.9 or newer for Triton's "
@@ -64,9 +61,9 @@ class FlashAttention(AttentionBackend):
         self._write(k, v, kv_cache, meta.slot_mapping)
         if meta.is_pure_decode and self.config.decode_kernel:
             return self._decode(q, kv_cache, meta.seq_lens, meta.block_table, self.spec.scale,
-                                max_seq_len=meta.max_seq_len)
+                                max_seq_len=meta.max_seq_len, sliding_window=self.spec.sliding_window)
         return self._varlen(q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table, self.spec.scale,
-                            meta.max_query_len)
+                            meta.max_query_len, sliding_window=self.spec.sliding_window)
 
 
 SPEC = ComponentSpec("attention", "flash", FlashAttention, FlashAttentionConfig,
