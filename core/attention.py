@@ -14,8 +14,10 @@ from servelab.core.kv_cache_dtype import SCALE_BYTES, is_quantized
 class AttentionSpec:
     """The attention shape of one model: ``num_heads`` query heads and ``num_kv_heads``
     KV heads of ``head_dim``, softmax ``scale``, compute ``dtype`` on ``device``, an
-    optional ``sliding_window`` (None = full attention) and ``kv_dtype``, the KV cache's
-    element type (None = ``dtype``; int8 or float8_e4m3fn: quantized, ``cache.kv_dtype``)."""
+    optional ``sliding_window`` (None = full attention), ``kv_dtype``, the KV cache's
+    element type (None = ``dtype``; int8 or float8_e4m3fn: quantized, ``cache.kv_dtype``),
+    and ``softcap``: when set, scaled scores become ``softcap * tanh(scores / softcap)``
+    before masking and softmax (Gemma 2's attention logit soft-capping; None = none)."""
 
     num_heads: int
     num_kv_heads: int
@@ -25,6 +27,7 @@ class AttentionSpec:
     device: torch.device
     sliding_window: int | None = None
     kv_dtype: torch.dtype | None = None
+    softcap: float | None = None
 
     @property
     def cache_dtype(self) -> torch.dtype:

@@ -23,7 +23,9 @@ class ModelShape:
     window of every layer unless ``layer_windows`` gives one per layer (None: that layer
     attends to the whole context; Gemma interleaves windowed and global layers);
     ``max_positions`` and ``vocab_size``; ``tied_embeddings`` when the LM head reuses the
-    embedding matrix."""
+    embedding matrix; ``attention_scale``, the softmax scale (None: ``head_dim ** -0.5``),
+    and ``attention_softcap``, the attention scores' soft cap (None: none), both model-wide
+    and passed on in ``attention_spec``."""
 
     num_layers: int
     num_heads: int
@@ -37,6 +39,8 @@ class ModelShape:
     tied_embeddings: bool = False
     mlp_kind: str = "gated"
     layer_windows: tuple[int | None, ...] = ()
+    attention_scale: float | None = None
+    attention_softcap: float | None = None
 
     def window_of(self, layer: int) -> int | None:
         """The attention window of decoder layer ``layer`` (None: the whole context)."""
@@ -87,9 +91,10 @@ class ModelShape:
         """The attention backend's spec on one of ``tensor_parallel_size`` ranks (a window as
         long as the context is no window); ``kv_dtype``: the cache's element type (None: ``dtype``)."""
         window = self.sliding_window if self.sliding_window and self.sliding_window < max_model_len else None
+        scale = self.head_dim ** -0.5 if self.attention_scale is None else self.attention_scale
         return AttentionSpec(self.num_heads // tensor_parallel_size, self.kv_heads_per_rank(tensor_parallel_size),
-                             self.head_dim, self.head_dim ** -0.5, dtype, device, window,
-                             None if kv_dtype == dtype else kv_dtype)
+                             self.head_dim, scale, dtype, device, window,
+                             None if kv_dtype == dtype else kv_dtype, self.attention_softcap)
 
     def kv_cache_spec(self, dtype: torch.dtype, max_model_len: int, tensor_parallel_size: int = 1,
                       pipeline_parallel_size: int = 1) -> KVCacheSpec:

@@ -50,8 +50,12 @@ class CpuAttention(AttentionBackend):
 
     @classmethod
     def unsupported_reasons(cls, config, spec: AttentionSpec) -> list[str]:
-        """Needs CPU tensors and the native ops built for this machine."""
+        """Needs CPU tensors, the native ops built for this machine, and scores without a
+        soft cap (the kernels do not cap them)."""
         reasons = []
+        if spec.softcap is not None:
+            reasons.append(f"attention=cpu does not soft-cap attention scores (softcap {spec.softcap}); "
+                           "use attention=sdpa or attention=naive")
         if spec.device.type != "cpu":
             reasons.append(f"attention=cpu runs on CPU tensors, not {spec.device.type}; use attention=flash or sdpa")
         reason = native_cpu_unavailable_reason()

@@ -49,6 +49,9 @@ class FlashAttention(AttentionBackend):
         unavailable = triton_unavailable_reason()
         if unavailable:
             reasons.append(unavailable)
+        if spec.softcap is not None:
+            reasons.append(f"soft-capped attention scores (softcap {spec.softcap}) are not supported by the Triton "
+                           "kernels; use attention=sdpa or attention=naive")
         if (spec.kv_dtype == getattr(torch, "float8_e4m3fn", None) and spec.device.type == "cuda"
                 and torch.cuda.get_device_capability(spec.device) < FP8_MIN_CAPABILITY):
             reasons.append("cache.kv_dtype=fp8_e4m3 needs a GPU of compute capability 8.9 or newer for Triton's "

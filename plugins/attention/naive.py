@@ -9,6 +9,7 @@ import torch
 from servelab.core.attention import AttentionBackend, BatchLayout
 from servelab.core.component import ComponentSpec
 from servelab.plugins.attention.cache_ops import attention_mask, context_slots, gather_kv, write_kv
+from servelab.plugins.attention.softcap import capped
 
 
 @dataclass
@@ -19,7 +20,8 @@ class NaiveAttentionConfig:
 class NaiveAttention(AttentionBackend):
     """Loops over requests, gathers each context through its block table (dequantized to
     float32 from a quantized cache), and computes softmax(q k^T * scale) v with the causal
-    mask; grouped-query heads are repeated."""
+    mask (the scaled scores soft-capped first when ``spec.softcap`` is set); grouped-query
+    heads are repeated."""
 
     reads_quantized_kv = True
 
@@ -36,7 +38,7 @@ class NaiveAttention(AttentionBackend):
             keys = keys.repeat_interleave(group, dim=1)
             values = values.repeat_interleave(group, dim=1)
             query = q[start:start + query_len].float()
-            scores = torch.einsum("qhd,khd->hqk", query, keys) * self.spec.scale
+            scores = capped(torch.einsum("qhd,khd->hqk", query, keys) * self.spec.scale, self.spec.softcap)
             allowed = attention_mask(query_len, seq_len, self.spec.sliding_window, q.device)
             probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
             out[start:start + query_len] = torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)

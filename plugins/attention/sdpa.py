@@ -11,6 +11,7 @@ from servelab.core.attention import AttentionBackend, BatchLayout
 from servelab.core.component import ComponentSpec
 from servelab.kernels.kv_quantization import round_trip
 from servelab.plugins.attention.cache_ops import attention_mask, dequantized, reads_only_new_tokens, write_kv
+from servelab.plugins.attention.softcap import softcapped_attention
 
 
 @dataclass
@@ -50,13 +51,24 @@ class SdpaMetadata:
     prefills: tuple[PrefillPart, ...]
 
 
+def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
+           scale: float, gqa: bool, softcap: float | None) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` over [B, H, L, D] queries and [B, Hkv, S, D] keys and
+    values, or, with a ``softcap``, the explicit-scores path (no fused kernel caps scores)."""
+    if softcap is not None:
+        return softcapped_attention(query, key, value, mask, is_causal, scale, softcap)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                          enable_gqa=gqa)
+
+
 def sdpa_one_request(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, gqa: bool,
-                     mask: torch.Tensor | None = None) -> torch.Tensor:
+                     mask: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     """Attention of one request's query rows q [n, H, D] over keys/values [m, Hkv, D]:
-    causal when ``mask`` is None, else ``mask`` [n, m] (True = may attend). Returns [n, H, D]."""
+    causal when ``mask`` is None, else ``mask`` [n, m] (True = may attend); scores capped at
+    ``softcap`` when set. Returns [n, H, D]."""
     # 4-D inputs take torch's fused CPU kernel; 3-D ones fall back to the math path
-    result = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                            attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa)
+    result = attend(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask, mask is None,
+                    scale, gqa, softcap)
     return result[0].transpose(0, 1)
 
 
@@ -68,7 +80,8 @@ requests, so a padded batch gathers little more than its real contexts."""
 
 class SdpaAttention(AttentionBackend):
     """Batches single-token requests into a few padded SDPA calls (by context length)
-    and runs the others one by one (plain causal SDPA when nothing is cached yet).
+    and runs the others one by one (plain causal SDPA when nothing is cached yet); with
+    ``spec.softcap`` every call takes the explicit-scores path, which caps the scores.
 
     Contexts are gathered block by block into a persistent workspace: a fresh buffer per
     layer and step would cost more in page faults than the copy itself. A quantized cache
@@ -149,7 +162,7 @@ class SdpaAttention(AttentionBackend):
         """See ``AttentionBackend.forward``."""
         write_kv(kv_cache, k, v, meta.layout.slot_mapping)
         out = torch.empty_like(q)
-        scale = self.spec.scale
+        scale, softcap = self.spec.scale, self.spec.softcap
         gqa = self.spec.num_heads != self.spec.num_kv_heads
         for part in meta.prefills:
             rows = slice(part.start, part.start + part.query_len)
@@ -159,12 +172,11 @@ class SdpaAttention(AttentionBackend):
                 keys, values = k[rows], v[rows]
             else:
                 keys, values = self._gather(kv_cache, part.blocks)
-            out[rows] = sdpa_one_request(q[rows], keys, values, scale, gqa, part.mask)
+            out[rows] = sdpa_one_request(q[rows], keys, values, scale, gqa, part.mask, softcap)
         for bucket in meta.buckets:
             keys, values = self._gather(kv_cache, bucket.blocks)
-            out[bucket.rows] = F.scaled_dot_product_attention(
-                q[bucket.rows][:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2),
-                attn_mask=bucket.mask, scale=scale, enable_gqa=gqa)[:, :, 0, :]
+            out[bucket.rows] = attend(q[bucket.rows][:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2),
+                                      bucket.mask, False, scale, gqa, softcap)[:, :, 0, :]
         return out
 
 

@@ -1,6 +1,7 @@
 """Conformance kit for attention backends: the same random flat batches through the
 backend and through ``attention=naive``, the reference, within the dtype's tolerance;
-also over one-byte KV caches (``cache.kv_dtype``) for backends that read them."""
+also over one-byte KV caches (``cache.kv_dtype``) for backends that read them, and with
+soft-capped scores (``AttentionSpec.softcap``) for backends that cap them."""
 
 from __future__ import annotations
 
@@ -34,6 +35,10 @@ DTYPES = (torch.float32, torch.bfloat16)
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 3e-3}
 """Absolute and relative tolerance against the float32 reference, per dtype."""
 HEAD_DIM = 32
+SOFTCAP = 2.0
+"""A soft cap below the typical scaled score (about 2.3 at ``SOFTCAP_SCALE``): capping changes the output."""
+SOFTCAP_SCALE = 0.4
+"""A softmax scale other than head_dim ** -0.5, as Gemma's ``query_pre_attn_scalar`` gives."""
 
 CASES = [(scenario, block_size, HEADS[i % len(HEADS)], DTYPES[i % len(DTYPES)])
          for i, (block_size, scenario) in enumerate(itertools.product(BLOCK_SIZES, SCENARIOS))]
@@ -117,8 +122,9 @@ class AttentionConformance(ConformanceKit):
     """The ``AttentionBackend`` contract: prefill, chunked prefill, decode, speculative
     verification and mixed steps over paged and contiguous layouts, multi-head,
     grouped-query and multi-query, float32 and bfloat16, equal to ``attention=naive``; a
-    backend that sets ``reads_quantized_kv`` also over int8 and fp8 caches. A backend that
-    reports ``unsupported_reasons`` for a case is skipped with them."""
+    backend that sets ``reads_quantized_kv`` also over int8 and fp8 caches; soft-capped
+    scores with a non-default scale. A backend that reports ``unsupported_reasons`` for a
+    case is skipped with them."""
 
     kind = "attention"
 
@@ -132,6 +138,11 @@ class AttentionConformance(ConformanceKit):
     def test_sliding_window_matches_the_reference(self, component, window):
         spec = AttentionSpec(4, 2, HEAD_DIM, HEAD_DIM ** -0.5, torch.float32, torch.device("cpu"), window)
         self.check(component, spec, SCENARIOS["mixed"], 16)
+
+    @pytest.mark.parametrize("scenario", ["mixed", "decode"])
+    def test_soft_capped_scores_match_the_reference(self, component, scenario):
+        spec = AttentionSpec(4, 2, HEAD_DIM, SOFTCAP_SCALE, torch.float32, torch.device("cpu"), softcap=SOFTCAP)
+        self.check(component, spec, SCENARIOS[scenario], 16)
 
     @pytest.mark.parametrize("case", QUANTIZED_CASES,
                              ids=[f"{c[0]}-{str(c[1]).removeprefix('torch.')}-{str(c[2]).removeprefix('torch.')}"
