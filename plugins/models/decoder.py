@@ -80,15 +80,21 @@ class RotaryEmbedding(nn.Module):
     positions below ``original_max_position_embeddings`` and its long factors the rest:
     transformers switches a whole forward pass to the long factors once its last position
     passes that length, which equals this table for prompts up to it (the decode steps
-    past it rotate with the long factors in both).
+    past it rotate with the long factors in both). ``layer_type`` picks one entry of
+    ``rope_parameters`` keyed by layer type (Gemma 3: ``sliding_attention`` and
+    ``full_attention`` rotate with different bases).
     """
 
-    def __init__(self, hf_config: Any, head_dim: int, max_positions: int, dtype: torch.dtype):
+    def __init__(self, hf_config: Any, head_dim: int, max_positions: int, dtype: torch.dtype,
+                 layer_type: str | None = None):
         super().__init__()
         params = getattr(hf_config, "rope_parameters", None) or {}
+        field = "rope_scaling"
+        if layer_type is not None:
+            params, field = params.get(layer_type) or {}, f"rope_parameters.{layer_type}"
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ConfigError([f"rope_scaling.rope_type {rope_type!r} is not supported; supported: "
+            raise ConfigError([f"{field}.rope_type {rope_type!r} is not supported; supported: "
                                f"{', '.join(SUPPORTED_ROPE_TYPES)}"])
         factor = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None) or 1.0)
         self.rotary_dim = int(head_dim * factor)
@@ -101,11 +107,13 @@ class RotaryEmbedding(nn.Module):
         else:
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+            by_type = {} if layer_type is None else {"layer_type": layer_type}
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **by_type)
             freqs = positions * inv_freq.float()
             if rope_type == "longrope":
                 original = params["original_max_position_embeddings"]
-                long_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), seq_len=original + 1)
+                long_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), seq_len=original + 1,
+                                                              **by_type)
                 freqs[original:] = positions[original:] * long_freq.float()
         table = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", (table.cos() * scaling).to(dtype), persistent=False)

@@ -45,12 +45,17 @@ def sliding_window_of(hf_config: Any) -> int | None:
     return getattr(hf_config, "sliding_window", None)
 
 
+def activation_of(hf_config: Any) -> str:
+    """The MLP's activation name: ``hidden_activation`` (Gemma's field) or ``hidden_act``."""
+    return getattr(hf_config, "hidden_activation", None) or hf_config.hidden_act
+
+
 class DecoderAttention(nn.Module):
-    """Fused qkv projection, optional per-head q/k norm, rotary embedding, backend attention;
-    this rank's heads under tensor parallelism (``split``)."""
+    """Fused qkv projection, per-head q/k norm (``qk_norm``: Qwen3, Gemma 3), rotary
+    embedding, backend attention; this rank's heads under tensor parallelism (``split``)."""
 
     def __init__(self, hf_config: Any, layer_index: int, attention: Any, rotary: RotaryEmbedding,
-                 parallel: ModelParallel):
+                 parallel: ModelParallel, qk_norm: bool = False):
         super().__init__()
         total_heads = hf_config.num_attention_heads
         total_kv = getattr(hf_config, "num_key_value_heads", None) or total_heads
@@ -63,7 +68,7 @@ class DecoderAttention(nn.Module):
         self.q_size, self.kv_size = self.split.q_size, self.split.kv_size
         self.qkv_proj = Linear(hf_config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = Linear(self.q_size, hf_config.hidden_size, bias=o_bias)
-        self.qk_norm = hf_config.model_type == "qwen3"
+        self.qk_norm = qk_norm
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
@@ -108,8 +113,8 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(self.intermediate, hf_config.hidden_size, bias=bias)
         from transformers.activations import ACT2FN
 
-        self.act = ACT2FN[hf_config.hidden_act]
-        self.fused_silu = hf_config.hidden_act == "silu"
+        self.act = ACT2FN[activation_of(hf_config)]
+        self.fused_silu = activation_of(hf_config) == "silu"
 
     def fused_counts(self) -> dict[str, int]:
         """``gate_up_proj``'s parameters are filled by two pieces (gate, up)."""
@@ -147,7 +152,8 @@ class DecoderLayer(nn.Module):
                  parallel: ModelParallel):
         super().__init__()
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
-        self.self_attn = DecoderAttention(hf_config, layer_index, attention, rotary, parallel)
+        self.self_attn = DecoderAttention(hf_config, layer_index, attention, rotary, parallel,
+                                          qk_norm=hf_config.model_type == "qwen3")
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.mlp = GatedMLP(hf_config, parallel)
 

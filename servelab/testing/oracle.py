@@ -8,11 +8,18 @@ import random
 from typing import Any, Sequence
 
 FAMILIES = ("llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "opt", "opt-postnorm", "opt-project",
-            "falcon", "falcon-new")
+            "falcon", "falcon-new", "gemma2", "gemma3")
 """Tiny configs: the Llama family; Phi-3 (longrope, partial rotary); OPT pre-norm, post-norm
 (350m-style) and with project_in/out (``word_embed_proj_dim`` != hidden); Falcon 7B-style
 (multi-query, one norm, parallel attention and MLP) and ``new_decoder_architecture``
-(grouped KV heads, ln_attn and ln_mlp)."""
+(grouped KV heads, ln_attn and ln_mlp); Gemma 2 (a sliding layer of window 16 then a
+global one, soft-capped attention scores and logits, ``query_pre_attn_scalar`` != head_dim)
+and Gemma 3 (sliding, global, sliding with window 8; q/k norms, local and global rope
+bases). The Gemma configs draw weights 5x wider than the default and untie the LM head, so
+that attention (and its cap) decides the greedy tokens instead of the embedding."""
+ZERO_CENTRED_NORMS = ("gemma2", "gemma3")
+"""Families whose norms scale by 1 + weight and start at zero: their tiny checkpoints draw
+the norm weights at random, so that the offset is exercised."""
 
 
 def tiny_config(family: str, vocab_size: int, **overrides: Any) -> Any:
@@ -28,6 +35,8 @@ def tiny_config(family: str, vocab_size: int, **overrides: Any) -> Any:
     falcon = dict(ids, hidden_size=64, ffn_hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
                   max_position_embeddings=256, alibi=False, bias=False)
     longrope = {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6], "long_factor": [1.5, 2.0, 3.0, 4.0]}
+    gemma = dict(common, pad_token_id=None, head_dim=16, query_pre_attn_scalar=24, initializer_range=0.1,
+                 tie_word_embeddings=False)
     configs = {
         "llama": lambda: transformers.LlamaConfig(**common, tie_word_embeddings=False),
         "llama3": lambda: transformers.LlamaConfig(
@@ -45,6 +54,11 @@ def tiny_config(family: str, vocab_size: int, **overrides: Any) -> Any:
         "falcon": lambda: transformers.FalconConfig(**falcon, multi_query=True, parallel_attn=True,
                                                     new_decoder_architecture=False),
         "falcon-new": lambda: transformers.FalconConfig(**falcon, num_kv_heads=2, new_decoder_architecture=True),
+        "gemma2": lambda: transformers.Gemma2Config(**gemma, sliding_window=16, attn_logit_softcapping=0.5,
+                                                    final_logit_softcapping=1.0),
+        "gemma3": lambda: transformers.Gemma3TextConfig(
+            **dict(gemma, num_hidden_layers=3), sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
     }
     if family not in configs:
         raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {family!r}")
@@ -68,6 +82,11 @@ def tiny_checkpoint(folder: str | os.PathLike, family: str = "llama", seed: int 
     config = tiny_config(family, overrides.pop("vocab_size", len(tokenizer)), **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
+    if family in ZERO_CENTRED_NORMS:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.normal_(0.0, 0.1)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
