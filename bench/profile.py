@@ -179,6 +179,7 @@ def profile(cfg: DictConfig, folder: Path, command: str) -> dict[str, Any]:
     from servelab.core.cost_model import BatchShape
     from servelab.core.errors import ConfigError
     from servelab.core.sampling_params import SamplingParams
+    from servelab.plugins.cost_model.operators import window_groups
     from servelab.plugins.cost_model.step_jitter import dispersion_quantiles, fit_persistence, lag_correlations
     from servelab.plugins.cost_model.step_table import StepTableModel, build_step_series, fit_step_model, relative_errors
     from servelab.plugins.cost_model.table import CostTable, save_table
@@ -242,7 +243,7 @@ def profile(cfg: DictConfig, folder: Path, command: str) -> dict[str, Any]:
              "tied_embeddings": shape.tied_embeddings}
     series = build_step_series(grid, linear, scalars, overhead_grid, overhead)
     table = CostTable("steps", (cfg.hardware.name,), series, model, str(engine.dtype).removeprefix("torch."), meta)
-    steps = StepTableModel(table, shape.sliding_window)
+    steps = StepTableModel(table, window_groups(shape))
     predicted = [sum(s for _, s in steps.forward_time(b)) for b in batches]
     meta["fit"] = {role: {"points": len(idx), **relative_errors([predicted[i] for i in idx], [medians[i] for i in idx])}
                    for role in ("fit", "holdout") for idx in [[i for i, (r, _) in enumerate(plan) if r == role]]}

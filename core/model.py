@@ -14,6 +14,39 @@ from servelab.core.kv_cache import KVCacheSpec
 
 
 @dataclass(frozen=True, slots=True)
+class LatentAttention:
+    """Multi-head latent attention (DeepSeek-V2's MLA): every token caches one latent of
+    ``kv_lora_rank`` and one rotary key of ``qk_rope_head_dim`` that all heads share; each
+    head's key (``qk_nope_head_dim`` + ``qk_rope_head_dim``) and value (``v_head_dim``) come
+    out of the latent through ``kv_b_proj``. Queries pass a ``q_lora_rank`` bottleneck, or
+    come straight from the hidden state (None)."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+
+    @property
+    def cached_width(self) -> int:
+        """Elements one token caches per layer: the latent and the rotary key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def linear_shapes(self, hidden: int, heads: int) -> dict[str, tuple[int, int]]:
+        """(output, input) features of the attention's linear layers (Hugging Face names)
+        for ``heads`` query heads; the latent's down projection is whole on every rank."""
+        q_width = heads * (self.qk_nope_head_dim + self.qk_rope_head_dim)
+        if self.q_lora_rank is None:
+            query = {"self_attn.q_proj": (q_width, hidden)}
+        else:
+            query = {"self_attn.q_a_proj": (self.q_lora_rank, hidden),
+                     "self_attn.q_b_proj": (q_width, self.q_lora_rank)}
+        return {**query, "self_attn.kv_a_proj_with_mqa": (self.cached_width, hidden),
+                "self_attn.kv_b_proj": (heads * (self.qk_nope_head_dim + self.v_head_dim), self.kv_lora_rank),
+                "self_attn.o_proj": (hidden, heads * self.v_head_dim)}
+
+
+@dataclass(frozen=True, slots=True)
 class ModelShape:
     """Sizes the engine (and a cost model) needs before building a model: ``num_layers``
     decoder layers, each with attention of ``num_heads`` query and ``num_kv_heads`` KV heads
@@ -25,7 +58,10 @@ class ModelShape:
     ``max_positions`` and ``vocab_size``; ``tied_embeddings`` when the LM head reuses the
     embedding matrix; ``attention_scale``, the softmax scale (None: ``head_dim ** -0.5``),
     and ``attention_softcap``, the attention scores' soft cap (None: none), both model-wide
-    and passed on in ``attention_spec``."""
+    and passed on in ``attention_spec``; ``latent``: the layers' attention is latent (MLA;
+    ``head_dim`` is then the query-key width, nope + rope); ``inactive_parameters``: weights
+    the memory holds beyond the layers' shapes, which no step reads (a mixture of experts'
+    unrouted experts when its MLP is given as the active experts' width)."""
 
     num_layers: int
     num_heads: int
@@ -41,6 +77,8 @@ class ModelShape:
     layer_windows: tuple[int | None, ...] = ()
     attention_scale: float | None = None
     attention_softcap: float | None = None
+    latent: LatentAttention | None = None
+    inactive_parameters: int = 0
 
     def window_of(self, layer: int) -> int | None:
         """The attention window of decoder layer ``layer`` (None: the whole context)."""
@@ -53,30 +91,37 @@ class ModelShape:
 
     @property
     def layer_parameters(self) -> int:
-        """Weights of one decoder layer: the q, k, v and output projections, the MLP's
-        matrices (``mlp_matrices``) and the two norms (biases are not counted)."""
-        attention = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
-        return attention + self.mlp_matrices * self.hidden_size * self.intermediate_size + 2 * self.hidden_size
+        """Weights of one decoder layer: its linear layers (``linear_shapes``), the two
+        norms and a latent attention's norms (biases are not counted)."""
+        norms = 2 * self.hidden_size
+        if self.latent is not None:
+            norms += self.latent.kv_lora_rank + (self.latent.q_lora_rank or 0)
+        return sum(outputs * inputs for outputs, inputs in self.linear_shapes().values()) + norms
 
     @property
     def num_parameters(self) -> int:
-        """Every weight: the layers, the embedding, the final norm and the LM head (once
-        when tied)."""
+        """Every weight: the layers, the embedding, the final norm, the LM head (once
+        when tied) and the ``inactive_parameters``."""
         embedding = self.vocab_size * self.hidden_size
         head = 0 if self.tied_embeddings else embedding
-        return self.num_layers * self.layer_parameters + embedding + head + self.hidden_size
+        return (self.num_layers * self.layer_parameters + embedding + head + self.hidden_size
+                + self.inactive_parameters)
 
     def linear_shapes(self, tensor_parallel_size: int = 1) -> dict[str, tuple[int, int]]:
         """(output, input) features of each decoder layer's linear layers (Hugging Face
         names) on one of ``tensor_parallel_size`` ranks: the q, k, v, gate (gated MLPs
         only) and up projections split their outputs, the output and down projections
-        their inputs."""
+        their inputs (a latent attention's: ``LatentAttention.linear_shapes``)."""
         hidden, tp = self.hidden_size, tensor_parallel_size
         q_width, kv_width = self.num_heads * self.head_dim // tp, self.kv_heads_per_rank(tp) * self.head_dim
         mlp = self.intermediate_size // tp
-        shapes = {"self_attn.q_proj": (q_width, hidden), "self_attn.k_proj": (kv_width, hidden),
-                  "self_attn.v_proj": (kv_width, hidden), "self_attn.o_proj": (hidden, q_width),
-                  "mlp.gate_proj": (mlp, hidden), "mlp.up_proj": (mlp, hidden), "mlp.down_proj": (hidden, mlp)}
+        if self.latent is not None:
+            attention = self.latent.linear_shapes(hidden, self.num_heads // tp)
+        else:
+            attention = {"self_attn.q_proj": (q_width, hidden), "self_attn.k_proj": (kv_width, hidden),
+                         "self_attn.v_proj": (kv_width, hidden), "self_attn.o_proj": (hidden, q_width)}
+        shapes = {**attention, "mlp.gate_proj": (mlp, hidden), "mlp.up_proj": (mlp, hidden),
+                  "mlp.down_proj": (hidden, mlp)}
         if self.mlp_kind != "gated":
             del shapes["mlp.gate_proj"]
         return shapes
@@ -100,8 +145,11 @@ class ModelShape:
                       pipeline_parallel_size: int = 1) -> KVCacheSpec:
         """What one device's KV cache stores per token in element type ``dtype``: the layers
         of the largest pipeline stage and the KV heads of one tensor-parallel rank (see
-        ``kv_heads_per_rank``)."""
+        ``kv_heads_per_rank``). A latent attention caches its ``cached_width`` elements
+        whole on every rank, as one head split across the spec's K and V halves."""
         layers = -(-self.num_layers // pipeline_parallel_size)
+        if self.latent is not None:
+            return KVCacheSpec(layers, 1, -(-self.latent.cached_width // 2), dtype, max_model_len)
         return KVCacheSpec(layers, self.kv_heads_per_rank(tensor_parallel_size), self.head_dim, dtype, max_model_len)
 
     def kv_heads_per_rank(self, tensor_parallel_size: int) -> int:

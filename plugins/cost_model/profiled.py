@@ -33,7 +33,7 @@ from typing import Optional
 from servelab.core.component import ComponentSpec
 from servelab.core.cost_model import BatchShape, CostModelContext, StepCost
 from servelab.core.errors import ConfigError
-from servelab.plugins.cost_model.operators import LAYER_OPERATORS, LINEAR_OPERATORS
+from servelab.plugins.cost_model.operators import LAYER_OPERATORS, LINEAR_OPERATORS, window_groups
 from servelab.plugins.cost_model.roofline import RooflineCostModel, RooflineCostModelConfig
 from servelab.plugins.cost_model.step_jitter import StepJitter
 from servelab.plugins.cost_model.step_table import StepTableModel
@@ -169,7 +169,7 @@ class ProfiledCostModel(RooflineCostModel):
             problems = StepTableModel.problems(self.table)
             if problems:
                 raise ConfigError(problems)
-            self.steps = StepTableModel(self.table, context.model.sliding_window)
+            self.steps = StepTableModel(self.table, window_groups(context.model))
             measured_on = self.table.meta.get("machine", {}).get("cpu")
             if measured_on and this_cpu() and measured_on != this_cpu():
                 log.warning("cost table %s was measured on %s, this machine is %s: its times are that machine's",

@@ -3,8 +3,9 @@
 An operator takes ``max(flops / (peak_flops x compute_efficiency), bytes /
 (memory_bandwidth x memory_efficiency)) + kernel_overhead_s`` on one device
 (``plugins/cost_model/operators.py`` counts the work). A layer adds attention priced from
-each request's real context, two all-reduces of its activations under tensor parallelism
-(``collectives.py``) and ``layer_overhead_s``; a step adds the embedding on the first
+each request's real context within the layer's own window (``ModelShape.window_of``), two
+all-reduces of its activations under tensor parallelism (``collectives.py``) and
+``layer_overhead_s``; a step adds the embedding on the first
 pipeline stage, the final norm, the LM head and sampling on the last, and
 ``step_overhead_s`` of host work. Pipeline stages hold contiguous layer ranges and send
 their activations to the next stage (``StepCost.transfer_time``). The efficiencies are the
@@ -25,7 +26,7 @@ from servelab.core.errors import ConfigError
 from servelab.plugins.cost_model.collectives import (all_gather_time, all_reduce_time, pipeline_crosses_nodes,
                                                      send_time, stage_layer_counts)
 from servelab.plugins.cost_model.operators import (Operator, Widths, attention_operators, first_stage_operators,
-                                                   last_stage_operators, layer_operators)
+                                                   last_stage_operators, layer_operators, window_groups)
 
 CACHE_LIMIT = 1 << 16
 """Priced token counts (and token, logits-row pairs) kept before the caches start over."""
@@ -57,6 +58,10 @@ class RooflineCostModel(CostModel):
         self.widths = Widths.of(context.model, self.tp, context.weight_bytes, context.kv_bytes,
                                 context.activation_bytes, context.quantization)
         self.stage_layers = stage_layer_counts(context.model.num_layers, self.pp)
+        starts = [sum(self.stage_layers[:stage]) for stage in range(self.pp)]
+        self.stage_windows = [window_groups(context.model, range(start, start + count))
+                              for start, count in zip(starts, self.stage_layers)]
+        self.windows = window_groups(context.model)
         self.crosses_nodes = pipeline_crosses_nodes(self.tp, self.pp, context.hardware)
         self._dense: dict[int, tuple[tuple[str, float], ...]] = {}
         self._ends: dict[tuple[int, int], tuple[tuple[tuple[str, float], ...], tuple[tuple[str, float], ...]]] = {}
@@ -73,10 +78,10 @@ class RooflineCostModel(CostModel):
         """(name, seconds) of one layer's operators but attention and all-reduces."""
         return tuple((op.name, self.operator_time(op)) for op in layer_operators(num_tokens, self.widths))
 
-    def attention_times(self, batch: BatchShape) -> tuple[tuple[str, float], ...]:
-        """(name, seconds) of one layer's attention over the batch's contexts."""
-        return tuple((op.name, self.operator_time(op))
-                     for op in attention_operators(batch, self.widths, self.context.model.sliding_window))
+    def attention_times(self, batch: BatchShape, window: int | None) -> tuple[tuple[str, float], ...]:
+        """(name, seconds) of one layer's attention over the batch's contexts within
+        ``window`` (None: the whole context)."""
+        return tuple((op.name, self.operator_time(op)) for op in attention_operators(batch, self.widths, window))
 
     def all_reduce(self, num_bytes: float) -> float:
         """Seconds of one all-reduce of ``num_bytes`` among the tensor-parallel ranks."""
@@ -101,9 +106,12 @@ class RooflineCostModel(CostModel):
         return self.config.step_overhead_s
 
     # -- one step ------------------------------------------------------------------------------
-    def layer_times(self, batch: BatchShape) -> list[tuple[str, float]]:
-        """(name, seconds) of one decoder layer: its operators, attention, the two
-        all-reduces under tensor parallelism and the layer overhead."""
+    def layer_times(self, batch: BatchShape, layer: int = 0) -> list[tuple[str, float]]:
+        """(name, seconds) of decoder layer ``layer``: its operators, attention within
+        its window, the two all-reduces under tensor parallelism and the layer overhead."""
+        return self._layer_times(batch, self.context.model.window_of(layer))
+
+    def _layer_times(self, batch: BatchShape, window: int | None) -> list[tuple[str, float]]:
         tokens = batch.num_tokens
         dense = self._dense.get(tokens)
         if dense is None:
@@ -111,7 +119,7 @@ class RooflineCostModel(CostModel):
                 self._dense.clear()
             dense = self._dense[tokens] = self.dense_times(tokens)
         times = list(dense)
-        times += self.attention_times(batch)
+        times += self.attention_times(batch, window)
         if self.tp > 1:
             times.append(("all_reduce", 2 * self.all_reduce(tokens * self.widths.hidden * self.widths.ab)))
         if self.config.layer_overhead_s:
@@ -121,8 +129,12 @@ class RooflineCostModel(CostModel):
     def forward_cost(self, batch: BatchShape) -> StepCost:
         """Per-stage seconds of one forward pass, the stage-to-stage transfer, a breakdown."""
         tokens = batch.num_tokens
-        layer = self.layer_times(batch)
-        per_layer = sum(seconds for _, seconds in layer)
+        layers = {window: self._layer_times(batch, window) for window, _ in self.windows}
+        per_layer = {window: sum(seconds for _, seconds in times) for window, times in layers.items()}
+        totals: dict[str, float] = {}
+        for window, count in self.windows:
+            for name, seconds in layers[window]:
+                totals[name] = totals.get(name, 0.0) + count * seconds
         key = (tokens, batch.num_logits_rows)
         ends = self._ends.get(key)
         if ends is None:
@@ -132,16 +144,14 @@ class RooflineCostModel(CostModel):
                                       self.last_stage_times(tokens, batch.num_logits_rows))
         first, last = ends
         overhead = self.step_overhead(batch)
-        stage_times = [count * per_layer for count in self.stage_layers]
+        stage_times = [sum(count * per_layer[window] for window, count in groups) for groups in self.stage_windows]
         stage_times[0] += overhead + sum(seconds for _, seconds in first)
         stage_times[-1] += sum(seconds for _, seconds in last)
         transfer = 0.0
         if self.pp > 1:
             transfer = send_time(tokens * self.widths.hidden * self.widths.ab, self.crosses_nodes,
                                  self.context.hardware)
-        layers = self.context.model.num_layers
-        breakdown = [("step_overhead", overhead), *first, *((name, seconds * layers) for name, seconds in layer),
-                     *last]
+        breakdown = [("step_overhead", overhead), *first, *totals.items(), *last]
         if self.pp > 1:
             breakdown.append(("transfer", transfer * (self.pp - 1)))
         return StepCost(tuple(stage_times), transfer, tuple(breakdown))

@@ -44,15 +44,20 @@ def padded_tokens(num_tokens: int, buckets: Sequence[int]) -> int:
     return buckets[i] if i < len(buckets) else num_tokens
 
 
-def step_features(batch: BatchShape, buckets: Sequence[int], window: int | None = None) -> tuple[float, ...]:
+def step_features(batch: BatchShape, buckets: Sequence[int],
+                  windows: Sequence[tuple[int | None, int]] = ((None, 1),)) -> tuple[float, ...]:
     """(padded tokens, prefill query-key pairs, decode context tokens, requests, sampled
-    rows) of one step."""
-    pairs = decode_context = 0
-    for q, c in zip(batch.query_lens, batch.context_lens):
-        if q == 1:
-            decode_context += min(c, window) if window else c
-        elif q > 1:
-            pairs += attended_keys(q, c, window)
+    rows) of one step; pairs and context tokens are the layers' average over ``windows``,
+    (attention window, layers) pairs (``operators.window_groups``; None: the whole context)."""
+    layers = sum(count for _, count in windows)
+    pairs = decode_context = 0.0
+    for window, count in windows:
+        share = count / layers
+        for q, c in zip(batch.query_lens, batch.context_lens):
+            if q == 1:
+                decode_context += share * (min(c, window) if window else c)
+            elif q > 1:
+                pairs += share * attended_keys(q, c, window)
     return (padded_tokens(batch.num_tokens, buckets), float(pairs), float(decode_context),
             float(batch.num_requests), float(batch.num_logits_rows))
 
@@ -122,9 +127,9 @@ def build_step_series(grid: Sequence[int], linear: Sequence[float], scalars: dic
 class StepTableModel:
     """Prices whole steps from a ``steps`` table (see the module docstring)."""
 
-    def __init__(self, table: CostTable, window: int | None = None):
+    def __init__(self, table: CostTable, windows: Sequence[tuple[int | None, int]] = ((None, 1),)):
         self.table = table
-        self.window = window
+        self.windows = tuple(windows)
         self.buckets = tuple(table.meta.get("row_buckets") or ())
         self.linear = table.find("linear")
         self.scalars = {name: table.find(name).at() for name in SCALARS}
@@ -138,7 +143,7 @@ class StepTableModel:
 
     def forward_time(self, batch: BatchShape) -> tuple[tuple[str, float], ...]:
         """(part, seconds) of the executor's share of one step."""
-        tokens, *units = step_features(batch, self.buckets, self.window)
+        tokens, *units = step_features(batch, self.buckets, self.windows)
         parts = [("linear", self.linear.at(tokens))]
         parts += [(name, self.scalars[name] * unit) for name, unit in zip(SCALARS, units)]
         return tuple(parts)

@@ -118,10 +118,10 @@ class SimulatedExecutor(Executor):
         self._block_bytes = self.context.shape.kv_cache_spec(
             kv_dtype, self.context.max_model_len, self.parallel.tensor_parallel_size,
             self.parallel.pipeline_parallel_size).bytes_per_token * cache.block_size
-        shape = self.context.shape
-        row = shape.head_dim + (SCALE_BYTES if is_quantized(kv_dtype) else 0)
-        block = (cache.num_blocks, 2, cache.block_size, shape.num_kv_heads, row)
-        self._meta_caches = [torch.empty(block, dtype=kv_dtype, device="meta") for _ in range(shape.num_layers)]
+        whole = self.context.shape.kv_cache_spec(kv_dtype, self.context.max_model_len)
+        row = whole.head_dim + (SCALE_BYTES if is_quantized(kv_dtype) else 0)
+        block = (cache.num_blocks, 2, cache.block_size, whole.num_kv_heads, row)
+        self._meta_caches = [torch.empty(block, dtype=kv_dtype, device="meta") for _ in range(whole.num_layers)]
         if strategy.draft_model_shape is not None:
             self.draft_cost_model = self._cost_model(strategy.draft_model_shape)
 
@@ -129,7 +129,8 @@ class SimulatedExecutor(Executor):
         """The whole model's KV cache as it would be stored, with no storage: one meta
         tensor per layer (every pipeline stage's), ``[num_blocks, 2, block_size,
         num_kv_heads, head_dim]`` of the cache dtype (one-byte dtypes: ``head_dim`` + 4
-        scale bytes per row), every KV head (the ranks' shares together). A connector
+        scale bytes per row), every KV head (the ranks' shares together), as the model's
+        ``kv_cache_spec`` stores them (a latent attention: one head). A connector
         that handles meta caches (``kv_transfer=simulated``) reads the bytes a hand-off
         moves from them."""
         return self._meta_caches

@@ -12,7 +12,7 @@ from servelab.core.config import HardwareConfig, ParallelConfig
 from servelab.core.cost_model import BatchShape, CostModelContext
 from servelab.core.model import ModelShape
 from servelab.core.quantization import WeightQuantization
-from servelab.plugins.cost_model.operators import LINEAR_OPERATORS
+from servelab.plugins.cost_model.operators import LINEAR_OPERATORS, attended_keys
 from servelab.plugins.cost_model.roofline import RooflineCostModel, RooflineCostModelConfig
 from servelab.plugins.cost_model.profiled import ProfiledCostModel, ProfiledCostModelConfig
 from servelab.plugins.cost_model.step_table import (SCALARS, StepTableModel, build_step_series, fit_step_model,
@@ -159,6 +159,13 @@ def test_the_step_model_fit_recovers_known_terms():
     for name in SCALARS:
         assert scalars[name] == pytest.approx(truth[name], rel=1e-6)
     assert padded_tokens(20, buckets) == 32 and padded_tokens(100, buckets) == 100
+
+
+def test_step_features_average_the_layers_windows():
+    decode_and_prefill = BatchShape((1, 4), (100, 40), 1)
+    _, pairs, context_tokens, _, _ = step_features(decode_and_prefill, (), ((16, 3), (None, 1)))
+    assert context_tokens == pytest.approx((3 * 16 + 100) / 4)
+    assert pairs == pytest.approx((3 * attended_keys(4, 40, 16) + attended_keys(4, 40, None)) / 4)
 
 
 def test_a_step_table_prices_whole_steps_with_the_engine_overhead(tmp_path):

@@ -123,6 +123,51 @@ def test_a_sliding_window_caps_the_keys():
     assert attended_keys(3, 10, 100) == attended_keys(3, 10, None)
 
 
+def test_a_windowed_layer_reads_the_window_and_a_global_layer_the_whole_context():
+    from dataclasses import replace
+
+    # 4 layers: two windowed (16 keys), two global, as Gemma interleaves them
+    gemma_like = replace(SHAPE, sliding_window=16, layer_windows=(16, None, 16, None))
+    cm = model(shape=gemma_like, pp=2)
+    decode = BatchShape((1,), (100,), 1)
+    kv_row, q_row = 2 * 2 * 8 * 2, 2 * 4 * 8 * 2
+    windowed, whole = (dict((op.name, op) for op in attention_operators(decode, cm.widths, window))["attn_decode"]
+                       for window in (16, None))
+    assert windowed.bytes == 16 * kv_row + kv_row + q_row and windowed.flops == 4 * 4 * 8 * 16
+    assert whole.bytes == 100 * kv_row + kv_row + q_row and whole.flops == 4 * 4 * 8 * 100
+    assert by_name(cm.layer_times(decode, 0))["attn_decode"] == cm.operator_time(windowed)
+    assert by_name(cm.layer_times(decode, 1))["attn_decode"] == cm.operator_time(whole)
+    cost = cm.forward_cost(decode)
+    assert by_name(cost.breakdown)["attn_decode"] == pytest.approx(2 * cm.operator_time(windowed)
+                                                                   + 2 * cm.operator_time(whole))
+    assert cost.stage_times[0] == pytest.approx(cost.stage_times[1] - sum(t for _, t in cm.last_stage_times(1, 1))
+                                                + sum(t for _, t in cm.first_stage_times(1)))
+    every_layer_windowed = model(shape=replace(gemma_like, layer_windows=()), pp=2).forward_cost(decode)
+    no_window = model(shape=replace(gemma_like, sliding_window=None, layer_windows=()), pp=2).forward_cost(decode)
+    assert every_layer_windowed.total < cost.total < no_window.total
+
+
+def test_a_latent_layer_caches_its_latent_and_reads_it_once_for_every_head():
+    import torch
+
+    from servelab.core.model import LatentAttention
+
+    mla = LatentAttention(kv_lora_rank=32, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
+    shape = ModelShape(num_layers=4, num_heads=4, num_kv_heads=4, head_dim=12, sliding_window=None,
+                       max_positions=256, vocab_size=100, hidden_size=32, intermediate_size=64, latent=mla)
+    for tp in (1, 2):
+        assert shape.kv_cache_spec(torch.bfloat16, 256, tp).bytes_per_token == 4 * (32 + 4) * 2
+    assert set(shape.linear_shapes()) >= {"self_attn.q_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj"}
+    assert shape.linear_shapes()["self_attn.kv_b_proj"] == (4 * (8 + 8), 32)
+    w = Widths.of(shape, 1, 2.0, 2.0, 2.0)
+    (decode,) = attention_operators(BatchShape((1,), (100,), 1), w, None)
+    # one latent of 32 and one rotary key of 4 per cached token for all four heads; per
+    # head and pair 32 + 4 multiply-adds for the score and 32 for the value
+    assert decode.bytes == 100 * 36 * 2 + 36 * 2 + 4 * (36 + 32) * 2
+    assert decode.flops == 2 * 4 * (36 + 32) * 100
+    assert model(shape=shape).forward_cost(BatchShape((1,), (100,), 1)).total > 0
+
+
 def test_tensor_parallel_halves_the_compute_and_adds_two_all_reduces():
     batch = BatchShape((64,), (64,), 1)
     one, two = model(tp=1), model(tp=2)
