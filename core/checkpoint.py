@@ -12,6 +12,7 @@ import torch
 
 from servelab.core.errors import ConfigError
 from servelab.core.quantization import WeightQuantization, quantized_weights, resolve_quantization
+from servelab.core.shape_config import shape_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -79,26 +80,6 @@ def iter_folder_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
     if not os.path.exists(binary):
         raise ConfigError([f"model.path={folder!r} holds no *.safetensors or pytorch_model.bin weights"])
     yield from torch.load(binary, map_location="cpu", weights_only=True).items()
-
-
-def shape_config(shape: Any, vocab_size: int, eos_token_id: int | None) -> Any:
-    """The transformers config of a ``ModelShapeConfig``'s architecture with its sizes."""
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    model_types = {architecture: model_type for model_type, architecture in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()}
-    if shape.architecture not in model_types:
-        raise ConfigError([f"model.shape.architecture={shape.architecture!r} is no transformers causal LM "
-                           f"(e.g. LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM)"])
-    sizes = {key: getattr(shape, key) for key in (
-        "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
-        "max_position_embeddings", "tie_word_embeddings")}
-    if shape.head_dim is not None:
-        sizes["head_dim"] = shape.head_dim
-    if shape.sliding_window is not None:
-        sizes.update(sliding_window=shape.sliding_window, use_sliding_window=True)
-    return AutoConfig.for_model(model_types[shape.architecture], vocab_size=vocab_size, bos_token_id=eos_token_id,
-                                eos_token_id=eos_token_id, architectures=[shape.architecture], **sizes)
 
 
 def load_checkpoint(model_config: Any) -> Checkpoint:

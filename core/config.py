@@ -14,16 +14,52 @@ from servelab.core.deployment import store_deployment_options
 
 
 @dataclass
+class LatentAttentionConfig:
+    """Multi-head latent attention (MLA) of a shape, in DeepSeek-V2's config names: each
+    token caches a ``kv_lora_rank`` latent and a ``qk_rope_head_dim`` rotary key; heads'
+    keys have ``qk_nope_head_dim`` more, values ``v_head_dim``; queries pass a
+    ``q_lora_rank`` bottleneck (null: straight from the hidden state)."""
+
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    q_lora_rank: Optional[int] = None
+
+
+@dataclass
+class ExpertsConfig:
+    """A mixture-of-experts MLP of a shape, in DeepSeek-V2's config names: the first
+    ``first_k_dense_replace`` layers are dense (``intermediate_size``), the others route
+    each token to ``num_experts_per_tok`` of ``n_routed_experts`` experts of
+    ``moe_intermediate_size`` beside ``n_shared_experts`` that every token passes."""
+
+    n_routed_experts: int = 64
+    num_experts_per_tok: int = 6
+    n_shared_experts: int = 2
+    moe_intermediate_size: int = 1408
+    first_k_dense_replace: int = 1
+
+
+@dataclass
 class ModelShapeConfig:
-    """A model given by its sizes instead of a checkpoint folder: a registered
-    ``architecture`` (``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
-    ...) of ``num_hidden_layers`` layers of width ``hidden_size``, ``num_attention_heads``
-    query and ``num_key_value_heads`` KV heads (of ``head_dim``, default hidden / heads),
-    a gated MLP of ``intermediate_size``, ``vocab_size`` tokens (default: the byte-level
-    tokenizer's 257), ``max_position_embeddings`` positions, an optional
-    ``sliding_window`` and ``tie_word_embeddings``. ``random_weights``: build seeded random
-    weights and a byte-level tokenizer in memory (``model=toy``); otherwise the model has
-    no weights and no tokenizer, a shape for ``executor=simulated`` (``model=llama-2-7b``).
+    """A model given by its sizes instead of a checkpoint folder: an ``architecture``
+    (``LlamaForCausalLM``, ``MistralForCausalLM``, ``OPTForCausalLM``,
+    ``FalconForCausalLM``, ...) of ``num_hidden_layers`` layers of width ``hidden_size``,
+    ``num_attention_heads`` query and ``num_key_value_heads`` KV heads (of ``head_dim``,
+    default hidden / heads), an MLP of ``intermediate_size`` (the architecture's kind:
+    gated for Llama, plain for OPT and Falcon), ``vocab_size`` tokens (default: the
+    byte-level tokenizer's 257), ``max_position_embeddings`` positions, an optional
+    ``sliding_window`` and ``tie_word_embeddings``. ``window_pattern``: which layers use
+    ``sliding_window``, a pattern repeated from the first layer (Gemma-3's ``[true, true,
+    true, true, true, false]``: every sixth layer attends to the whole context; empty:
+    every layer, when there is a window); ``latent``: latent attention (MLA);
+    ``experts``: a mixture-of-experts MLP; ``extra``: other keys of the architecture's
+    transformers config, passed as they are (Gemma-3's ``query_pre_attn_scalar``).
+    ``random_weights``: build seeded random weights and a byte-level tokenizer in memory
+    (``model=toy``); otherwise the model has no weights and no tokenizer, a shape for
+    ``executor=simulated`` (``model=llama-2-7b``), and an architecture without a servelab
+    implementation is read from these sizes directly (docs/simulation.md).
     """
 
     architecture: str = "LlamaForCausalLM"
@@ -37,6 +73,10 @@ class ModelShapeConfig:
     max_position_embeddings: int = 512
     sliding_window: Optional[int] = None
     tie_word_embeddings: bool = False
+    window_pattern: list[bool] = field(default_factory=list)
+    latent: Optional[LatentAttentionConfig] = None
+    experts: Optional[ExpertsConfig] = None
+    extra: dict[str, Any] = field(default_factory=dict)
     random_weights: bool = False
 
 

@@ -3,6 +3,12 @@
 The one place that turns ``cfg.model``, ``cfg.device`` and ``cfg.cache.kv_dtype`` into
 torch objects: the engine resolves it once, and every parallel worker resolves the same
 config the same way (``plugins/executor/device_worker.py``).
+
+The registered implementation of the architecture reads the model's shape from its
+transformers config (a checkpoint's, or the one built from ``model.shape``). A
+weightless ``model.shape`` of an architecture servelab has no implementation of is read
+from its sizes instead (``shape_config.model_shape_of``): ``executor=simulated`` prices
+it, ``executor=model`` refuses it for having no weights.
 """
 
 from __future__ import annotations
@@ -16,18 +22,20 @@ from servelab.core.checkpoint import Checkpoint, load_checkpoint, resolve_device
 from servelab.core.errors import ConfigError
 from servelab.core.kv_cache_dtype import kv_dtype_name, resolve_kv_dtype
 from servelab.core.model import ModelShape
+from servelab.core.shape_config import layer_windows_of, model_shape_of
 
 
 @dataclass(frozen=True, slots=True)
 class ResolvedModel:
     """``checkpoint`` (config, tokenizer, lazy weights), ``model_cls`` (the registered
-    implementation of its architecture) and its ``shape``; the ``device``, the compute
+    implementation of its architecture; None for a weightless shape read from its sizes)
+    and its ``shape``; the ``device``, the compute
     ``dtype``, the cache's element type ``kv_dtype`` and ``max_model_len``.
     ``problems``: what is wrong with ``cache.kv_dtype`` (``kv_dtype`` is then ``dtype``,
     so the engine goes on and reports every problem together)."""
 
     checkpoint: Checkpoint
-    model_cls: type
+    model_cls: type | None
     shape: ModelShape
     device: torch.device
     dtype: torch.dtype
@@ -43,11 +51,34 @@ class ResolvedModel:
         checkpoint = load_checkpoint(cfg.model)
         device = resolve_device(cfg.device)
         dtype = resolve_dtype(cfg.model.dtype, checkpoint.hf_config, device, runs_model)
-        model_cls = registry.get("model", checkpoint.architecture).cls
-        shape = model_cls.shape_of(checkpoint.hf_config)
+        sizes = cfg.model.shape
+        problems: tuple[str, ...] = ()
+        if sizes is not None and checkpoint.weights is None and checkpoint.architecture not in registry.specs("model"):
+            model_cls, shape = None, model_shape_of(sizes, checkpoint.hf_config.vocab_size)
+        else:
+            model_cls = registry.get("model", checkpoint.architecture).cls
+            shape = model_cls.shape_of(checkpoint.hf_config)
+            problems = tuple(unread_sizes(sizes, shape, checkpoint.architecture)) if sizes is not None else ()
         try:
-            kv_dtype, problems = resolve_kv_dtype(kv_dtype_name(cfg.cache), dtype), ()
+            kv_dtype = resolve_kv_dtype(kv_dtype_name(cfg.cache), dtype)
         except ConfigError as exc:
-            kv_dtype, problems = dtype, tuple(exc.problems)
+            kv_dtype, problems = dtype, problems + tuple(exc.problems)
         return cls(checkpoint, model_cls, shape, device, dtype, kv_dtype,
                    cfg.model.max_model_len or shape.max_positions, problems)
+
+
+def unread_sizes(sizes: Any, shape: ModelShape, architecture: str) -> list[str]:
+    """The parts of a ``model.shape`` that the implementation of ``architecture`` read
+    otherwise or not at all (its ``shape``), each naming its field."""
+    problems = []
+    read = tuple(None if w is None or w >= shape.max_positions else w
+                 for w in map(shape.window_of, range(shape.num_layers)))
+    if read != layer_windows_of(sizes):
+        problems.append(f"model.shape.sliding_window and window_pattern: {architecture}'s servelab implementation "
+                        f"reads other windows from its config (layer 0: {read[0]}; the shape's: "
+                        f"{layer_windows_of(sizes)[0]})")
+    if sizes.latent is not None and shape.latent is None:
+        problems.append(f"model.shape.latent: {architecture}'s servelab implementation has no latent attention")
+    if sizes.experts is not None and not shape.inactive_parameters:
+        problems.append(f"model.shape.experts: {architecture}'s servelab implementation has no mixture of experts")
+    return problems

@@ -141,12 +141,37 @@ def test_every_shape_preset_simulates():
                                  ("llama-3-8b", "h100-80gb", 1), ("llama-3-70b", "h100-80gb", 4),
                                  ("mistral-7b", "a100-80gb", 1), ("yi-34b", "a100-80gb", 2),
                                  ("qwen2.5-7b", "l40s", 1), ("opt-13b", "a100-80gb", 1),
-                                 ("gpt-3-175b", "a100-80gb", 8), ("falcon-180b", "h200", 4)]:
+                                 ("gpt-3-175b", "a100-80gb", 8), ("falcon-180b", "h200", 4),
+                                 ("gemma-3-27b", "h100-80gb", 2), ("deepseek-v2-lite", "a100-80gb", 1)]:
         llm = LLM(overrides=[f"model={preset}", f"hardware={hardware}", f"parallel.tensor_parallel_size={tp}",
                              *SIMULATED])
         (output,) = llm.generate([[1] * 64], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
         assert len(output.outputs[0].token_ids) == 4, preset
         assert llm.engine.cache.num_blocks > 1000, (preset, llm.engine.cache.num_blocks)
+
+
+def test_gemma_3_27b_decodes_faster_with_its_windowed_layers_priced(tmp_path):
+    args = ["model=gemma-3-27b", "hardware=a100-80gb", "model.max_model_len=8192", *SIMULATED, "workload=offline",
+            "workload.num_requests=4", "workload.input_range=[4096,4096]", "workload.output_range=[8,8]"]
+    windowed = bench(tmp_path / "windowed", *args)
+    global_only = bench(tmp_path / "global", *args, "model.shape.window_pattern=[]", "model.shape.sliding_window=null")
+    assert windowed["num_completed"] == global_only["num_completed"] == 4
+    assert windowed["tpot_ms"]["mean"] < global_only["tpot_ms"]["mean"]
+
+
+def test_latent_attention_caches_and_reads_less_than_multi_head_attention():
+    mha = ["model.shape.latent=null", "model.shape.head_dim=160"]
+    engines = {variant: LLMEngine(compose_config(["model=deepseek-v2-lite", "hardware=a100-80gb", *SIMULATED,
+                                                  *overrides]))
+               for variant, overrides in (("mla", []), ("mha", mha))}
+    assert engines["mla"].executor.context.model_cls is None, "no servelab DeepseekV2ForCausalLM: read from sizes"
+    # 576 latent elements per token and layer against the decompressed K and V of 16 heads
+    # (192 + 128 = 2 x 160)
+    assert engines["mla"].cache.num_blocks / engines["mha"].cache.num_blocks == pytest.approx(2 * 16 * 160 / 576,
+                                                                                              rel=0.01)
+    long_decodes = BatchShape((1,) * 32, (4096,) * 32, 32)
+    seconds = {v: engine.executor.cost_model.forward_cost(long_decodes).total for v, engine in engines.items()}
+    assert seconds["mla"] < 0.5 * seconds["mha"]
 
 
 def test_pipeline_stages_overlap_steps_and_report_bubbles(tmp_path):

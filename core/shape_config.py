@@ -1,0 +1,171 @@
+"""A model given by its sizes (``model.shape``, a ``ModelShapeConfig``): the transformers
+config of its architecture, and the ``ModelShape`` read from the sizes themselves for an
+architecture servelab has no implementation of (a weightless preset that only
+``executor=simulated`` runs, docs/simulation.md)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, replace
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from servelab.core.errors import ConfigError
+from servelab.core.model import LatentAttention, ModelShape
+
+
+def layer_windows_of(shape: Any) -> tuple[int | None, ...]:
+    """Each layer's window: ``sliding_window`` on the layers ``window_pattern`` (repeated
+    over the layers; empty: every layer) marks, None on the others and on every layer when
+    there is no window or it spans every position."""
+    pattern = list(shape.window_pattern) or [True]
+    window = shape.sliding_window
+    if window is not None and window >= shape.max_position_embeddings:
+        window = None
+    return tuple(window if pattern[layer % len(pattern)] else None for layer in range(shape.num_hidden_layers))
+
+
+def head_dim_of(shape: Any) -> int:
+    """The query-key head size: a latent attention's nope + rope, else ``head_dim`` or
+    hidden / heads."""
+    if shape.latent is not None:
+        return shape.latent.qk_nope_head_dim + shape.latent.qk_rope_head_dim
+    return shape.head_dim or shape.hidden_size // shape.num_attention_heads
+
+
+def sizes_problems(shape: Any) -> list[str]:
+    """What is inconsistent among a shape's sizes, each naming its ``model.shape`` field."""
+    problems = []
+    for field in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                  "intermediate_size", "max_position_embeddings"):
+        if getattr(shape, field) < 1:
+            problems.append(f"model.shape.{field} must be >= 1, got {getattr(shape, field)}")
+    if shape.window_pattern and shape.sliding_window is None:
+        problems.append("model.shape.window_pattern needs model.shape.sliding_window (the window of the "
+                        "pattern's true layers)")
+    latent = shape.latent
+    if latent is not None:
+        for field in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if getattr(latent, field) < 1:
+                problems.append(f"model.shape.latent.{field} must be >= 1, got {getattr(latent, field)}")
+        if latent.q_lora_rank is not None and latent.q_lora_rank < 1:
+            problems.append(f"model.shape.latent.q_lora_rank must be >= 1 or null, got {latent.q_lora_rank}")
+        if shape.head_dim is not None and shape.head_dim != head_dim_of(shape):
+            problems.append(f"model.shape.head_dim={shape.head_dim} disagrees with model.shape.latent: a latent "
+                            f"attention's query-key head is qk_nope_head_dim + qk_rope_head_dim = {head_dim_of(shape)}")
+    experts = shape.experts
+    if experts is not None:
+        if not 1 <= experts.num_experts_per_tok <= experts.n_routed_experts:
+            problems.append(f"model.shape.experts.num_experts_per_tok must be in [1, n_routed_experts="
+                            f"{experts.n_routed_experts}], got {experts.num_experts_per_tok}")
+        if not 0 <= experts.first_k_dense_replace < shape.num_hidden_layers:
+            problems.append(f"model.shape.experts.first_k_dense_replace must be in [0, num_hidden_layers), got "
+                            f"{experts.first_k_dense_replace}")
+        if experts.n_shared_experts < 0 or experts.moe_intermediate_size < 1:
+            problems.append(f"model.shape.experts.n_shared_experts must be >= 0 and moe_intermediate_size >= 1, got "
+                            f"{experts.n_shared_experts} and {experts.moe_intermediate_size}")
+    return problems
+
+
+def model_shape_of(shape: Any, vocab_size: int) -> ModelShape:
+    """The ``ModelShape`` of a ``ModelShapeConfig`` read from its sizes: a gated MLP;
+    per-layer windows from ``window_pattern``; a latent attention; a mixture of experts
+    priced as a dense MLP as wide as the experts a token passes (routed and shared), its
+    other experts (and the dense layers' difference) held as ``inactive_parameters``."""
+    problems = sizes_problems(shape)
+    if problems:
+        raise ConfigError(problems)
+    latent = None if shape.latent is None else LatentAttention(
+        shape.latent.kv_lora_rank, shape.latent.qk_nope_head_dim, shape.latent.qk_rope_head_dim,
+        shape.latent.v_head_dim, shape.latent.q_lora_rank)
+    model = ModelShape(shape.num_hidden_layers, shape.num_attention_heads, shape.num_key_value_heads,
+                       head_dim_of(shape), shape.sliding_window, shape.max_position_embeddings, vocab_size,
+                       shape.hidden_size, shape.intermediate_size, shape.tie_word_embeddings,
+                       layer_windows=layer_windows_of(shape) if shape.window_pattern else (), latent=latent)
+    experts = shape.experts
+    if experts is None:
+        return model
+    active = (experts.num_experts_per_tok + experts.n_shared_experts) * experts.moe_intermediate_size
+    routed_layers = shape.num_hidden_layers - experts.first_k_dense_replace
+    held = 3 * shape.hidden_size * (experts.first_k_dense_replace * shape.intermediate_size + routed_layers * (
+        experts.n_routed_experts + experts.n_shared_experts) * experts.moe_intermediate_size)
+    router = routed_layers * experts.n_routed_experts * shape.hidden_size
+    priced = 3 * shape.hidden_size * active * shape.num_hidden_layers
+    return replace(model, intermediate_size=active, inactive_parameters=held + router - priced)
+
+
+def _opt_sizes(shape: Any, sizes: dict[str, Any]) -> list[str]:
+    """OPT's names: ``ffn_dim``, ``word_embed_proj_dim``; multi-head attention of hidden / heads."""
+    sizes["ffn_dim"] = sizes.pop("intermediate_size")
+    sizes["word_embed_proj_dim"] = shape.hidden_size
+    heads = sizes.pop("num_key_value_heads")
+    problems = _whole_heads("OPTForCausalLM", shape, sizes)
+    if heads != shape.num_attention_heads:
+        problems.append(f"model.shape.num_key_value_heads={heads}: OPTForCausalLM has as many KV heads as "
+                        f"attention heads ({shape.num_attention_heads})")
+    return problems
+
+
+def _falcon_sizes(shape: Any, sizes: dict[str, Any]) -> list[str]:
+    """Falcon's names: ``ffn_hidden_size``; the KV layout from the KV heads (as many as
+    heads: multi-head; one: multi-query, Falcon-7B; else the new decoder architecture
+    with ``num_kv_heads``, Falcon-40B/180B)."""
+    sizes["ffn_hidden_size"] = sizes.pop("intermediate_size")
+    kv_heads = sizes.pop("num_key_value_heads")
+    sizes.update(new_decoder_architecture=kv_heads not in (1, shape.num_attention_heads), multi_query=kv_heads == 1,
+                 num_kv_heads=kv_heads)
+    return _whole_heads("FalconForCausalLM", shape, sizes)
+
+
+def _whole_heads(architecture: str, shape: Any, sizes: dict[str, Any]) -> list[str]:
+    """Problems of sizes an architecture with heads of hidden / heads and no window cannot take."""
+    problems = []
+    hidden, heads, head_dim = shape.hidden_size, shape.num_attention_heads, sizes.pop("head_dim", None)
+    if hidden % heads or head_dim not in (None, hidden // heads):
+        problems.append(f"model.shape.head_dim={head_dim}: {architecture}'s heads are hidden_size / "
+                        f"num_attention_heads ({hidden} / {heads}) wide, a whole number")
+    if shape.sliding_window is not None:
+        problems.append(f"model.shape.sliding_window={shape.sliding_window}: {architecture} has no sliding window")
+    return problems
+
+
+FAMILY_SIZES = {"opt": _opt_sizes, "falcon": _falcon_sizes}
+"""Per transformers model type, how its config names the common sizes (the others take
+Llama's names), and what it cannot take."""
+
+
+def shape_config(shape: Any, vocab_size: int, eos_token_id: int | None) -> Any:
+    """The transformers config of a ``ModelShapeConfig``'s architecture with its sizes, in
+    that architecture's names (OPT's ``ffn_dim``, Falcon's ``ffn_hidden_size`` and KV
+    layout; each layer's ``layer_types`` from ``window_pattern``; MLA and experts in
+    DeepSeek's names); raises ``ConfigError`` naming every inconsistent field."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_types = {architecture: model_type for model_type, architecture in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()}
+    if shape.architecture not in model_types:
+        raise ConfigError([f"model.shape.architecture={shape.architecture!r} is no transformers causal LM "
+                           f"(e.g. LlamaForCausalLM, MistralForCausalLM, OPTForCausalLM, FalconForCausalLM)"])
+    sizes = {key: getattr(shape, key) for key in (
+        "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+        "max_position_embeddings", "tie_word_embeddings")}
+    if shape.head_dim is not None:
+        sizes["head_dim"] = shape.head_dim
+    sizes["sliding_window"] = shape.sliding_window  # also null: an architecture's default window is not the shape's
+    if shape.sliding_window is not None:
+        sizes["use_sliding_window"] = True
+    if shape.window_pattern:
+        sizes["layer_types"] = ["full_attention" if window is None else "sliding_attention"
+                                for window in layer_windows_of(shape)]
+    for part in (shape.latent, shape.experts):
+        if part is not None:
+            sizes.update(OmegaConf.to_container(part) if OmegaConf.is_config(part) else asdict(part))
+    model_type = model_types[shape.architecture]
+    problems = sizes_problems(shape)
+    if model_type in FAMILY_SIZES:
+        problems += FAMILY_SIZES[model_type](shape, sizes)
+    if problems:
+        raise ConfigError(problems)
+    return AutoConfig.for_model(model_type, vocab_size=vocab_size, bos_token_id=eos_token_id,
+                                eos_token_id=eos_token_id, architectures=[shape.architecture],
+                                **{**sizes, **shape.extra})
