@@ -84,7 +84,7 @@ def _time_step(engine: Any, step: Step, params: Any, rng: random.Random) -> floa
         if engine.cache.allocate(request, context) is None:
             raise RuntimeError(f"the KV cache cannot hold a {len(step)}-request profile step")
         request.num_computed_tokens = context - new
-        grants.append(ScheduledRequest(request, context - new, new, tuple(engine.cache.block_table(request)), samples))
+        grants.append(ScheduledRequest.of(request, new, engine.cache, samples))
         requests.append(request)
     prefill = sum(new for new, context, _ in step if new > 1 or context - new == 0)
     output = SchedulerOutput(tuple(grants), num_prefill_tokens=prefill,

@@ -12,8 +12,9 @@ class StepObserver:
     else of every engine of the registry (the replicas of a cluster together).
 
     KV waste is time-weighted: each step's snapshot (taken after the step) counts for the
-    step's time, so waste = 1 - sum(used_slots * dt) / sum(reserved_slots * dt), the
-    reserved-but-unused share of the memory held over the run. With pipeline stages,
+    step's time, so waste = 1 - sum(read_slots * dt) / sum(reserved_slots * dt), the share
+    of the memory held over the run that holds nothing attention reads (empty slots, and
+    windowed layers' tokens before the window: ``KVCacheUsage.unread_slots``). With pipeline stages,
     each stage's busy seconds add up and its bubble fraction is the share of the engine's
     busy time the stage sat idle.
     """
@@ -23,7 +24,7 @@ class StepObserver:
         self.num_steps = 0
         self.busy_s = 0.0
         self.reserved_slot_s = 0.0
-        self.used_slot_s = 0.0
+        self.read_slot_s = 0.0
         self.total_slots = 0
         self.peak_reserved_slots = 0
         self.peak_used_slots = 0
@@ -45,7 +46,7 @@ class StepObserver:
         self.num_steps += 1
         self.busy_s += dt
         self.reserved_slot_s += kv.reserved_slots * dt
-        self.used_slot_s += kv.used_slots * dt
+        self.read_slot_s += kv.read_slots * dt
         self.total_slots = kv.total_slots
         self.peak_reserved_slots = max(self.peak_reserved_slots, kv.reserved_slots)
         self.peak_used_slots = max(self.peak_used_slots, kv.used_slots)
@@ -71,7 +72,7 @@ class StepObserver:
             "kv_peak_reserved_slots": self.peak_reserved_slots,
             "kv_peak_used_slots": self.peak_used_slots,
             "kv_peak_usage": self.peak_reserved_slots / self.total_slots if self.total_slots else None,
-            "kv_waste": 1 - self.used_slot_s / self.reserved_slot_s if self.reserved_slot_s else None,
+            "kv_waste": 1 - self.read_slot_s / self.reserved_slot_s if self.reserved_slot_s else None,
             "peak_running": self.peak_running,
             "mean_batched_tokens": self.batched_tokens / steps,
             "prefill_token_share": self.prefill_tokens / self.batched_tokens if self.batched_tokens else None,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import numpy as np
@@ -26,7 +26,7 @@ class PromptSpan:
 @dataclass(frozen=True, slots=True)
 class StepInputs:
     """Model inputs for one step: ``input_ids`` and ``positions`` [T], the attention
-    ``layout``, and ``logits_indices`` [N]: the rows whose logits are needed, first the
+    ``layout`` (of the first KV cache group; ``group_layouts``: of the others), and ``logits_indices`` [N]: the rows whose logits are needed, first the
     ``prompt_spans``' rows (sum of their counts; prompt logprobs), then the decoder's
     (1 + drafts per sampling request, in grant order)."""
 
@@ -35,6 +35,12 @@ class StepInputs:
     layout: BatchLayout
     logits_indices: torch.Tensor
     prompt_spans: tuple[PromptSpan, ...] = ()
+    group_layouts: tuple[BatchLayout, ...] = ()
+
+    @property
+    def layouts(self) -> tuple[BatchLayout, ...]:
+        """The layout of every KV cache group (they differ in block tables and slots only)."""
+        return (self.layout, *self.group_layouts)
 
 
 def prompt_span(grant: ScheduledRequest) -> PromptSpan | None:
@@ -62,7 +68,6 @@ def build_step_inputs(grants: Sequence[ScheduledRequest], drafts: Sequence[list[
     prompt_rows: list[int] = []
     query_lens: list[int] = []
     computed: list[int] = []
-    tables: list[list[int]] = []
     logits_rows: list[int] = []
     draft_iter = iter(drafts)
     for grant in grants:
@@ -82,31 +87,22 @@ def build_step_inputs(grants: Sequence[ScheduledRequest], drafts: Sequence[list[
             count += len(draft)
         query_lens.append(count)
         computed.append(start)
-        tables.append(grant.block_ids)
     seq_lens_list = [c + q for c, q in zip(computed, query_lens)]
     # Index arithmetic in numpy: a step has hundreds of requests, and numpy builds these
     # small arrays several times faster than torch ops or torch.tensor on nested lists.
-    max_blocks = max(len(t) for t in tables)
-    block_array = np.zeros((len(tables), max_blocks), dtype=np.int32)
-    for row, table in enumerate(tables):
-        block_array[row, :len(table)] = table
     lens_array = np.array(query_lens, dtype=np.int64)
     starts_array = np.zeros(len(query_lens) + 1, dtype=np.int64)
     np.cumsum(lens_array, out=starts_array[1:])
     request_index = np.repeat(np.arange(len(query_lens)), lens_array)
     position_array = np.arange(len(token_ids), dtype=np.int64) + np.repeat(
         np.array(computed, dtype=np.int64) - starts_array[:-1], lens_array)
-    slot_array = (block_array[request_index, position_array // block_size].astype(np.int64) * block_size
-                  + position_array % block_size)
-    starts = torch.from_numpy(starts_array)
-    positions = torch.from_numpy(position_array)
-    block_table = torch.from_numpy(block_array)
-    slots = torch.from_numpy(slot_array)
-    layout = BatchLayout(
-        query_start_loc=starts.to(device=device, dtype=torch.int32),
+    layouts = [_group_layout(group_tables, request_index, position_array, block_size, device)
+               for group_tables in zip(*(grant.block_tables for grant in grants))]
+    first = BatchLayout(
+        query_start_loc=torch.from_numpy(starts_array).to(device=device, dtype=torch.int32),
         seq_lens=torch.tensor(seq_lens_list, dtype=torch.int32, device=device),
-        block_table=block_table.to(device),
-        slot_mapping=slots.to(device),
+        block_table=layouts[0][0],
+        slot_mapping=layouts[0][1],
         block_size=block_size,
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens_list),
@@ -115,8 +111,21 @@ def build_step_inputs(grants: Sequence[ScheduledRequest], drafts: Sequence[list[
     )
     return StepInputs(
         input_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),
-        positions=positions.to(device),
-        layout=layout,
+        positions=torch.from_numpy(position_array).to(device),
+        layout=first,
         logits_indices=torch.tensor(prompt_rows + logits_rows, dtype=torch.int64, device=device),
         prompt_spans=tuple(spans),
+        group_layouts=tuple(replace(first, block_table=table, slot_mapping=slots) for table, slots in layouts[1:]),
     )
+
+
+def _group_layout(tables: Sequence[Sequence[int]], request_index: np.ndarray, position_array: np.ndarray,
+                  block_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """One KV cache group's block table [R, max_blocks] (padding: 0) and the slot of each
+    new token [T]."""
+    block_array = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int32)
+    for row, table in enumerate(tables):
+        block_array[row, :len(table)] = table
+    slot_array = (block_array[request_index, position_array // block_size].astype(np.int64) * block_size
+                  + position_array % block_size)
+    return torch.from_numpy(block_array).to(device), torch.from_numpy(slot_array).to(device)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -16,13 +17,27 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True, slots=True)
+class KVCacheGroup:
+    """Layers whose blocks a cache allocates together: ``layers`` (indices among one
+    device's layers) and the ``sliding_window`` they share (None: they attend to every
+    token, so every block is kept). A windowed group's table may point the entries wholly
+    before the window at a placeholder block of the cache's choosing (all zeros, never
+    written): attention never needs those keys."""
+
+    layers: tuple[int, ...]
+    sliding_window: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class KVCacheSpec:
     """What one model needs stored per token.
 
     Fields: ``num_layers`` attention layers, each caching ``num_kv_heads`` x ``head_dim``
     keys and values in ``dtype`` (the cache's element type: the model's, or int8 /
     float8_e4m3fn with a float32 scale per slot and KV head, ``cache.kv_dtype``);
-    ``max_model_len`` tokens at most per sequence.
+    ``max_model_len`` tokens at most per sequence; ``layer_windows``: each layer's
+    attention window (None: the whole context; empty: every layer attends to the whole
+    context).
     """
 
     num_layers: int
@@ -30,13 +45,46 @@ class KVCacheSpec:
     head_dim: int
     dtype: torch.dtype
     max_model_len: int
+    layer_windows: tuple[int | None, ...] = ()
+
+    @property
+    def layer_bytes_per_token(self) -> int:
+        """Bytes of K and V for one token in one layer (scales included)."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        row = self.head_dim * itemsize + (SCALE_BYTES if is_quantized(self.dtype) else 0)
+        return 2 * self.num_kv_heads * row
 
     @property
     def bytes_per_token(self) -> int:
         """Bytes of K and V for one token across all layers (scales included)."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        row = self.head_dim * itemsize + (SCALE_BYTES if is_quantized(self.dtype) else 0)
-        return 2 * self.num_layers * self.num_kv_heads * row
+        return self.num_layers * self.layer_bytes_per_token
+
+    @property
+    def groups(self) -> tuple[KVCacheGroup, ...]:
+        """The layers split into groups of equal size that share a window: the layers of
+        each distinct window, in order, cut into runs of the greatest common divisor of
+        the windows' layer counts (one group of every layer when all layers share a
+        window). Equal sizes let every group's block ``b`` occupy the same slice of one
+        set of per-position tensors (``layers_per_group`` of them), so one pool of blocks
+        serves every group."""
+        windows = self.layer_windows or (None,) * self.num_layers
+        by_window: dict[int | None, list[int]] = {}
+        for layer, window in enumerate(windows):
+            by_window.setdefault(window, []).append(layer)
+        size = math.gcd(*(len(layers) for layers in by_window.values()))
+        return tuple(KVCacheGroup(tuple(layers[start:start + size]), window)
+                     for window, layers in by_window.items() for start in range(0, len(layers), size))
+
+    def block_bytes(self, block_size: int, groups: tuple[KVCacheGroup, ...] | None = None) -> int:
+        """Bytes one block of ``block_size`` slots takes when the cache keeps ``groups``
+        (default: one group of every layer): the K and V of a group's layers."""
+        layers = len(groups[0].layers) if groups else self.num_layers
+        return layers * self.layer_bytes_per_token * block_size
+
+
+def single_group(spec: KVCacheSpec) -> tuple[KVCacheGroup, ...]:
+    """Every layer in one group that keeps every token: a cache that ignores windows."""
+    return (KVCacheGroup(tuple(range(spec.num_layers))),)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,8 +117,11 @@ class KVCacheUsage:
     """A snapshot of cache occupancy, in token slots and blocks.
 
     ``used_slots``: slots holding a token of a live request. ``reserved_slots``: slots
-    held by live requests (used or not). ``waste`` is the reserved-but-unused fraction of
-    the reserved slots. ``cached_blocks``: blocks kept only for prefix reuse.
+    held by live requests (used or not). ``unread_slots``: used slots whose token no
+    layer of theirs will read again (windowed layers' tokens before the window, which a
+    cache that ignores windows keeps; a slot of a block shared by several layers counts
+    by the share of those layers). ``waste`` is the fraction of the reserved slots that
+    hold nothing attention reads. ``cached_blocks``: blocks kept only for prefix reuse.
     """
 
     total_slots: int
@@ -79,6 +130,7 @@ class KVCacheUsage:
     total_blocks: int
     used_blocks: int
     cached_blocks: int = 0
+    unread_slots: int = 0
 
     @property
     def usage(self) -> float:
@@ -86,9 +138,14 @@ class KVCacheUsage:
         return self.reserved_slots / self.total_slots if self.total_slots else 0.0
 
     @property
+    def read_slots(self) -> int:
+        """Used slots whose token attention will read again."""
+        return self.used_slots - self.unread_slots
+
+    @property
     def waste(self) -> float:
-        """Fraction of reserved slots that hold no token."""
-        return 1.0 - self.used_slots / self.reserved_slots if self.reserved_slots else 0.0
+        """Fraction of reserved slots that hold no token attention will read."""
+        return 1.0 - self.read_slots / self.reserved_slots if self.reserved_slots else 0.0
 
 
 class KVCacheManager(abc.ABC):
@@ -106,6 +163,14 @@ class KVCacheManager(abc.ABC):
     num_blocks: int
     #: Blocks in the host pool that ``swap_out`` moves blocks to (0: no swapping).
     num_host_blocks: int = 0
+    #: The KV cache groups the manager keeps a block table for, each request one table
+    #: per group, in ``block_tables`` order: the spec's ``groups``, or ``single_group(spec)``
+    #: (or empty) for a cache that keeps every layer's every token. Block ids index every
+    #: group's layers alike.
+    groups: tuple[KVCacheGroup, ...] = ()
+    #: The placeholder block that windowed groups' tables hold for entries wholly before
+    #: the window (None: tables hold only blocks of their own); never allocated.
+    null_block: int | None = None
 
     @abc.abstractmethod
     def allocate(self, request: Request, num_new_tokens: int, num_lookahead_tokens: int = 0) -> Allocation | None:
@@ -122,7 +187,11 @@ class KVCacheManager(abc.ABC):
 
     @abc.abstractmethod
     def block_table(self, request: Request) -> list[int]:
-        """The request's block ids in position order (read-only view)."""
+        """The request's block ids in position order (read-only view), of the first group."""
+
+    def block_tables(self, request: Request) -> tuple[list[int], ...]:
+        """The request's block table of every group, in ``groups`` order (read-only views)."""
+        return (self.block_table(request),)
 
     @property
     @abc.abstractmethod

@@ -131,36 +131,61 @@ class ModelShape:
         ``tensor_parallel_size`` ranks (``linear_shapes``)."""
         return {name: inputs for name, (_, inputs) in self.linear_shapes(tensor_parallel_size).items()}
 
+    def attention_windows(self, max_model_len: int) -> tuple[int | None, ...]:
+        """Each layer's attention window for sequences of up to ``max_model_len`` tokens
+        (a window as long as the context is no window)."""
+        return tuple(window if window and window < max_model_len else None
+                     for window in map(self.window_of, range(self.num_layers)))
+
     def attention_spec(self, dtype: torch.dtype, device: torch.device, max_model_len: int,
-                       tensor_parallel_size: int = 1, kv_dtype: torch.dtype | None = None) -> AttentionSpec:
-        """The attention backend's spec on one of ``tensor_parallel_size`` ranks (a window as
-        long as the context is no window); ``kv_dtype``: the cache's element type (None: ``dtype``)."""
-        window = self.sliding_window if self.sliding_window and self.sliding_window < max_model_len else None
+                       tensor_parallel_size: int = 1, kv_dtype: torch.dtype | None = None,
+                       layer: int | None = None) -> AttentionSpec:
+        """The attention backend's spec on one of ``tensor_parallel_size`` ranks for decoder
+        layer ``layer`` (None: with the model's ``sliding_window``; a window as long as the
+        context is no window); ``kv_dtype``: the cache's element type (None: ``dtype``). A
+        latent attention runs absorbed, as multi-query attention over one KV head of
+        ``cached_width`` (keys: latent and rotary key; values: the latent, zero-padded)."""
+        window = self.sliding_window if layer is None else self.window_of(layer)
+        window = window if window and window < max_model_len else None
         scale = self.head_dim ** -0.5 if self.attention_scale is None else self.attention_scale
+        head_dim = self.head_dim if self.latent is None else self.latent.cached_width
         return AttentionSpec(self.num_heads // tensor_parallel_size, self.kv_heads_per_rank(tensor_parallel_size),
-                             self.head_dim, scale, dtype, device, window,
+                             head_dim, scale, dtype, device, window,
                              None if kv_dtype == dtype else kv_dtype, self.attention_softcap)
 
     def kv_cache_spec(self, dtype: torch.dtype, max_model_len: int, tensor_parallel_size: int = 1,
                       pipeline_parallel_size: int = 1) -> KVCacheSpec:
         """What one device's KV cache stores per token in element type ``dtype``: the layers
         of the largest pipeline stage and the KV heads of one tensor-parallel rank (see
-        ``kv_heads_per_rank``). A latent attention caches its ``cached_width`` elements
-        whole on every rank, as one head split across the spec's K and V halves."""
+        ``kv_heads_per_rank``), with each layer's window (``attention_windows``; under
+        pipeline parallelism only when every layer shares it). A latent attention stores its
+        ``cached_width`` elements whole on every rank in both halves, as one KV head's key
+        and value (``attention_spec``): twice the latent's own bytes, which a backend reading
+        the values out of the keys would halve."""
         layers = -(-self.num_layers // pipeline_parallel_size)
+        windows = self.attention_windows(max_model_len)
+        if pipeline_parallel_size > 1 and len(set(windows)) > 1:
+            windows = ()  # stages would group their layers differently; one group keeps every token
+        else:
+            windows = windows[:layers]
         if self.latent is not None:
-            return KVCacheSpec(layers, 1, -(-self.latent.cached_width // 2), dtype, max_model_len)
-        return KVCacheSpec(layers, self.kv_heads_per_rank(tensor_parallel_size), self.head_dim, dtype, max_model_len)
+            return KVCacheSpec(layers, 1, self.latent.cached_width, dtype, max_model_len, windows)
+        return KVCacheSpec(layers, self.kv_heads_per_rank(tensor_parallel_size), self.head_dim, dtype, max_model_len,
+                           windows)
 
     def kv_heads_per_rank(self, tensor_parallel_size: int) -> int:
         """KV heads each of ``tensor_parallel_size`` ranks holds: an equal share, or one
-        (replicated) when there are fewer KV heads than ranks."""
+        (replicated) when there are fewer KV heads than ranks; a latent attention's one
+        latent head on every rank."""
+        if self.latent is not None:
+            return 1
         return max(1, self.num_kv_heads // tensor_parallel_size)
 
     def parallel_problems(self, tensor_parallel_size: int, pipeline_parallel_size: int) -> list[str]:
         """Why this model cannot be split this way (empty when it can): query heads and
         the MLP must divide among tensor-parallel ranks, KV heads must divide among them
-        or they among the KV heads, and every pipeline stage needs a layer."""
+        or they among the KV heads (a latent attention's one latent head is on every
+        rank), and every pipeline stage needs a layer."""
         tp, pp = tensor_parallel_size, pipeline_parallel_size
         problems = []
         if tp < 1 or pp < 1:
@@ -169,7 +194,7 @@ class ModelShape:
         if self.num_heads % tp:
             problems.append(f"parallel.tensor_parallel_size={tp} does not divide the model's {self.num_heads} "
                             f"attention heads")
-        if self.num_kv_heads % tp and tp % self.num_kv_heads:
+        if self.latent is None and self.num_kv_heads % tp and tp % self.num_kv_heads:
             problems.append(f"parallel.tensor_parallel_size={tp} and the model's {self.num_kv_heads} KV heads: "
                             f"neither divides the other, so the KV heads can be neither split nor replicated")
         if self.intermediate_size and self.intermediate_size % tp:

@@ -28,15 +28,30 @@ class PreemptionMode(enum.Enum):
 class ScheduledRequest:
     """One request's share of a step: ``num_new_tokens`` tokens after the
     ``num_computed_tokens`` already cached, stored in the blocks ``block_ids`` (a snapshot
-    of the request's block table when the step was scheduled). ``samples`` is True when
-    the grant reaches the request's last token, so the step yields a token for it (False
-    for a partial prefill chunk)."""
+    of the request's block table when the step was scheduled; of the cache's first KV
+    cache group, ``group_block_ids`` holding the further groups' tables). ``samples`` is
+    True when the grant reaches the request's last token, so the step yields a token for
+    it (False for a partial prefill chunk)."""
 
     request: Request
     num_computed_tokens: int
     num_new_tokens: int
     block_ids: tuple[int, ...]
     samples: bool
+    group_block_ids: tuple[tuple[int, ...], ...] = ()
+
+    @classmethod
+    def of(cls, request: Request, num_new_tokens: int, cache: "KVCacheManager", samples: bool) -> "ScheduledRequest":
+        """A grant of ``num_new_tokens`` after the request's computed tokens, with a
+        snapshot of its block tables in ``cache``."""
+        first, *rest = cache.block_tables(request)
+        return cls(request, request.num_computed_tokens, num_new_tokens, tuple(first), samples,
+                   tuple(map(tuple, rest)))
+
+    @property
+    def block_tables(self) -> tuple[tuple[int, ...], ...]:
+        """The block table of every KV cache group."""
+        return (self.block_ids, *self.group_block_ids)
 
 
 @dataclass(frozen=True, slots=True)

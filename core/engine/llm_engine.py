@@ -107,7 +107,7 @@ class LLMEngine:
             scheduler = build_collecting(problems, lambda: registry.build("scheduler", cfg.scheduler, SchedulerContext(
                 cache, self.max_model_len, strategy.num_lookahead_tokens, self.stop_checker,
                 strategy.on_request_finished, self.clock)))
-        problems += validate(self.max_model_len, shape.max_positions, cache)
+        problems += validate(self.max_model_len, shape.max_positions, cache, kv_spec, cfg.get("role", "mixed"))
         if problems:
             for built in (executor, strategy, cache):
                 if built is not None:

@@ -14,7 +14,7 @@ from typing import Optional
 
 from servelab.core.component import ComponentSpec
 from servelab.core.errors import ConfigError
-from servelab.core.kv_cache import Allocation, CacheContext
+from servelab.core.kv_cache import Allocation, CacheContext, single_group
 from servelab.core.request import Request
 from servelab.plugins.cache.paged import PagedKVCacheManager
 from servelab.plugins.cache.sizing import num_blocks_for
@@ -71,7 +71,7 @@ class ContiguousKVCacheManager(PagedKVCacheManager):
         if num_blocks < 1:
             raise ConfigError([f"cache.num_slots={config.num_slots} x {max_len} tokens holds no block of "
                                f"cache.block_size={block_size}"])
-        self._init_pool(config, context, block_size, num_blocks)
+        self._init_pool(config, context, block_size, num_blocks, single_group(context.spec))
         self._reserved: dict[str, int] = {}
 
     def reservation_tokens(self, request: Request) -> int:

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from servelab.core.component import ComponentSpec
-from servelab.core.kv_cache import Allocation, CacheContext, KVCacheManager, KVCacheUsage
+from servelab.core.kv_cache import (Allocation, CacheContext, KVCacheGroup, KVCacheManager, KVCacheUsage,
+                                     single_group)
 from servelab.core.request import Request
 from servelab.plugins.cache.block_pool import BlockPool
 from servelab.plugins.cache.prefix_cache import PrefixCache
@@ -25,7 +26,9 @@ class PagedCacheConfig:
     requests, evicting with the registered policy ``eviction``. ``swap_space_bytes`` sizes
     the host pool used by ``scheduler.preemption=swap``. ``kv_dtype``: auto (the model's
     dtype) | int8 | fp8_e4m3, the stored element type (docs/quantization.md); sizes from
-    memory count its smaller blocks."""
+    memory count its smaller blocks. ``groups``: one block table per KV cache group
+    (``KVCacheSpec.groups``), windowed groups giving back the blocks that left their
+    window; false keeps every layer's every token (as for a model without windows)."""
 
     block_size: int = 16
     num_blocks: Optional[int] = None
@@ -34,25 +37,41 @@ class PagedCacheConfig:
     eviction: str = "lru"
     swap_space_bytes: int = 0
     kv_dtype: str = "auto"
+    groups: bool = True
 
 
 class PagedKVCacheManager(KVCacheManager):
     """Block tables over a shared ``BlockPool``; a request holds ceil(tokens / block_size)
-    blocks. Blocks are reference counted: ``fork`` shares them and the first write into a
-    shared partial block copies it (``Allocation.blocks_to_copy``)."""
+    blocks in each KV cache group. Blocks are reference counted: ``fork`` shares them and
+    the first write into a shared partial block copies it (``Allocation.blocks_to_copy``).
+
+    With several groups (a model whose layers differ in window) every group's table has
+    one entry per block of the sequence, and the groups take their blocks from one pool:
+    block ``b`` is the same slice of one set of tensors whichever group holds it. A
+    windowed group's entries wholly before the window of the next token to compute point
+    at ``null_block`` (one block past the pool's, never handed out or written, all zeros):
+    their blocks went back to the pool, or to the prefix cache when it knows them.
+    """
 
     def __init__(self, config: PagedCacheConfig, context: CacheContext):
-        num_blocks = num_blocks_for(config.num_blocks, config.memory_bytes, config.block_size, context)
-        self._init_pool(config, context, config.block_size, num_blocks)
+        groups = context.spec.groups if getattr(config, "groups", True) else single_group(context.spec)
+        num_blocks = num_blocks_for(config.num_blocks, config.memory_bytes, config.block_size, context, groups=groups)
+        self._init_pool(config, context, config.block_size, num_blocks, groups)
 
-    def _init_pool(self, config, context: CacheContext, block_size: int, num_blocks: int) -> None:
+    def _init_pool(self, config, context: CacheContext, block_size: int, num_blocks: int,
+                   groups: tuple[KVCacheGroup, ...]) -> None:
         spec = context.spec
         self.config = config
         self.spec = spec
         self.block_size = block_size
-        self.num_blocks = num_blocks
+        self.groups = groups
+        self._windows = tuple(group.sliding_window for group in groups)
+        self._windowed = tuple(index for index, window in enumerate(self._windows) if window is not None)
+        self.null_block = num_blocks if self._windowed else None
+        self.num_blocks = num_blocks + bool(self._windowed)
         self.pool = BlockPool(num_blocks)
-        self._tables: dict[str, list[int]] = {}
+        self._tables: dict[str, list[list[int]]] = {}
+        self._window_starts: dict[str, list[int]] = {}
         self._used_slots: dict[str, int] = {}
         self._tails: dict[str, int] = {}
         self._tail_sum = 0
@@ -63,17 +82,18 @@ class PagedKVCacheManager(KVCacheManager):
             policy = context.registry.get("eviction", config.eviction).cls()
             self.prefix = PrefixCache(block_size, policy)
         swap_bytes = getattr(config, "swap_space_bytes", 0)
-        self.num_host_blocks = swap_bytes // (spec.bytes_per_token * block_size)
+        self.num_host_blocks = swap_bytes // spec.block_bytes(block_size, groups)
         self.host_pool = BlockPool(self.num_host_blocks)
-        self._host_tables: dict[str, list[int]] = {}
+        self._host_tables: dict[str, list[list[int | None]]] = {}
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     def _set_used(self, rid: str, used: int) -> None:
-        """Record the request's stored tokens and the unused slots at the end of its table."""
+        """Record the request's stored tokens and the unused slots at the end of its tables."""
         self._used_slots[rid] = used
-        tail = max(0, len(self._tables.get(rid, ())) * self.block_size - used)
+        tables = self._tables.get(rid)
+        tail = max(0, len(tables[0]) * self.block_size - used) * len(tables) if tables else 0
         self._tail_sum += tail - self._tails.get(rid, 0)
         self._tails[rid] = tail
 
@@ -98,47 +118,73 @@ class PagedKVCacheManager(KVCacheManager):
             unheld = [b for b in unheld if not self.prefix.is_cached(b)]
         self.pool.put_free(unheld)
 
+    def _live(self, table: list[int]) -> list[int]:
+        """The table's blocks, the null block's entries left out."""
+        null = self.null_block
+        return table if null is None else [block for block in table if block != null]
+
     # -- the contract ----------------------------------------------------------------------------
     def allocate(self, request: Request, num_new_tokens: int, num_lookahead_tokens: int = 0) -> Allocation | None:
-        """Add blocks until the request has room for its computed + new + lookahead tokens,
-        copying a shared partial block before the first write into it."""
+        """Add blocks to every group's table until the request has room for its computed +
+        new + lookahead tokens, copying a shared partial block before the first write into
+        it; then give back the windowed groups' blocks that no token from here on reads."""
         rid = request.request_id
-        table = self._tables.get(rid, [])
+        tables = self._tables.get(rid) or [[] for _ in self.groups]
         computed = request.num_computed_tokens
         used = computed + num_new_tokens
-        needed = max(0, self._blocks_for(min(used + num_lookahead_tokens, self.spec.max_model_len)) - len(table))
+        needed = max(0, self._blocks_for(min(used + num_lookahead_tokens, self.spec.max_model_len)) - len(tables[0]))
         write_index = computed // self.block_size
-        copy_on_write = write_index < len(table) and self.pool.ref_counts[table[write_index]] > 1
-        count = needed + copy_on_write
+        shared = [index for index, table in enumerate(tables) if write_index < len(table)
+                  and table[write_index] != self.null_block and self.pool.ref_counts[table[write_index]] > 1]
+        count = needed * len(tables) + len(shared)
         taken = self._take(count) if count else []  # most decode steps: the last block has room
         if taken is None:
             return None
-        copies: tuple[tuple[int, int], ...] = ()
-        if copy_on_write:
-            fresh = taken[-1]
-            copies = ((table[write_index], fresh),)
+        copies = []
+        for index, fresh in zip(shared, taken):
+            table = tables[index]
+            copies.append((table[write_index], fresh))
             self._release([table[write_index]])
             table[write_index] = fresh
-            taken = taken[:-1]
-        table.extend(taken)
-        self._tables[rid] = table
+        added = taken[len(shared):]
+        for index, table in enumerate(tables):
+            table.extend(added[index * needed:(index + 1) * needed])
+        self._tables[rid] = tables
+        if self._windowed:
+            self._leave_window(rid, tables, computed)
         self._set_used(rid, used)
         if self.prefix is not None:
-            self._register_full_blocks(request, table, used)
+            self._register_full_blocks(request, tables, used)
         if not count:
             return NOTHING_NEW
-        return Allocation(tuple(taken) + tuple(d for _, d in copies), copies)
+        return Allocation(tuple(added) + tuple(d for _, d in copies), tuple(copies))
 
-    def _register_full_blocks(self, request: Request, table: list[int], used: int) -> None:
+    def _leave_window(self, rid: str, tables: list[list[int]], computed: int) -> None:
+        """Point each windowed group's entries wholly before the first key the token at
+        ``computed`` reads (position computed - window + 1) at the null block."""
+        starts = self._window_starts.setdefault(rid, [0] * len(tables))
+        for index in self._windowed:
+            table = tables[index]
+            first = min(max(0, computed - self._windows[index] + 1) // self.block_size, len(table))
+            gone = [block for block in table[starts[index]:first] if block != self.null_block]
+            if gone:
+                self._release(gone)
+            table[starts[index]:first] = [self.null_block] * (first - starts[index])
+            starts[index] = max(starts[index], first)
+
+    def _register_full_blocks(self, request: Request, tables: list[list[int]], used: int) -> None:
         size = self.block_size
-        full = min(used // size, len(table))
+        full = min(used // size, len(tables[0]))
         if full <= len(self._hashes.get(request.request_id, ())):
             return
         hashes = self._hashes.setdefault(request.request_id, [])
         for index in range(len(hashes), full):
             parent = hashes[-1] if hashes else None
             tokens = tuple(request.token_ids[index * size:(index + 1) * size])
-            hashes.append(self.prefix.register(table[index], parent, tokens))
+            for group, table in enumerate(tables):
+                if table[index] != self.null_block:
+                    self.prefix.register(table[index], parent, tokens, group)
+            hashes.append(PrefixCache.chain_hash(parent, tokens))
 
     def free(self, request: Request) -> None:
         """Release the request's device and host blocks (idempotent)."""
@@ -146,31 +192,44 @@ class PagedKVCacheManager(KVCacheManager):
 
     def _free_id(self, rid: str) -> None:
         self._forget_used(rid)
-        table = self._tables.pop(rid, None)
+        tables = self._tables.pop(rid, None)
+        self._window_starts.pop(rid, None)
         self._hashes.pop(rid, None)
         self._looked_up.discard(rid)
-        if table:
-            self._release(table)
+        for table in tables or ():
+            self._release(self._live(table))
         host = self._host_tables.pop(rid, None)
         if host:
-            self.host_pool.put_free(self.host_pool.release(host))
+            self.host_pool.put_free(self.host_pool.release([b for table in host for b in table if b is not None]))
 
     def truncate(self, request: Request, num_tokens: int) -> None:
         """Release the blocks beyond ``num_tokens`` tokens."""
         rid = request.request_id
-        table = self._tables.get(rid)
-        if table is None:
+        tables = self._tables.get(rid)
+        if tables is None:
             return
         keep = self._blocks_for(num_tokens)
-        if keep < len(table):
-            self._release(table[keep:])
-            del table[keep:]
+        if keep < len(tables[0]):
+            for table in tables:
+                self._release(self._live(table[keep:]))
+                del table[keep:]
             del self._hashes.get(rid, [])[keep:]
         self._set_used(rid, min(self._used_slots[rid], num_tokens))
 
     def block_table(self, request: Request) -> list[int]:
-        """The request's blocks in position order."""
-        return self._tables.get(request.request_id, [])
+        """The request's blocks in position order, of the first group."""
+        tables = self._tables.get(request.request_id)
+        return tables[0] if tables else []
+
+    def block_tables(self, request: Request) -> tuple[list[int], ...]:
+        """The request's blocks in position order, of every group."""
+        tables = self._tables.get(request.request_id)
+        return tuple(tables) if tables else tuple([] for _ in self.groups)
+
+    def max_tokens_per_request(self) -> int:
+        """The tokens one request can hold with every group's table full (a prompt
+        computed in one step needs all of its blocks in windowed groups too)."""
+        return self.pool.num_blocks // len(self.groups) * self.block_size
 
     @property
     def num_free_blocks(self) -> int:
@@ -180,18 +239,38 @@ class PagedKVCacheManager(KVCacheManager):
     @property
     def usage(self) -> KVCacheUsage:
         """Reserved = held blocks x block_size; used = reserved minus the unused tail slots
-        of every table (shared blocks count once); cached = evictable."""
+        of every table (shared blocks count once); cached = evictable; unread: see
+        ``_unread_slots``."""
         cached = self.prefix.num_evictable if self.prefix else 0
-        used_blocks = self.num_blocks - self.pool.num_free - cached
+        total = self.pool.num_blocks
+        used_blocks = total - self.pool.num_free - cached
         reserved = used_blocks * self.block_size
         return KVCacheUsage(
-            total_slots=self.num_blocks * self.block_size,
+            total_slots=total * self.block_size,
             reserved_slots=reserved,
             used_slots=max(0, reserved - self._tail_sum),
-            total_blocks=self.num_blocks,
+            total_blocks=total,
             used_blocks=used_blocks,
             cached_blocks=cached,
+            unread_slots=self._unread_slots() if any(self.spec.layer_windows) else 0,
         )
+
+    def _unread_slots(self) -> int:
+        """Held tokens that the next token's windows leave out: in a windowed group, those
+        of its live blocks before the window; in one group that ignores its layers'
+        windows, each windowed layer's tokens before its window, by its share of the
+        group's layers (blocks shared between requests count for each)."""
+        windows = [window for window in self.spec.layer_windows if window]
+        unread = 0.0
+        for rid, tables in self._tables.items():
+            used = self._used_slots.get(rid, 0)
+            if self._windowed:
+                starts = self._window_starts.get(rid) or [0] * len(tables)
+                unread += sum(max(0, used - starts[index] * self.block_size - self._windows[index])
+                              for index in self._windowed)
+            else:
+                unread += sum(max(0, used - window) for window in windows) / self.spec.num_layers
+        return int(unread)
 
     # -- prefix caching and sharing ---------------------------------------------------------------
     @property
@@ -201,25 +280,66 @@ class PagedKVCacheManager(KVCacheManager):
 
     def lookup_prefix(self, request: Request) -> int:
         """Attach the cached full blocks that start the request's tokens (leaving at least
-        its last token to compute); returns the number of tokens found."""
+        its last token to compute): every block in each full group, the blocks the next
+        token's window reads in each windowed group; returns the number of tokens found."""
         rid = request.request_id
         if self.prefix is None or rid in self._tables or rid in self._looked_up:
             return 0
         self._looked_up.add(rid)
         self.prefix.queried_tokens += request.num_tokens
-        blocks, hashes = self.prefix.match(request.token_ids, (request.num_tokens - 1) // self.block_size)
-        if not blocks:
+        limit = (request.num_tokens - 1) // self.block_size
+        found = self._cached_tables(request, limit)
+        if found is None:
             return 0
-        for block in blocks:
+        tables, hashes = found
+        held = [block for table in tables for block in self._live(table)]
+        for block in held:
             if self.pool.ref_counts[block] == 0:
                 self.prefix.unpark(block)
-        self.pool.share(blocks)
-        self._tables[rid] = list(blocks)
+        self.pool.share(held)
+        self._tables[rid] = tables
         self._hashes[rid] = hashes
-        hit = len(blocks) * self.block_size
+        hit = len(hashes) * self.block_size
+        if self._windowed:
+            self._window_starts[rid] = [table.count(self.null_block) if self._windows[index] else 0
+                                        for index, table in enumerate(tables)]
         self.prefix.hit_tokens += hit
         request.num_cached_prompt_tokens = min(hit, request.num_prompt_tokens)
         return hit
+
+    def _cached_tables(self, request: Request, limit: int) -> tuple[list[list[int]], list[int]] | None:
+        """The longest run of at most ``limit`` blocks that every group holds (a windowed
+        group: the blocks the token after the run reads), as (tables, hashes); None when
+        nothing is cached."""
+        prefix, size = self.prefix, self.block_size
+        full = [index for index, window in enumerate(self._windows) if window is None]
+        runs = {index: prefix.match(request.token_ids, limit, index)[0] for index in full}
+        count = min((len(run) for run in runs.values()), default=limit)
+        hashes = prefix.chain(request.token_ids, count)
+        while count and self._windowed:
+            first = [max(0, count * size - self._windows[index] + 1) // size for index in self._windowed]
+            found = [self._find_run(index, request.token_ids, hashes, start, count)
+                     for index, start in zip(self._windowed, first)]
+            if all(run is not None for run in found):
+                for index, start, run in zip(self._windowed, first, found):
+                    runs[index] = [self.null_block] * start + run
+                break
+            count -= 1
+        if not count:
+            return None
+        return [runs[index][:count] for index in range(len(self.groups))], hashes[:count]
+
+    def _find_run(self, group: int, token_ids: list[int], hashes: list[int], start: int, stop: int) -> list[int] | None:
+        """``group``'s cached blocks ``start`` .. ``stop - 1`` of the hash chain, or None
+        when one is missing."""
+        size, run = self.block_size, []
+        for index in range(start, stop):
+            block = self.prefix.find(group, hashes[index], hashes[index - 1] if index else None,
+                                     tuple(token_ids[index * size:(index + 1) * size]))
+            if block is None:
+                return None
+            run.append(block)
+        return run
 
     @property
     def prefix_hit_tokens(self) -> int:
@@ -238,13 +358,17 @@ class PagedKVCacheManager(KVCacheManager):
 
     def fork(self, parent: Request, child: Request) -> None:
         """Share the parent's blocks that hold the child's ``num_computed_tokens`` tokens."""
-        table = self._tables.get(parent.request_id)
-        if table is None:
+        tables = self._tables.get(parent.request_id)
+        if tables is None:
             raise RuntimeError(f"fork: request {parent.request_id!r} holds no device blocks (swapped out or freed)")
         count = self._blocks_for(child.num_computed_tokens)
-        shared = table[:count]
-        self.pool.share(shared)
-        self._tables[child.request_id] = list(shared)
+        shared = [list(table[:count]) for table in tables]
+        for table in shared:
+            self.pool.share(self._live(table))
+        self._tables[child.request_id] = shared
+        if parent.request_id in self._window_starts:
+            self._window_starts[child.request_id] = [min(start, count) for start in
+                                                     self._window_starts[parent.request_id]]
         full = child.num_computed_tokens // self.block_size
         self._hashes[child.request_id] = list(self._hashes.get(parent.request_id, [])[:full])
         self._set_used(child.request_id, child.num_computed_tokens)
@@ -258,33 +382,40 @@ class PagedKVCacheManager(KVCacheManager):
     def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
         """Move the request's blocks to the host pool: (device, host) pairs, or None when full."""
         rid = request.request_id
-        table = self._tables.get(rid, [])
-        host = self.host_pool.take(len(table))
+        tables = self._tables.get(rid) or []
+        device = [block for table in tables for block in self._live(table)]
+        host = self.host_pool.take(len(device))
         if host is None:
             return None
-        self._release(table)
+        spare = iter(host)
+        self._host_tables[rid] = [[None if block == self.null_block else next(spare) for block in table]
+                                  for table in tables]
+        self._release(device)
         self._tables.pop(rid, None)
         self._hashes.pop(rid, None)
         used = self._used_slots[rid]
         self._forget_used(rid)
         self._used_slots[rid] = used
-        self._host_tables[rid] = host
-        return list(zip(table, host))
+        return list(zip(device, host))
 
     def can_swap_in(self, request: Request) -> bool:
         """True when enough device blocks are free for the swapped request."""
-        return len(self._host_tables.get(request.request_id, ())) <= self.num_free_blocks
+        host = self._host_tables.get(request.request_id, ())
+        return sum(b is not None for table in host for b in table) <= self.num_free_blocks
 
     def swap_in(self, request: Request) -> list[tuple[int, int]] | None:
         """Bring a swapped request back: (host, device) pairs, or None when there is no room."""
         rid = request.request_id
-        host = self._host_tables[rid]
+        host_tables = self._host_tables[rid]
+        host = [block for table in host_tables for block in table if block is not None]
         device = self._take(len(host))
         if device is None:
             return None
         del self._host_tables[rid]
         self.host_pool.put_free(self.host_pool.release(host))
-        self._tables[rid] = device
+        spare = iter(device)
+        self._tables[rid] = [[self.null_block if block is None else next(spare) for block in table]
+                             for table in host_tables]
         self._set_used(rid, self._used_slots[rid])
         return list(zip(host, device))
 

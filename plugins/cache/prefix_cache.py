@@ -8,19 +8,21 @@ from servelab.core.eviction import EvictionPolicy
 
 
 class PrefixCache:
-    """Maps the hash of a full block's content to the block holding it.
+    """Maps the hash of a full block's content, in each KV cache group, to the block
+    holding it.
 
     A block's hash chains its parent's hash with its own token ids, so equal hashes mean
     equal prefixes; every hit also compares the stored token ids and parent hash, so a
-    hash collision can never return wrong content. Unreferenced cached blocks wait in the
-    eviction policy until reused or evicted.
+    hash collision can never return wrong content. The groups of a cache hold the same
+    tokens in different blocks, so a block is found by (group, hash). Unreferenced cached
+    blocks of every group wait in one eviction policy until reused or evicted.
     """
 
     def __init__(self, block_size: int, eviction: EvictionPolicy):
         self.block_size = block_size
         self.eviction = eviction
-        self._block_of: dict[int, int] = {}
-        self._entry: dict[int, tuple[int, int | None, tuple[int, ...]]] = {}
+        self._block_of: dict[tuple[int, int], int] = {}
+        self._entry: dict[int, tuple[int, int, int | None, tuple[int, ...]]] = {}
         self.hit_tokens = 0
         self.queried_tokens = 0
 
@@ -29,9 +31,9 @@ class PrefixCache:
         """The hash of a block given its parent's hash and its token ids."""
         return hash((parent, tokens))
 
-    def match(self, token_ids: Sequence[int], max_blocks: int) -> tuple[list[int], list[int]]:
-        """The longest run of cached full blocks at the start of ``token_ids`` (at most
-        ``max_blocks``): (blocks, their hashes)."""
+    def match(self, token_ids: Sequence[int], max_blocks: int, group: int = 0) -> tuple[list[int], list[int]]:
+        """The longest run of ``group``'s cached full blocks at the start of ``token_ids``
+        (at most ``max_blocks``): (blocks, their hashes)."""
         blocks: list[int] = []
         hashes: list[int] = []
         parent = None
@@ -39,21 +41,37 @@ class PrefixCache:
         for index in range(max_blocks):
             tokens = tuple(token_ids[index * size:(index + 1) * size])
             digest = self.chain_hash(parent, tokens)
-            block = self._block_of.get(digest)
-            if block is None or self._entry[block][1:] != (parent, tokens):
+            block = self.find(group, digest, parent, tokens)
+            if block is None:
                 break
             blocks.append(block)
             hashes.append(digest)
             parent = digest
         return blocks, hashes
 
-    def register(self, block: int, parent: int | None, tokens: tuple[int, ...]) -> int:
-        """Record a just-filled block; returns its hash (the content may already be cached
-        in another block, which then stays the canonical one)."""
+    def chain(self, token_ids: Sequence[int], num_blocks: int) -> list[int]:
+        """The hashes of the first ``num_blocks`` full blocks of ``token_ids``."""
+        hashes: list[int] = []
+        size = self.block_size
+        for index in range(num_blocks):
+            hashes.append(self.chain_hash(hashes[-1] if hashes else None,
+                                          tuple(token_ids[index * size:(index + 1) * size])))
+        return hashes
+
+    def find(self, group: int, digest: int, parent: int | None, tokens: tuple[int, ...]) -> int | None:
+        """``group``'s block holding ``tokens`` after the block hashed ``parent``, or None."""
+        block = self._block_of.get((group, digest))
+        if block is None or self._entry[block][2:] != (parent, tokens):
+            return None
+        return block
+
+    def register(self, block: int, parent: int | None, tokens: tuple[int, ...], group: int = 0) -> int:
+        """Record a just-filled block of ``group``; returns its hash (the content may
+        already be cached in another block, which then stays the canonical one)."""
         digest = self.chain_hash(parent, tokens)
-        if digest not in self._block_of and block not in self._entry:
-            self._block_of[digest] = block
-            self._entry[block] = (digest, parent, tokens)
+        if (group, digest) not in self._block_of and block not in self._entry:
+            self._block_of[group, digest] = block
+            self._entry[block] = (group, digest, parent, tokens)
         return digest
 
     def is_cached(self, block: int) -> bool:
@@ -71,8 +89,8 @@ class PrefixCache:
     def evict(self) -> int:
         """Forget the content of the block the policy picks and return the block."""
         block = self.eviction.evict()
-        digest = self._entry.pop(block)[0]
-        del self._block_of[digest]
+        group, digest = self._entry.pop(block)[:2]
+        del self._block_of[group, digest]
         return block
 
     @property

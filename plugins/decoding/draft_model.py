@@ -64,7 +64,7 @@ class DraftModel:
         model = ResolvedModel(checkpoint=checkpoint, model_cls=model_cls, shape=shape, device=self.device, dtype=dtype,
                               kv_dtype=dtype, max_model_len=max_len)
         self.worker = DeviceWorker.load(registry, model, context.attention_config)
-        self.worker.allocate(self.cache.num_blocks, self.cache.block_size)
+        self.worker.allocate(self.cache.num_blocks, self.cache.block_size, groups=self.cache.groups)
         self.sequences: dict[str, DraftSequence] = {}
 
     @torch.inference_mode()
@@ -103,8 +103,7 @@ class DraftModel:
                 self.release(sequence.request_id)
                 grants.append(None)
                 continue
-            grants.append(ScheduledRequest(sequence, sequence.num_computed_tokens, num_new,
-                                           tuple(self.cache.block_table(sequence)), True))
+            grants.append(ScheduledRequest.of(sequence, num_new, self.cache, True))
         return grants
 
     def _forward(self, grants: list[ScheduledRequest]) -> torch.Tensor:

@@ -16,39 +16,49 @@ import torch
 from servelab.core.attention import BatchLayout
 from servelab.core.batch_builder import StepInputs
 from servelab.core.checkpoint import Checkpoint
+from servelab.core.kv_cache import KVCacheGroup, KVCacheSpec, single_group
 from servelab.core.kv_cache_dtype import is_quantized
 from servelab.core.model import CausalLM, ModelParallel
 from servelab.core.engine.resolved_model import ResolvedModel
 from servelab.platform import huge_page_zeros
+from servelab.plugins.executor.layer_attention import LayerAttention, layer_attention
 from servelab.plugins.models.quantized_linear import quantize_linears
 
 
 class DeviceWorker:
-    """One device's model, attention backend and KV cache tensors (``kv_caches`` on the
-    device, ``host_caches`` for swapping)."""
+    """One device's model, attention backend (a ``LayerAttention`` when layers differ in
+    window) and KV cache tensors: ``block_tensors`` on the device (``host_tensors`` for
+    swapping), one per layer, or, when the cache keeps several KV cache groups, one per
+    position within a group, which every group's layer at that position shares;
+    ``kv_caches`` lists each layer's tensor. ``kv_spec``: what the cache stores per token."""
 
     def __init__(self, model: Any, attention: Any, dtype: torch.dtype, device: torch.device, parallel: ModelParallel,
-                 num_layers: int):
+                 kv_spec: KVCacheSpec):
         self.model = model
-        self.num_layers = num_layers
+        self.kv_spec = kv_spec
+        self.num_layers = kv_spec.num_layers
         self.attention = attention
         self.dtype = dtype
         self.device = device
         self.parallel = parallel
         self.kv_caches: list[torch.Tensor] = []
-        self.host_caches: list[torch.Tensor] = []
+        self.block_tensors: list[torch.Tensor] = []
+        self.host_tensors: list[torch.Tensor] = []
 
     @classmethod
     def load(cls, registry: Any, model: ResolvedModel, attention_config: Any,
              parallel: ModelParallel = ModelParallel()) -> "DeviceWorker":
         """Load ``model``'s weights (``parallel``'s share of them) with the attention backend
         of ``attention_config`` built from ``registry``."""
-        spec = model.shape.attention_spec(model.dtype, model.device, model.max_model_len, parallel.tp_size,
-                                          model.kv_dtype)
-        attention = registry.build("attention", attention_config, spec)
+        shape = model.shape
+        specs = [shape.attention_spec(model.dtype, model.device, model.max_model_len, parallel.tp_size,
+                                      model.kv_dtype, layer) for layer in parallel.layer_range(shape.num_layers)]
+        attention = layer_attention(lambda spec: registry.build("attention", attention_config, spec), specs)
         network = load_model(model.checkpoint, model.model_cls, attention, model.dtype, model.max_model_len, parallel)
-        return cls(network.to(model.device).eval(), attention, model.dtype, model.device, parallel,
-                   len(parallel.layer_range(model.shape.num_layers)))
+        kv_spec = shape.kv_cache_spec(model.kv_dtype or model.dtype, model.max_model_len, parallel.tp_size,
+                                      parallel.pp_size)
+        kv_spec = replace(kv_spec, num_layers=len(specs), layer_windows=kv_spec.layer_windows[:len(specs)])
+        return cls(network.to(model.device).eval(), attention, model.dtype, model.device, parallel, kv_spec)
 
     @classmethod
     def for_rank(cls, cfg: Any, parallel: ModelParallel, rank: int) -> "DeviceWorker":
@@ -64,14 +74,21 @@ class DeviceWorker:
             model = replace(model, device=device)
         return cls.load(registry, model, cfg.attention, parallel)
 
-    def allocate(self, num_blocks: int, block_size: int, host_blocks: int = 0) -> None:
-        """KV tensors for this stage's ``num_layers`` layers (and the host pool's, for swapping)."""
-        layers = self.num_layers
+    def allocate(self, num_blocks: int, block_size: int, host_blocks: int = 0,
+                 groups: tuple[KVCacheGroup, ...] | None = None) -> None:
+        """KV tensors for this stage's layers (and the host pool's, for swapping), shared
+        by the cache's ``groups`` (None: one group of every layer)."""
+        groups = groups or single_group(self.kv_spec)
         dtype = self.attention.spec.cache_dtype
         shape = self.attention.kv_cache_shape(num_blocks, block_size)
-        self.kv_caches = [huge_page_zeros(shape, dtype, self.device) for _ in range(layers)]
+        positions = len(groups[0].layers)
+        self.block_tensors = [huge_page_zeros(shape, dtype, self.device) for _ in range(positions)]
         host = self.attention.kv_cache_shape(host_blocks, block_size)
-        self.host_caches = [torch.zeros(host, dtype=dtype) for _ in range(layers if host_blocks else 0)]
+        self.host_tensors = [torch.zeros(host, dtype=dtype) for _ in range(positions if host_blocks else 0)]
+        position = {layer: index for group in groups for index, layer in enumerate(group.layers)}
+        self.kv_caches = [self.block_tensors[position[layer]] for layer in range(self.num_layers)]
+        if isinstance(self.attention, LayerAttention):
+            self.attention.use_groups(groups)
 
     def move_blocks(self, moves: tuple) -> None:
         """Swap in, swap out, then copy-on-write. Swapping in first reads every host block
@@ -79,23 +96,24 @@ class DeviceWorker:
         request's host blocks at once); a swap-in's device blocks were taken before any
         swap-out of the step released its own, and copies write fresh blocks last."""
         swap_out, copy, swap_in = moves
-        copy_blocks(self.attention, self.host_caches, self.kv_caches, swap_in)
-        copy_blocks(self.attention, self.kv_caches, self.host_caches, swap_out)
-        copy_blocks(self.attention, self.kv_caches, self.kv_caches, copy)
+        copy_blocks(self.attention, self.host_tensors, self.block_tensors, swap_in)
+        copy_blocks(self.attention, self.block_tensors, self.host_tensors, swap_out)
+        copy_blocks(self.attention, self.block_tensors, self.block_tensors, copy)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: BatchLayout,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, layouts: tuple[BatchLayout, ...],
                 carried: tuple | None = None) -> Any:
-        """This stage's layers over the step: hidden states [T, hidden] on the last stage,
-        else the (output, residual) pair the next stage carries on with."""
-        meta = self.attention.build_metadata(layout)
+        """This stage's layers over the step (``layouts``: one per KV cache group): hidden
+        states [T, hidden] on the last stage, else the state the next stage carries on with."""
+        layered = isinstance(self.attention, LayerAttention)
+        meta = self.attention.build_metadata(layouts if layered else layouts[0])
         return self.model(input_ids, positions, self.kv_caches, meta, carried)
 
     @torch.inference_mode()
     def logits(self, inputs: StepInputs) -> torch.Tensor | None:
         """The whole model over one step's ``inputs`` on this device: float32 logits
         [N, vocab] at ``inputs.logits_indices`` (None when no row needs them)."""
-        hidden = self.forward(inputs.input_ids, inputs.positions, inputs.layout)
+        hidden = self.forward(inputs.input_ids, inputs.positions, inputs.layouts)
         if not inputs.logits_indices.numel():
             return None
         return self.model.compute_logits(hidden[inputs.logits_indices])
@@ -103,7 +121,7 @@ class DeviceWorker:
     def release(self) -> None:
         """Drop the model, the attention backend and the KV tensors."""
         self.model = self.attention = None
-        self.kv_caches, self.host_caches = [], []
+        self.kv_caches, self.block_tensors, self.host_tensors = [], [], []
 
 
 def load_model(checkpoint: Checkpoint, model_cls: type[CausalLM], attention: Any, dtype: torch.dtype,

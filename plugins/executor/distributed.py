@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -129,33 +129,37 @@ def local_world_size(world_size: int) -> int:
 
 # -- the step message ---------------------------------------------------------------------------
 def pack_step(inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """The header and payload of a step's ``StepInputs``."""
+    """The header and payload of a step's ``StepInputs`` (every KV cache group's block
+    table and slots; the groups' tables are equally wide)."""
     layout = inputs.layout
     table = layout.block_table
     header = torch.zeros(HEADER_SIZE, dtype=torch.int64)
-    header[:8] = torch.tensor([STEP, inputs.input_ids.numel(), layout.num_requests, table.shape[1],
+    header[:9] = torch.tensor([STEP, inputs.input_ids.numel(), layout.num_requests, table.shape[1],
                                inputs.logits_indices.numel(), layout.max_query_len, layout.max_seq_len,
-                               layout.block_size])
-    parts = [inputs.input_ids, inputs.positions, layout.query_start_loc, layout.seq_lens, table.reshape(-1),
-             layout.slot_mapping, inputs.logits_indices]
+                               layout.block_size, len(inputs.layouts)])
+    parts = [inputs.input_ids, inputs.positions, layout.query_start_loc, layout.seq_lens, inputs.logits_indices]
+    for group in inputs.layouts:
+        parts += [group.block_table.reshape(-1), group.slot_mapping]
     return header, torch.cat([p.to("cpu", torch.int64) for p in parts])
 
 
 def step_payload_size(header: torch.Tensor) -> int:
     """Elements of the payload that follows a step header."""
     tokens, requests, max_blocks, logits = header[1:5].tolist()
-    return 3 * tokens + requests * (2 + max_blocks) + 1 + logits
+    return 2 * tokens + 2 * requests + 1 + logits + int(header[8]) * (requests * max_blocks + tokens)
 
 
 def unpack_step(header: torch.Tensor, payload: torch.Tensor, device: torch.device) -> tuple:
-    """The worker's side of ``pack_step``: (input_ids, positions, layout, logits rows)."""
-    tokens, requests, max_blocks, logits, max_query, max_seq, block_size = header[1:8].tolist()
-    ids, positions, starts, seq_lens, table, slots, rows = payload.split(
-        [tokens, tokens, requests + 1, requests, requests * max_blocks, tokens, logits])
-    layout = BatchLayout(starts.to(device, torch.int32), seq_lens.to(device, torch.int32),
-                         table.reshape(requests, max_blocks).to(device, torch.int32), slots.to(device), block_size,
-                         max_query, max_seq, tuple(starts.diff().tolist()), tuple(seq_lens.tolist()))
-    return ids.to(device), positions.to(device), layout, rows.to(device)
+    """The worker's side of ``pack_step``: (input_ids, positions, layouts, logits rows)."""
+    tokens, requests, max_blocks, logits, max_query, max_seq, block_size, groups = header[1:9].tolist()
+    ids, positions, starts, seq_lens, rows, *tables = payload.split(
+        [tokens, tokens, requests + 1, requests, logits] + [requests * max_blocks, tokens] * groups)
+    first = BatchLayout(starts.to(device, torch.int32), seq_lens.to(device, torch.int32),
+                        tables[0].reshape(requests, max_blocks).to(device, torch.int32), tables[1].to(device),
+                        block_size, max_query, max_seq, tuple(starts.diff().tolist()), tuple(seq_lens.tolist()))
+    layouts = (first, *(replace(first, block_table=table.reshape(requests, max_blocks).to(device, torch.int32),
+                                slot_mapping=slots.to(device)) for table, slots in zip(tables[2::2], tables[3::2])))
+    return ids.to(device), positions.to(device), layouts, rows.to(device)
 
 
 def pack_moves(moves: tuple) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,7 +219,9 @@ def run_worker(cfg: Any, topology: Topology, rank: int, groups: list[Any]) -> No
             if kind == STOP:
                 break
             if kind == ATTACH:
-                worker.allocate(*header[1:4].tolist())
+                num_blocks, block_size, host_blocks, num_groups = header[1:5].tolist()
+                groups = worker.kv_spec.groups if num_groups > 1 else None
+                worker.allocate(num_blocks, block_size, host_blocks, groups)
             elif kind == WARM_UP:
                 worker.model.warm_up(int(header[1]))
             elif kind == MOVES:
@@ -231,7 +237,7 @@ def run_worker(cfg: Any, topology: Topology, rank: int, groups: list[Any]) -> No
 
 
 def run_stage(worker: DeviceWorker, topology: Topology, rank: int, input_ids: torch.Tensor,
-              positions: torch.Tensor, layout: BatchLayout, rows: torch.Tensor) -> None:
+              positions: torch.Tensor, layouts: tuple[BatchLayout, ...], rows: torch.Tensor) -> None:
     """A worker rank's part of one step: receive what the stage before carries on (the
     model's ``CARRIED_TENSORS`` [T, hidden] tensors), run ``worker``'s layers, send on to
     the next stage, or, on the last stage's tensor rank 0, send the logits of ``rows`` to
@@ -247,7 +253,7 @@ def run_stage(worker: DeviceWorker, topology: Topology, rank: int, input_ids: to
             dist.recv(tensor, rank - topology.tp)
     started = time.perf_counter()
     with torch.inference_mode():
-        out = worker.forward(input_ids, positions, layout, carried)
+        out = worker.forward(input_ids, positions, layouts, carried)
         if parallel.is_last_stage:
             logits = worker.model.compute_logits(out[rows]) if rows.numel() else None
     stage_times[parallel.pp_rank] = time.perf_counter() - started

@@ -163,8 +163,8 @@ class ModelExecutor(Executor):
         if self.device.type == "cpu":
             retain_freed_heap_memory()
         sizes = (cache.num_blocks, cache.block_size, cache.num_host_blocks)
-        self._to_workers(lambda: send_header(ATTACH, self.worker_ranks, sizes))
-        self.worker.allocate(*sizes)
+        self._to_workers(lambda: send_header(ATTACH, self.worker_ranks, (*sizes, len(cache.groups))))
+        self.worker.allocate(*sizes, groups=cache.groups)
 
     @property
     def kv_caches(self) -> list[torch.Tensor]:
@@ -211,7 +211,7 @@ class ModelExecutor(Executor):
                                       (time.perf_counter() - started,))
             self._pending.append(PendingStep(output, executed))
             return
-        hidden = self._guarded(lambda: self.worker.forward(inputs.input_ids, inputs.positions, inputs.layout))
+        hidden = self._guarded(lambda: self.worker.forward(inputs.input_ids, inputs.positions, inputs.layouts))
         stage_times = torch.zeros(self.topology.pp, dtype=torch.float64)
         stage_times[0] = time.perf_counter() - started
         carried = [t.contiguous() for t in (*hidden, stage_times)]

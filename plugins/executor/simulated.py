@@ -117,7 +117,7 @@ class SimulatedExecutor(Executor):
         kv_dtype = self.context.kv_dtype or self.context.dtype
         self._block_bytes = self.context.shape.kv_cache_spec(
             kv_dtype, self.context.max_model_len, self.parallel.tensor_parallel_size,
-            self.parallel.pipeline_parallel_size).bytes_per_token * cache.block_size
+            self.parallel.pipeline_parallel_size).block_bytes(cache.block_size, cache.groups)
         whole = self.context.shape.kv_cache_spec(kv_dtype, self.context.max_model_len)
         row = whole.head_dim + (SCALE_BYTES if is_quantized(kv_dtype) else 0)
         block = (cache.num_blocks, 2, cache.block_size, whole.num_kv_heads, row)

@@ -143,9 +143,8 @@ class QueueScheduler(Scheduler):
         if request.first_scheduled_time is None:
             request.first_scheduled_time = self.context.clock.now()
         request.status = RequestStatus.RUNNING
-        computed = request.num_computed_tokens
-        return ScheduledRequest(request, computed, num_new_tokens, tuple(self.cache.block_table(request)),
-                                computed + num_new_tokens >= request.num_tokens)
+        samples = request.num_computed_tokens + num_new_tokens >= request.num_tokens
+        return ScheduledRequest.of(request, num_new_tokens, self.cache, samples)
 
     def _lookahead(self, request: Request, num_new_tokens: int) -> int:
         """Speculative slots to reserve: only for requests already decoding."""

@@ -16,6 +16,10 @@ from servelab.testing.kit import ConformanceKit
 SPEC = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, max_model_len=32)
 """A model whose token takes 32 bytes of cache and whose sequences hold at most 32 tokens."""
 
+WINDOWED_SPEC = KVCacheSpec(num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float32, max_model_len=32,
+                            layer_windows=(6, None))
+"""Two layers, the first attending to the last 6 tokens only: two KV cache groups."""
+
 
 def make_request(name: str, num_tokens: int = SPEC.max_model_len, first: int = 0) -> Request:
     """A request of ``num_tokens`` distinct token ids starting at ``first``; nothing computed."""
@@ -44,7 +48,12 @@ def assert_empty(cache: Any) -> None:
     """No live request holds a block and every block can be allocated."""
     usage = cache.usage
     assert usage.used_blocks == 0 and usage.reserved_slots == 0 and usage.used_slots == 0, usage
-    assert cache.num_free_blocks == cache.num_blocks
+    assert cache.num_free_blocks == usage.total_blocks
+
+
+def held_blocks(cache: Any, table: list[int]) -> list[int]:
+    """The blocks of a table, the cache's placeholder entries left out."""
+    return [block for block in table if block != cache.null_block]
 
 
 class KVCacheConformance(ConformanceKit):
@@ -58,12 +67,12 @@ class KVCacheConformance(ConformanceKit):
     prefix_overrides: ClassVar[tuple[str, ...]] = ("cache.enable_prefix_caching=true",)
     swap_overrides: ClassVar[tuple[str, ...]] = ("cache.swap_space_bytes=4096",)
 
-    def build(self, name: str, *extra: str) -> Any:
-        """The cache ``name`` over ``SPEC``, built by the registry like the engine does."""
-        return self.factory(name, *extra)()
+    def build(self, name: str, *extra: str, spec: KVCacheSpec = SPEC) -> Any:
+        """The cache ``name`` over ``spec``, built by the registry like the engine does."""
+        return self.factory(name, *extra, spec=spec)()
 
-    def factory(self, name: str, *extra: str) -> Callable[[], Any]:
-        """A function building fresh caches ``name`` (the config composed once)."""
+    def factory(self, name: str, *extra: str, spec: KVCacheSpec = SPEC) -> Callable[[], Any]:
+        """A function building fresh caches ``name`` over ``spec`` (the config composed once)."""
         from hydra.errors import ConfigCompositionException
 
         from servelab.core.entrypoints.compose import compose_config
@@ -74,7 +83,7 @@ class KVCacheConformance(ConformanceKit):
         except ConfigCompositionException as exc:
             pytest.skip(f"cache={name} has no option for {list(extra)}: {exc}")
         registry = get_registry()
-        return lambda: registry.build("cache", cfg.cache, CacheContext(SPEC, registry))
+        return lambda: registry.build("cache", cfg.cache, CacheContext(spec, registry))
 
     def test_full_cache_refuses_and_changes_nothing(self, component):
         cache = self.build(component)
@@ -216,6 +225,55 @@ class KVCacheConformance(ConformanceKit):
         cache.free(large)
         assert_empty(cache)
 
+    def windowed(self, name: str, *extra: str) -> Any:
+        """The cache over ``WINDOWED_SPEC``; skips when it keeps one group of every layer."""
+        cache = self.build(name, *extra, spec=WINDOWED_SPEC)
+        if len(cache.groups) < 2:
+            pytest.skip(f"cache={name} keeps one KV cache group (every layer's every token)")
+        assert cache.groups == WINDOWED_SPEC.groups
+        return cache
+
+    def test_windowed_groups_give_back_blocks_behind_the_window(self, component):
+        cache = self.windowed(component)
+        window = WINDOWED_SPEC.layer_windows[0]
+        request = make_request("r", 32)
+        assert compute(cache, request, 4) is not None
+        for _ in range(27):
+            assert compute(cache, request, 1) is not None
+            windowed, full = cache.block_tables(request)
+            assert len(full) == len(windowed) == blocks_for(cache, request.num_computed_tokens)
+            first_read = max(0, request.num_computed_tokens - 1 - window + 1)
+            assert held_blocks(cache, windowed) == windowed[first_read // cache.block_size:], \
+                f"{windowed}: blocks before position {first_read} are still held, or later ones are not"
+            assert len(held_blocks(cache, full)) == len(full)
+        assert cache.usage.used_blocks < 2 * blocks_for(cache, request.num_computed_tokens)
+        cache.free(request)
+        assert_empty(cache)
+
+    def test_windowed_prefix_hits_and_swaps(self, component):
+        cache = self.windowed(component, *self.prefix_overrides, *self.swap_overrides)
+        if not (cache.prefix_caching and cache.supports_swap):
+            pytest.skip(f"cache={component} lacks prefix caching or swapping with these overrides")
+        first = make_request("first", 30)
+        assert compute(cache, first, 20) is not None and compute(cache, first, 10) is not None
+        cache.free(first)
+        second = make_request("second", 30)
+        hit = cache.lookup_prefix(second)
+        assert hit > 0, "the windowed group's blocks in the window were not found again"
+        windowed, full = cache.block_tables(second)
+        assert len(windowed) == len(full) == hit // cache.block_size
+        second.num_computed_tokens = hit
+        assert compute(cache, second, 30 - hit) is not None
+        before = [list(table) for table in cache.block_tables(second)]
+        assert cache.swap_out(second) is not None and cache.usage.used_blocks == 0
+        assert cache.swap_in(second) is not None
+        after = cache.block_tables(second)
+        assert [[b == cache.null_block for b in t] for t in after] == [[b == cache.null_block for b in t]
+                                                                       for t in before]
+        cache.free(second)
+        cache.shutdown()
+        assert_empty(cache)
+
     def test_random_operations_never_leak_or_double_own(self, component):
         from hypothesis import HealthCheck, given, settings
         from hypothesis import strategies as st
@@ -226,6 +284,22 @@ class KVCacheConformance(ConformanceKit):
         build = self.factory(component)
 
         @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(operations)
+        def run(ops):
+            play_random_operations(build(), ops)
+
+        run()
+
+    def test_random_operations_on_windowed_groups(self, component):
+        from hypothesis import HealthCheck, given, settings
+        from hypothesis import strategies as st
+
+        self.windowed(component)
+        operations = st.lists(st.tuples(st.sampled_from(["compute", "free", "fork", "rollback"]),
+                                        st.integers(0, 5), st.integers(0, 5), st.integers(1, 24)), max_size=40)
+        build = self.factory(component, spec=WINDOWED_SPEC)
+
+        @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
         @given(operations)
         def run(ops):
             play_random_operations(build(), ops)
@@ -274,17 +348,19 @@ def play_random_operations(cache: Any, ops: list[tuple[str, int, int, int]]) -> 
 
 
 def check_ownership(cache: Any, requests: list[Request], family: dict[str, int], limit: dict[str, int]) -> None:
-    """Blocks in range, no block twice in a table, shared only within a fork family, a
-    table covering the computed tokens and no more than ``limit`` tokens, and
+    """Blocks in range, no block twice in a request's tables (placeholder entries aside),
+    shared only within a fork family, every table covering the computed tokens and no
+    more than ``limit`` tokens, and
     ``usage.used_blocks`` equal to the distinct blocks held."""
     owner: dict[int, int] = {}
     for request in requests:
         rid = request.request_id
-        table = list(cache.block_table(request))
-        assert len(set(table)) == len(table), f"{rid} holds a block twice: {table}"
-        assert blocks_for(cache, request.num_computed_tokens) <= len(table) <= blocks_for(cache, limit.get(rid, 0)), \
-            f"{rid}: {len(table)} blocks for {request.num_computed_tokens} computed tokens, truncated to {limit.get(rid)}"
-        for block in table:
+        held = [block for table in cache.block_tables(request) for block in held_blocks(cache, list(table))]
+        assert len(set(held)) == len(held), f"{rid} holds a block twice: {cache.block_tables(request)}"
+        for table in cache.block_tables(request):
+            assert blocks_for(cache, request.num_computed_tokens) <= len(table) <= blocks_for(cache, limit.get(rid, 0)), \
+                f"{rid}: {len(table)} blocks for {request.num_computed_tokens} computed tokens, truncated to {limit.get(rid)}"
+        for block in held:
             assert 0 <= block < cache.num_blocks, f"block {block} out of range"
             assert owner.setdefault(block, family[rid]) == family[rid], f"block {block} is held by two unrelated requests"
     assert cache.usage.used_blocks == len(owner)
