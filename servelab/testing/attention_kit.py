@@ -5,6 +5,8 @@ soft-capped scores (``AttentionSpec.softcap``) for backends that cap them."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import itertools
 from typing import Any
 
@@ -138,6 +140,25 @@ class AttentionConformance(ConformanceKit):
     def test_sliding_window_matches_the_reference(self, component, window):
         spec = AttentionSpec(4, 2, HEAD_DIM, HEAD_DIM ** -0.5, torch.float32, torch.device("cpu"), window)
         self.check(component, spec, SCENARIOS["mixed"], 16)
+
+    @pytest.mark.parametrize("window", [7, 40])
+    def test_windowed_tables_with_placeholder_entries(self, component, window):
+        """A windowed KV cache group's table points the entries wholly before the window
+        of a step's first new token at a placeholder block (zeros, never written): the
+        output is the one over the whole table."""
+        spec = AttentionSpec(4, 2, HEAD_DIM, HEAD_DIM ** -0.5, torch.float32, torch.device("cpu"), window)
+        backend, reference = build_backend(component, spec), build_backend("naive", spec)
+        block_size = 16
+        steps, num_blocks = random_steps(SCENARIOS["mixed"], spec, block_size, seed=window)
+        *history, (grants, tensors) = steps
+        placeholder = num_blocks
+        windowed = [replace(grant, block_ids=tuple(
+            placeholder if index < max(0, grant.num_computed_tokens - window + 1) // block_size else block
+            for index, block in enumerate(grant.block_ids))) for grant in grants]
+        assert windowed != grants, "no table entry lies wholly before a window"
+        got = run_steps(backend, [*history, (windowed, tensors)], num_blocks + 1, block_size)[-1]
+        wanted = run_steps(reference, steps, num_blocks, block_size)[-1]
+        torch.testing.assert_close(got, wanted, atol=TOLERANCE[spec.dtype], rtol=TOLERANCE[spec.dtype])
 
     @pytest.mark.parametrize("scenario", ["mixed", "decode"])
     def test_soft_capped_scores_match_the_reference(self, component, scenario):
