@@ -38,6 +38,16 @@ def use_native(x: torch.Tensor) -> bool:
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
+def rope_type_of(params: dict, field: str = "rope_scaling") -> str:
+    """The rotary type of ``rope_parameters`` (or one layer type's entry of them), checked
+    against ``SUPPORTED_ROPE_TYPES``; ``field`` names them in the error."""
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ConfigError([f"{field}.rope_type {rope_type!r} is not supported; supported: "
+                           f"{', '.join(SUPPORTED_ROPE_TYPES)}"])
+    return rope_type
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm computed in float32, as the Llama family defines it.
 
@@ -92,10 +102,7 @@ class RotaryEmbedding(nn.Module):
         field = "rope_scaling"
         if layer_type is not None:
             params, field = params.get(layer_type) or {}, f"rope_parameters.{layer_type}"
-        rope_type = params.get("rope_type", params.get("type", "default"))
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ConfigError([f"{field}.rope_type {rope_type!r} is not supported; supported: "
-                               f"{', '.join(SUPPORTED_ROPE_TYPES)}"])
+        rope_type = rope_type_of(params, field)
         factor = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None) or 1.0)
         self.rotary_dim = int(head_dim * factor)
         positions = torch.arange(max_positions, dtype=torch.long)[:, None].float()
@@ -138,6 +145,33 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+LAYER_TYPES = ("sliding_attention", "full_attention")
+"""The ``layer_types`` entries of windowed configs (Gemma, Qwen2, Qwen3): a windowed layer and a global one."""
+
+
+def layer_types_of(hf_config: Any) -> tuple[str, ...]:
+    """Each layer's type, checked: one entry per layer, each one of ``LAYER_TYPES``."""
+    types = tuple(hf_config.layer_types)
+    if len(types) != hf_config.num_hidden_layers:
+        raise ConfigError([f"layer_types has {len(types)} entries; expected one per layer "
+                           f"(num_hidden_layers={hf_config.num_hidden_layers})"])
+    wrong = [f"layer_types[{i}] {kind!r} is not supported; supported: {', '.join(LAYER_TYPES)}"
+             for i, kind in enumerate(types) if kind not in LAYER_TYPES]
+    if wrong:
+        raise ConfigError(wrong)
+    return types
+
+
+def layer_windows_of(hf_config: Any) -> tuple[int | None, ...]:
+    """Each layer's attention window: ``sliding_window`` for sliding layers, None for full
+    ones and for every layer when the window reaches ``max_position_embeddings`` (it then
+    covers any context)."""
+    window = getattr(hf_config, "sliding_window", None)
+    if window is not None and window >= hf_config.max_position_embeddings:
+        window = None
+    return tuple(window if kind == "sliding_attention" else None for kind in layer_types_of(hf_config))
 
 
 def tied_embeddings(hf_config: Any) -> bool:

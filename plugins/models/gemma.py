@@ -32,36 +32,9 @@ from servelab.core.component import ComponentSpec
 from servelab.core.errors import ConfigError
 from servelab.core.model import ModelParallel, ModelShape
 from servelab.plugins.attention.softcap import capped
-from servelab.plugins.models.decoder import (DecoderForCausalLM, RMSNorm, RotaryEmbedding, VocabEmbedding,
-                                             tied_embeddings)
+from servelab.plugins.models.decoder import (LAYER_TYPES, DecoderForCausalLM, RMSNorm, RotaryEmbedding,
+                                             VocabEmbedding, layer_types_of, layer_windows_of, tied_embeddings)
 from servelab.plugins.models.llama import DecoderAttention, GatedMLP, head_dim_of
-
-LAYER_TYPES = ("sliding_attention", "full_attention")
-"""The ``layer_types`` entries Gemma configs use: a windowed layer and a global one."""
-
-
-def layer_types_of(hf_config: Any) -> tuple[str, ...]:
-    """Each layer's type, checked: one entry per layer, each one of ``LAYER_TYPES``."""
-    types = tuple(hf_config.layer_types)
-    if len(types) != hf_config.num_hidden_layers:
-        raise ConfigError([f"layer_types has {len(types)} entries; expected one per layer "
-                           f"(num_hidden_layers={hf_config.num_hidden_layers})"])
-    wrong = [f"layer_types[{i}] {kind!r} is not supported; supported: {', '.join(LAYER_TYPES)}"
-             for i, kind in enumerate(types) if kind not in LAYER_TYPES]
-    if wrong:
-        raise ConfigError(wrong)
-    return types
-
-
-def layer_windows_of(hf_config: Any) -> tuple[int | None, ...]:
-    """Each layer's attention window: ``sliding_window`` for sliding layers, None for full
-    ones and for every layer when the window reaches ``max_position_embeddings`` (it then
-    covers any context)."""
-    window = getattr(hf_config, "sliding_window", None)
-    if window is not None and window >= hf_config.max_position_embeddings:
-        window = None
-    return tuple(window if kind == "sliding_attention" else None for kind in layer_types_of(hf_config))
-
 
 class GemmaDecoderLayer(nn.Module):
     """Norm, attention, norm, residual add; norm, MLP, norm, residual add."""

@@ -22,10 +22,9 @@ import torch
 from torch import nn
 
 from servelab.core.component import ComponentSpec
-from servelab.core.errors import ConfigError
 from servelab.core.model import ModelParallel, ModelShape
 from servelab.plugins.models.decoder import (DecoderForCausalLM, HeadSplit, RMSNorm, RotaryEmbedding, VocabEmbedding,
-                                             WeightPiece, tied_embeddings, use_native)
+                                             WeightPiece, layer_windows_of, tied_embeddings, use_native)
 from servelab.plugins.models.linear import Linear, linear_input
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -37,12 +36,19 @@ def head_dim_of(hf_config: Any) -> int:
 
 
 def sliding_window_of(hf_config: Any) -> int | None:
-    """The sliding attention window, or None for full attention."""
-    if hf_config.model_type in ("qwen2", "qwen3"):
-        if getattr(hf_config, "use_sliding_window", False):
-            raise ConfigError([f"{hf_config.model_type} with use_sliding_window=true is not supported"])
+    """The sliding attention window, or None for full attention (Qwen2 and Qwen3: only
+    with ``use_sliding_window``, for the layers ``layer_types`` names)."""
+    if hf_config.model_type in ("qwen2", "qwen3") and not getattr(hf_config, "use_sliding_window", False):
         return None
     return getattr(hf_config, "sliding_window", None)
+
+
+def per_layer_windows(hf_config: Any) -> tuple[int | None, ...]:
+    """Each layer's window where the config gives one per layer (Qwen2 and Qwen3 with
+    ``use_sliding_window``: ``layer_types``, from ``max_window_layers``); empty otherwise."""
+    if sliding_window_of(hf_config) is None or not getattr(hf_config, "layer_types", None):
+        return ()
+    return layer_windows_of(hf_config)
 
 
 def activation_of(hf_config: Any) -> str:
@@ -152,10 +158,15 @@ class DecoderLayer(nn.Module):
                  parallel: ModelParallel):
         super().__init__()
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
-        self.self_attn = DecoderAttention(hf_config, layer_index, attention, rotary, parallel,
-                                          qk_norm=hf_config.model_type == "qwen3")
+        self.self_attn = self.build_attention(hf_config, layer_index, attention, rotary, parallel)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.mlp = GatedMLP(hf_config, parallel)
+
+    def build_attention(self, hf_config: Any, layer_index: int, attention: Any, rotary: RotaryEmbedding,
+                        parallel: ModelParallel) -> nn.Module:
+        """The layer's attention: fused q/k/v (Qwen3: with q/k norms)."""
+        return DecoderAttention(hf_config, layer_index, attention, rotary, parallel,
+                                qk_norm=hf_config.model_type == "qwen3")
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 kv_cache: torch.Tensor, meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,15 +182,15 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    """Embedding (first stage), this stage's decoder layers, final norm (last stage), under
-    Hugging Face's ``model.`` prefix."""
+    """Embedding (first stage), this stage's decoder layers (``layer_cls``), final norm (last
+    stage), under Hugging Face's ``model.`` prefix."""
 
     def __init__(self, hf_config: Any, attention: Any, rotary: RotaryEmbedding, parallel: ModelParallel,
-                 embedding: bool):
+                 embedding: bool, layer_cls: type[DecoderLayer] = DecoderLayer):
         super().__init__()
         if embedding:
             self.embed_tokens = VocabEmbedding(hf_config.vocab_size, hf_config.hidden_size, parallel)
-        self.layers = nn.ModuleList(DecoderLayer(hf_config, local, attention, rotary, parallel)
+        self.layers = nn.ModuleList(layer_cls(hf_config, local, attention, rotary, parallel)
                                     for local, _ in enumerate(parallel.layer_range(hf_config.num_hidden_layers)))
         if parallel.is_last_stage:
             self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
@@ -189,6 +200,8 @@ class LlamaFamilyForCausalLM(DecoderForCausalLM):
     """Llama, Mistral, Qwen2 and Qwen3 causal LMs (see the module docstring)."""
 
     ROW_PARALLEL = ("o_proj", "down_proj")
+    LAYER: type[DecoderLayer] = DecoderLayer
+    """The decoder layer's class."""
 
     @classmethod
     def shape_of(cls, hf_config: Any) -> ModelShape:
@@ -197,13 +210,13 @@ class LlamaFamilyForCausalLM(DecoderForCausalLM):
         return ModelShape(hf_config.num_hidden_layers, heads, getattr(hf_config, "num_key_value_heads", None) or heads,
                           head_dim_of(hf_config), sliding_window_of(hf_config), hf_config.max_position_embeddings,
                           hf_config.vocab_size, hf_config.hidden_size, hf_config.intermediate_size,
-                          tied_embeddings(hf_config))
+                          tied_embeddings(hf_config), layer_windows=per_layer_windows(hf_config))
 
     def __init__(self, hf_config: Any, attention: Any, dtype: torch.dtype, max_positions: int,
                  parallel: ModelParallel = ModelParallel()):
         super().__init__(hf_config, attention, dtype, max_positions, parallel)
         self.rotary = RotaryEmbedding(hf_config, head_dim_of(hf_config), max_positions, dtype)
-        self.model = DecoderModel(hf_config, attention, self.rotary, parallel, self.needs_embedding())
+        self.model = DecoderModel(hf_config, attention, self.rotary, parallel, self.needs_embedding(), self.LAYER)
         self.finish_init(hf_config.hidden_size, getattr(self.model, "embed_tokens", None), dtype)
         self.rotary.to(dtype)
 

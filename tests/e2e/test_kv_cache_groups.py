@@ -101,3 +101,15 @@ def test_flash_reads_interleaved_windows(gemma3, attention_env):
     prompts = mixed_prompts(257, lengths=(3, 14))
     llm = assert_engine_matches_transformers(gemma3, [*SMALL, "attention=flash"], prompts=prompts, max_tokens=6)
     llm.shutdown()
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_qwen_sliding_layers_match_transformers(tmp_path, family):
+    """Qwen2 and Qwen3 with use_sliding_window: the layers from max_window_layers on attend
+    through the window, the first ones globally: two groups."""
+    folder = tiny_checkpoint(tmp_path / family, family, use_sliding_window=True, sliding_window=WINDOW,
+                             max_window_layers=1, layer_types=["full_attention", "sliding_attention"])
+    llm = assert_engine_matches_transformers(folder, [*SMALL, "scheduler=chunked", "scheduler.token_budget=16"],
+                                             max_tokens=20)
+    assert [group.sliding_window for group in llm.engine.cache.groups] == [None, WINDOW]
+    llm.shutdown()
