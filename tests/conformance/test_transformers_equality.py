@@ -89,8 +89,11 @@ FAMILY_LAYOUTS = {
     "falcon-sequential": ("falcon", {"multi_query": False, "parallel_attn": False, "bias": True},
                           ("continuous", "paged", "cpu"), ("chunked", "paged", "sdpa")),
     "falcon-new-one-norm": ("falcon-new", {"num_ln_in_parallel_attn": 1}, ("chunked", "paged", "cpu")),
+    "gemma2": ("gemma2", {}, ("continuous", "paged", "sdpa"), ("chunked", "contiguous", "naive")),
+    "gemma3": ("gemma3", {}, ("continuous", "paged", "cpu"), ("chunked", "paged", "sdpa")),
 }
-"""Other layouts of those families: (family, config overrides, combinations)."""
+"""Other layouts of those families, and Gemma 2 and 3 (windowed and global layers; Gemma 2's
+soft cap, which attention=cpu refuses): (family, config overrides, combinations)."""
 
 
 @pytest.fixture(scope="module")
