@@ -3,6 +3,7 @@ reused by prefix, swapped to host memory under pressure."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -311,35 +312,26 @@ class PagedKVCacheManager(KVCacheManager):
         """The longest run of at most ``limit`` blocks that every group holds (a windowed
         group: the blocks the token after the run reads), as (tables, hashes); None when
         nothing is cached."""
-        prefix, size = self.prefix, self.block_size
+        prefix, size, tokens = self.prefix, self.block_size, request.token_ids
         full = [index for index, window in enumerate(self._windows) if window is None]
-        runs = {index: prefix.match(request.token_ids, limit, index)[0] for index in full}
+        runs = {index: prefix.match(tokens, limit, index)[0] for index in full}
         count = min((len(run) for run in runs.values()), default=limit)
-        hashes = prefix.chain(request.token_ids, count)
-        while count and self._windowed:
-            first = [max(0, count * size - self._windows[index] + 1) // size for index in self._windowed]
-            found = [self._find_run(index, request.token_ids, hashes, start, count)
-                     for index, start in zip(self._windowed, first)]
-            if all(run is not None for run in found):
-                for index, start, run in zip(self._windowed, first, found):
-                    runs[index] = [self.null_block] * start + run
+        hashes = prefix.chain(tokens, count)
+        found = {index: [prefix.find(index, digest, hashes[i - 1] if i else None, tuple(tokens[i * size:(i + 1) * size]))
+                         for i, digest in enumerate(hashes)] for index in self._windowed}
+        # latest[index][c]: the last block before c that the group lacks (-1: none)
+        latest = {index: list(itertools.accumulate((i if block is None else -1 for i, block in enumerate(blocks)),
+                                                   max, initial=-1)) for index, blocks in found.items()}
+        while count:
+            firsts = {index: max(0, count * size - self._windows[index] + 1) // size for index in self._windowed}
+            if all(latest[index][count] < first for index, first in firsts.items()):
                 break
             count -= 1
         if not count:
             return None
+        for index, first in firsts.items():
+            runs[index] = [self.null_block] * first + found[index][first:count]
         return [runs[index][:count] for index in range(len(self.groups))], hashes[:count]
-
-    def _find_run(self, group: int, token_ids: list[int], hashes: list[int], start: int, stop: int) -> list[int] | None:
-        """``group``'s cached blocks ``start`` .. ``stop - 1`` of the hash chain, or None
-        when one is missing."""
-        size, run = self.block_size, []
-        for index in range(start, stop):
-            block = self.prefix.find(group, hashes[index], hashes[index - 1] if index else None,
-                                     tuple(token_ids[index * size:(index + 1) * size]))
-            if block is None:
-                return None
-            run.append(block)
-        return run
 
     @property
     def prefix_hit_tokens(self) -> int:
