@@ -48,8 +48,11 @@ def peak_used_blocks(llm: LLM, prompts: list[list[int]], max_tokens: int) -> int
      "cache.swap_space_bytes=1000000", "cache.num_blocks=40"],
     ["scheduler=continuous", "scheduler.preemption=recompute", "cache.num_blocks=40"],
     ["decoding=ngram"],
-], ids=["continuous", "chunked", "static", "prefix", "swap", "recompute", "ngram"])
+    ["decoding=speculative", "decoding.draft=local", "decoding.draft_block_size=4"],
+], ids=["continuous", "chunked", "static", "prefix", "swap", "recompute", "ngram", "draft"])
 def test_windowed_model_matches_transformers(mistral, overrides):
+    """(The draft model is the target itself, windowed too: its cache keeps groups as well.)"""
+    overrides = [o if o != "decoding.draft=local" else f"decoding.draft_path={mistral}" for o in overrides]
     llm = assert_engine_matches_transformers(mistral, [*SMALL, *overrides], max_tokens=24)
     assert [group.sliding_window for group in llm.engine.cache.groups] == [WINDOW]
     llm.shutdown()
