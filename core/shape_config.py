@@ -82,15 +82,22 @@ def model_shape_of(shape: Any, vocab_size: int) -> ModelShape:
                        head_dim_of(shape), shape.sliding_window, shape.max_position_embeddings, vocab_size,
                        shape.hidden_size, shape.intermediate_size, shape.tie_word_embeddings,
                        layer_windows=layer_windows_of(shape) if shape.window_pattern else (), latent=latent)
-    experts = shape.experts
-    if experts is None:
-        return model
+    return model if shape.experts is None else priced_experts(model, shape.experts)
+
+
+def priced_experts(model: ModelShape, experts: Any) -> ModelShape:
+    """``model`` (whose ``intermediate_size`` is its dense layers' MLP) with a mixture of
+    experts in DeepSeek's names (``n_routed_experts``, ``num_experts_per_tok``,
+    ``n_shared_experts``, ``moe_intermediate_size``, ``first_k_dense_replace``; a
+    ``model.shape.experts`` or a DeepSeek config) priced as a dense MLP as wide as the
+    experts a token passes, routed and shared, in every layer; its other experts (and the
+    dense layers' difference) are held as ``inactive_parameters``."""
     active = (experts.num_experts_per_tok + experts.n_shared_experts) * experts.moe_intermediate_size
-    routed_layers = shape.num_hidden_layers - experts.first_k_dense_replace
-    held = 3 * shape.hidden_size * (experts.first_k_dense_replace * shape.intermediate_size + routed_layers * (
+    routed_layers = model.num_layers - experts.first_k_dense_replace
+    held = 3 * model.hidden_size * (experts.first_k_dense_replace * model.intermediate_size + routed_layers * (
         experts.n_routed_experts + experts.n_shared_experts) * experts.moe_intermediate_size)
-    router = routed_layers * experts.n_routed_experts * shape.hidden_size
-    priced = 3 * shape.hidden_size * active * shape.num_hidden_layers
+    router = routed_layers * experts.n_routed_experts * model.hidden_size
+    priced = 3 * model.hidden_size * active * model.num_layers
     return replace(model, intermediate_size=active, inactive_parameters=held + router - priced)
 
 

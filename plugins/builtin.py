@@ -42,10 +42,11 @@ def servelab_register_decoding_strategies():
 
 @hookimpl
 def servelab_register_models():
-    """The Llama family, Phi-3, OPT, Falcon, Gemma 2 and Gemma 3 architectures."""
-    from servelab.plugins.models import falcon, gemma, llama, opt, phi3
+    """The Llama family, Phi-3, OPT, Falcon, Gemma 2, Gemma 3 and DeepSeek-V2 (dense) architectures."""
+    from servelab.plugins.models import deepseek, falcon, gemma, llama, opt, phi3
 
-    return llama.model_specs() + phi3.model_specs() + opt.model_specs() + falcon.model_specs() + gemma.model_specs()
+    return (llama.model_specs() + phi3.model_specs() + opt.model_specs() + falcon.model_specs() + gemma.model_specs()
+            + deepseek.model_specs())
 
 
 @hookimpl

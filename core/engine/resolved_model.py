@@ -79,6 +79,9 @@ def unread_sizes(sizes: Any, shape: ModelShape, architecture: str) -> list[str]:
                         f"{layer_windows_of(sizes)[0]})")
     if sizes.latent is not None and shape.latent is None:
         problems.append(f"model.shape.latent: {architecture}'s servelab implementation has no latent attention")
+    if sizes.latent is None and shape.latent is not None:
+        problems.append(f"model.shape.latent=null: {architecture}'s servelab implementation always runs latent "
+                        f"attention (its config's kv_lora_rank={shape.latent.kv_lora_rank})")
     if sizes.experts is not None and not shape.inactive_parameters:
         problems.append(f"model.shape.experts: {architecture}'s servelab implementation has no mixture of experts")
     return problems

@@ -8,15 +8,19 @@ import random
 from typing import Any, Sequence
 
 FAMILIES = ("llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "opt", "opt-postnorm", "opt-project",
-            "falcon", "falcon-new", "gemma2", "gemma3")
+            "falcon", "falcon-new", "gemma2", "gemma3", "deepseek-v2", "deepseek-v2-qlora")
 """Tiny configs: the Llama family; Phi-3 (longrope, partial rotary); OPT pre-norm, post-norm
 (350m-style) and with project_in/out (``word_embed_proj_dim`` != hidden); Falcon 7B-style
 (multi-query, one norm, parallel attention and MLP) and ``new_decoder_architecture``
 (grouped KV heads, ln_attn and ln_mlp); Gemma 2 (a sliding layer of window 16 then a
 global one, soft-capped attention scores and logits, ``query_pre_attn_scalar`` != head_dim)
 and Gemma 3 (sliding, global, sliding with window 8; q/k norms, local and global rope
-bases). The Gemma configs draw weights 5x wider than the default and untie the LM head, so
-that attention (and its cap) decides the greedy tokens instead of the embedding."""
+bases); DeepSeek-V2 with dense layers and latent attention, queries straight from the
+hidden state (a latent of 24 and a rotary key of 8: cached heads of 32) or through a
+``q_lora_rank`` of 24 (a latent of 16: heads of 24, which attention=cpu takes only where
+the SIMD width divides them). The Gemma and DeepSeek configs draw weights 5x wider than
+the default (Gemma's untie the LM head), so that attention (and its cap) decides the
+greedy tokens instead of the embedding."""
 ZERO_CENTRED_NORMS = ("gemma2", "gemma3")
 """Families whose norms scale by 1 + weight and start at zero: their tiny checkpoints draw
 the norm weights at random, so that the offset is exercised."""
@@ -37,6 +41,8 @@ def tiny_config(family: str, vocab_size: int, **overrides: Any) -> Any:
     longrope = {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6], "long_factor": [1.5, 2.0, 3.0, 4.0]}
     gemma = dict(common, pad_token_id=None, head_dim=16, query_pre_attn_scalar=24, initializer_range=0.1,
                  tie_word_embeddings=False)
+    deepseek = dict(common, pad_token_id=None, num_key_value_heads=4, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                    v_head_dim=8, first_k_dense_replace=3, initializer_range=0.1)
     configs = {
         "llama": lambda: transformers.LlamaConfig(**common, tie_word_embeddings=False),
         "llama3": lambda: transformers.LlamaConfig(
@@ -59,6 +65,9 @@ def tiny_config(family: str, vocab_size: int, **overrides: Any) -> Any:
         "gemma3": lambda: transformers.Gemma3TextConfig(
             **dict(gemma, num_hidden_layers=3), sliding_window=8,
             layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+        "deepseek-v2": lambda: transformers.DeepseekV2Config(**deepseek, kv_lora_rank=24, q_lora_rank=None),
+        "deepseek-v2-qlora": lambda: transformers.DeepseekV2Config(**dict(deepseek, num_hidden_layers=3),
+                                                                   kv_lora_rank=16, q_lora_rank=24),
     }
     if family not in configs:
         raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {family!r}")

@@ -91,9 +91,16 @@ FAMILY_LAYOUTS = {
     "falcon-new-one-norm": ("falcon-new", {"num_ln_in_parallel_attn": 1}, ("chunked", "paged", "cpu")),
     "gemma2": ("gemma2", {}, ("continuous", "paged", "sdpa"), ("chunked", "contiguous", "naive")),
     "gemma3": ("gemma3", {}, ("continuous", "paged", "cpu"), ("chunked", "paged", "sdpa")),
+    "deepseek-v2": ("deepseek-v2", {}, ("continuous", "paged", "cpu"), ("chunked", "contiguous", "naive")),
+    "deepseek-v2-qlora": ("deepseek-v2-qlora", {}, ("chunked", "paged", "sdpa")),
+    "deepseek-v2-yarn": ("deepseek-v2", {"rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+        "mscale": 0.707, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}}, ("continuous", "paged", "sdpa")),
 }
-"""Other layouts of those families, and Gemma 2 and 3 (windowed and global layers; Gemma 2's
-soft cap, which attention=cpu refuses): (family, config overrides, combinations)."""
+"""Other layouts of those families, Gemma 2 and 3 (windowed and global layers; Gemma 2's
+soft cap, which attention=cpu refuses) and DeepSeek-V2's latent attention (queries straight
+or through q_lora_rank; yarn, whose mscale_all_dim scales the softmax): (family, config
+overrides, combinations)."""
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,7 @@ def families(tmp_path_factory) -> dict[str, str]:
     return {family: tiny_checkpoint(root / family, family) for family in FAMILY_SPLITS}
 
 
-FAMILY_SPLITS = ("phi3", "opt-project", "falcon", "falcon-new", "gemma2", "gemma3")
+FAMILY_SPLITS = ("phi3", "opt-project", "falcon", "falcon-new", "gemma2", "gemma3", "deepseek-v2-qlora")
 """Families (and layouts) checked at tp=2 and at pp=2."""
 
 
@@ -70,7 +70,9 @@ def test_families_split_like_one_device(families, family, split):
     """Each family's fused, replicated and stage-local weights land where one device has them
     (Phi-3's fused projections, OPT's positions, project_in/out and tied head, Falcon's
     query_key_value in the multi-query and grouped layouts, Gemma's replicated norms and
-    q/k norms beside windowed and global layers)."""
+    q/k norms beside windowed and global layers, DeepSeek-V2's query heads split (q_b_proj,
+    kv_b_proj; q_proj splits alike) and its latent projection, norms and cached latent
+    head whole on every rank)."""
     matches(families[family], split, PAGED, "scheduler=chunked", "scheduler.token_budget=16")
 
 

@@ -160,15 +160,18 @@ def test_gemma_3_27b_decodes_faster_with_its_windowed_layers_priced(tmp_path):
 
 
 def test_latent_attention_caches_and_reads_less_than_multi_head_attention():
-    mha = ["model.shape.latent=null", "model.shape.head_dim=160"]
+    import torch
+
+    mha = ["model.shape.architecture=LlamaForCausalLM", "model.shape.latent=null", "model.shape.experts=null",
+           "model.shape.head_dim=160", "model.shape.intermediate_size=11264"]
     engines = {variant: LLMEngine(compose_config(["model=deepseek-v2-lite", "hardware=a100-80gb", *SIMULATED,
                                                   *overrides]))
                for variant, overrides in (("mla", []), ("mha", mha))}
-    assert engines["mla"].executor.context.model_cls is None, "no servelab DeepseekV2ForCausalLM: read from sizes"
-    # 576 latent elements per token and layer against the decompressed K and V of 16 heads
-    # (192 + 128 = 2 x 160)
-    assert engines["mla"].cache.num_blocks / engines["mha"].cache.num_blocks == pytest.approx(2 * 16 * 160 / 576,
-                                                                                              rel=0.01)
+    assert engines["mla"].executor.context.model_cls.__name__ == "DeepseekV2ForCausalLM"
+    # 576 latent elements per token and layer, stored as one KV head's key and value,
+    # against the decompressed K and V of 16 heads (192 + 128 = 2 x 160)
+    stored = {v: engine.shape.kv_cache_spec(torch.bfloat16, 8192).bytes_per_token for v, engine in engines.items()}
+    assert stored == {"mla": 27 * 2 * 576 * 2, "mha": 27 * 2 * 16 * 160 * 2}
     long_decodes = BatchShape((1,) * 32, (4096,) * 32, 32)
     seconds = {v: engine.executor.cost_model.forward_cost(long_decodes).total for v, engine in engines.items()}
     assert seconds["mla"] < 0.5 * seconds["mha"]

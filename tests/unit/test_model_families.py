@@ -1,5 +1,6 @@
-"""Phi-3, OPT, Falcon and Gemma: what their configs refuse, and shapes that count what they
-hold (Gemma's: each layer's window, the attention scale and soft cap)."""
+"""Phi-3, OPT, Falcon, Gemma and DeepSeek-V2: what their configs refuse, and shapes that
+count what they hold (Gemma's: each layer's window, the attention scale and soft cap;
+DeepSeek-V2's: one latent KV head)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ BASE = ["model.dtype=float32", "device=cpu"]
 
 
 ARCHITECTURES = {"phi3": "Phi3ForCausalLM", "opt": "OPTForCausalLM", "falcon": "FalconForCausalLM",
-                 "falcon-new": "FalconForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                 "falcon-new": "FalconForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                 "deepseek-v2": "DeepseekV2ForCausalLM", "deepseek-v2-qlora": "DeepseekV2ForCausalLM"}
 
 
 def shape(family: str, **fields):
@@ -123,3 +125,64 @@ def test_gemma_logprobs_come_from_soft_capped_logits(gemma2):
     for position in range(1, len(prompt)):
         got = out.prompt_logprobs[position][prompt[position]].logprob
         assert got == pytest.approx(expected[position - 1, prompt[position]].item(), abs=1e-4)
+
+
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+        "mscale": 0.707, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}
+"""DeepSeek-V2's rope scaling, small: yarn with ``mscale_all_dim`` (which scales the softmax too)."""
+
+
+def test_deepseek_v2_attends_as_multi_query_attention_over_one_latent_head():
+    mla = shape("deepseek-v2")
+    assert (mla.latent.cached_width, mla.head_dim, mla.attention_scale) == (24 + 8, 8 + 8, None)
+    for tp, heads in ((1, 4), (2, 2)):
+        spec = mla.attention_spec(torch.float32, torch.device("cpu"), 128, tp)
+        assert (spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.scale) == (heads, 1, 32, 16 ** -0.5)
+        cache = mla.kv_cache_spec(torch.float32, 128, tp)
+        # the latent and rotary key as one KV head's key and value, whole on every rank
+        assert (cache.num_kv_heads, cache.head_dim, cache.bytes_per_token) == (1, 32, 2 * 2 * 32 * 4)
+    qlora = shape("deepseek-v2-qlora")
+    assert qlora.linear_shapes(2)["self_attn.q_b_proj"] == (2 * 16, 24)
+    assert qlora.layer_parameters == (24 * 64 + 4 * 16 * 24 + 24 * 64 + 4 * 16 * 16 + 64 * 4 * 8 + 3 * 64 * 128
+                                      + 2 * 64 + 16 + 24)
+
+
+def test_deepseek_v2_scales_the_softmax_as_transformers_does_under_yarn():
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config("deepseek-v2", 257, rope_parameters=YARN)
+    expected = AutoModelForCausalLM.from_config(config).model.layers[0].self_attn.scaling
+    assert shape("deepseek-v2", rope_parameters=YARN).attention_scale == pytest.approx(expected, rel=1e-12)
+    assert expected != 16 ** -0.5
+
+
+def test_deepseek_v2_names_an_unsupported_rope_type():
+    with pytest.raises(ConfigError, match=r"rope_scaling.rope_type 'dynamic' is not supported; supported: .*yarn"):
+        shape("deepseek-v2", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+
+
+def test_deepseek_v2_splits_by_query_heads_only():
+    mla = shape("deepseek-v2")
+    assert mla.parallel_problems(2, 2) == [] and mla.kv_heads_per_rank(4) == 1
+    assert mla.parallel_problems(3, 1) == ["parallel.tensor_parallel_size=3 does not divide the model's 4 "
+                                           "attention heads", "parallel.tensor_parallel_size=3 does not divide the "
+                                           "MLP's intermediate size 128"]
+
+
+def test_deepseek_v2_refuses_mixture_of_experts_layers_naming_the_field(tmp_path):
+    moe = dict(first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    # priced as the 2 routed and 2 shared experts a token passes, the others held
+    assert shape("deepseek-v2", **moe).intermediate_size == 4 * 32
+    folder = tiny_checkpoint(tmp_path / "moe", "deepseek-v2", **moe)
+    with pytest.raises(ConfigError, match=r"first_k_dense_replace=1 makes the layers from 1 on mixture-of-experts "
+                                          r"\(n_routed_experts=4\), which servelab does not run yet"):
+        LLM(folder, overrides=BASE)
+
+
+def test_deepseek_v2_on_attention_auto_takes_a_backend_for_its_latent_head(tmp_path):
+    """The q_lora layout caches heads of 16 + 8: attention=cpu only where the SIMD width
+    divides 24; attention=auto picks one that runs it."""
+    from servelab.testing import assert_engine_matches_transformers
+
+    folder = tiny_checkpoint(tmp_path / "qlora", "deepseek-v2-qlora")
+    assert_engine_matches_transformers(folder, ["attention=auto"], max_tokens=8)

@@ -1,6 +1,6 @@
 """model.shape: each architecture's transformers config from the sizes (OPT's and Falcon's
-own names), weightless shapes of architectures without an implementation read from the
-sizes, and errors that name the field."""
+own names), weightless shapes read by their implementation as the sizes say, and errors
+that name the field."""
 
 from __future__ import annotations
 
@@ -36,9 +36,14 @@ def test_random_opt_and_falcon_shapes_run(architecture, kv_heads):
     assert len(output.outputs[0].token_ids) == 3
 
 
-def test_a_weightless_shape_without_an_implementation_is_read_from_its_sizes():
-    engine = LLMEngine(compose_config(["model=deepseek-v2-lite", *SIMULATED]))
+def test_deepseek_v2_reads_a_weightless_shape_as_its_sizes_say():
+    from servelab.core.shape_config import model_shape_of
+
+    cfg = compose_config(["model=deepseek-v2-lite", *SIMULATED])
+    engine = LLMEngine(cfg)
     shape = engine.shape
+    assert engine.executor.context.model_cls.__name__ == "DeepseekV2ForCausalLM"
+    assert shape == model_shape_of(cfg.model.shape, 102400)
     assert shape.latent.cached_width == 576 and shape.head_dim == 192
     # priced as the 6 routed and 2 shared experts a token passes; the memory holds all of them
     assert shape.intermediate_size == 8 * 1408
@@ -58,6 +63,8 @@ def test_a_weightless_shape_without_an_implementation_is_read_from_its_sizes():
      "model.shape.head_dim=8: FalconForCausalLM's heads are hidden_size / num_attention_heads"),
     (["model=deepseek-v2-lite", "model.shape.architecture=LlamaForCausalLM"],
      "model.shape.latent: LlamaForCausalLM's servelab implementation has no latent attention"),
+    (["model=deepseek-v2-lite", "model.shape.latent=null"],
+     "model.shape.latent=null: DeepseekV2ForCausalLM's servelab implementation always runs latent attention"),
 ])
 def test_shape_errors_name_the_field(overrides, message):
     with pytest.raises(ConfigError, match=message):
