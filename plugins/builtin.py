@@ -42,11 +42,12 @@ def servelab_register_decoding_strategies():
 
 @hookimpl
 def servelab_register_models():
-    """The Llama family, Phi-3, OPT, Falcon, Gemma 2, Gemma 3 and DeepSeek-V2 (dense) architectures."""
-    from servelab.plugins.models import deepseek, falcon, gemma, llama, opt, phi3
+    """The Llama family, Phi-3, OPT, Falcon, Gemma 2, Gemma 3, DeepSeek-V2 (dense), Mixtral, Qwen2-MoE and
+    Qwen3-MoE architectures."""
+    from servelab.plugins.models import deepseek, falcon, gemma, llama, mixtral, opt, phi3, qwen_moe
 
     return (llama.model_specs() + phi3.model_specs() + opt.model_specs() + falcon.model_specs() + gemma.model_specs()
-            + deepseek.model_specs())
+            + deepseek.model_specs() + mixtral.model_specs() + qwen_moe.model_specs())
 
 
 @hookimpl

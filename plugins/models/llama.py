@@ -38,7 +38,8 @@ def head_dim_of(hf_config: Any) -> int:
 def sliding_window_of(hf_config: Any) -> int | None:
     """The sliding attention window, or None for full attention (Qwen2 and Qwen3: only
     with ``use_sliding_window``, for the layers ``layer_types`` names)."""
-    if hf_config.model_type in ("qwen2", "qwen3") and not getattr(hf_config, "use_sliding_window", False):
+    if hf_config.model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not getattr(
+            hf_config, "use_sliding_window", False):
         return None
     return getattr(hf_config, "sliding_window", None)
 
@@ -69,7 +70,8 @@ class DecoderAttention(nn.Module):
         self.split = HeadSplit.of(total_heads, total_kv, self.head_dim, parallel)
         self.num_heads, self.num_kv_heads = len(self.split.heads), len(self.split.kv_heads)
         self.parallel = parallel
-        qkv_bias = bool(getattr(hf_config, "attention_bias", False)) or hf_config.model_type == "qwen2"
+        qkv_bias = (bool(getattr(hf_config, "attention_bias", False) or getattr(hf_config, "qkv_bias", False))
+                    or hf_config.model_type == "qwen2")
         o_bias = bool(getattr(hf_config, "attention_bias", False))
         self.q_size, self.kv_size = self.split.q_size, self.split.kv_size
         self.qkv_proj = Linear(hf_config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
@@ -105,14 +107,30 @@ class DecoderAttention(nn.Module):
         return self.parallel.all_reduce(out) if self.parallel.tp_size > 1 else out
 
 
+def gated_activation(gate_up: torch.Tensor, act: Any, fused_silu: bool) -> torch.Tensor:
+    """gate_up: [T, 2 * I] as [gate | up] -> act(gate) * up [T, I]; the native CPU op when
+    ``fused_silu`` (the activation is silu), into a tensor the next ``Linear`` reads without a copy."""
+    intermediate = gate_up.shape[-1] // 2
+    if fused_silu and use_native(gate_up):
+        hidden = linear_input(gate_up.shape[0], intermediate, gate_up)
+        torch.ops.servelab_cpu.silu_and_mul(hidden, gate_up)
+        return hidden
+    gate, up = gate_up.chunk(2, dim=-1)
+    return act(gate) * up
+
+
 class GatedMLP(nn.Module):
     """SwiGLU feed-forward with fused gate/up projection; this rank's ``columns`` of the
-    intermediate size under tensor parallelism."""
+    intermediate size (``intermediate_size``, else the config's) under tensor parallelism,
+    summed over the ranks unless ``reduce`` is False (the caller then sums the partial
+    output: a mixture of experts' shared expert, with the routed ones)."""
 
-    def __init__(self, hf_config: Any, parallel: ModelParallel):
+    def __init__(self, hf_config: Any, parallel: ModelParallel, intermediate_size: int | None = None,
+                 reduce: bool = True):
         super().__init__()
         bias = bool(getattr(hf_config, "mlp_bias", False))
-        self.columns = parallel.split(hf_config.intermediate_size)
+        self.columns = parallel.split(intermediate_size or hf_config.intermediate_size)
+        self.reduce = reduce
         self.intermediate = len(self.columns)
         self.parallel = parallel
         self.gate_up_proj = Linear(hf_config.hidden_size, 2 * self.intermediate, bias=bias)
@@ -140,15 +158,8 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
-        gate_up = self.gate_up_proj(x)
-        if self.fused_silu and use_native(gate_up):
-            hidden = linear_input(gate_up.shape[0], self.intermediate, gate_up)
-            torch.ops.servelab_cpu.silu_and_mul(hidden, gate_up)
-        else:
-            gate, up = gate_up.chunk(2, dim=-1)
-            hidden = self.act(gate) * up
-        out = self.down_proj(hidden)
-        return self.parallel.all_reduce(out) if self.parallel.tp_size > 1 else out
+        out = self.down_proj(gated_activation(self.gate_up_proj(x), self.act, self.fused_silu))
+        return self.parallel.all_reduce(out) if self.reduce and self.parallel.tp_size > 1 else out
 
 
 class DecoderLayer(nn.Module):
@@ -160,13 +171,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.self_attn = self.build_attention(hf_config, layer_index, attention, rotary, parallel)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
-        self.mlp = GatedMLP(hf_config, parallel)
+        self.mlp = self.build_mlp(hf_config, layer_index, parallel)
 
     def build_attention(self, hf_config: Any, layer_index: int, attention: Any, rotary: RotaryEmbedding,
                         parallel: ModelParallel) -> nn.Module:
-        """The layer's attention: fused q/k/v (Qwen3: with q/k norms)."""
+        """The layer's attention: fused q/k/v (Qwen3 and Qwen3-MoE: with q/k norms)."""
         return DecoderAttention(hf_config, layer_index, attention, rotary, parallel,
-                                qk_norm=hf_config.model_type == "qwen3")
+                                qk_norm=hf_config.model_type in ("qwen3", "qwen3_moe"))
+
+    def build_mlp(self, hf_config: Any, layer_index: int, parallel: ModelParallel) -> nn.Module:
+        """The layer's MLP (``layer_index``: its index in this pipeline stage): gated, fused gate/up."""
+        return GatedMLP(hf_config, parallel)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 kv_cache: torch.Tensor, meta: Any) -> tuple[torch.Tensor, torch.Tensor]:

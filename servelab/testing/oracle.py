@@ -8,7 +8,8 @@ import random
 from typing import Any, Sequence
 
 FAMILIES = ("llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "opt", "opt-postnorm", "opt-project",
-            "falcon", "falcon-new", "gemma2", "gemma3", "deepseek-v2", "deepseek-v2-qlora")
+            "falcon", "falcon-new", "gemma2", "gemma3", "deepseek-v2", "deepseek-v2-qlora", "mixtral", "qwen2-moe",
+            "qwen3-moe")
 """Tiny configs: the Llama family; Phi-3 (longrope, partial rotary); OPT pre-norm, post-norm
 (350m-style) and with project_in/out (``word_embed_proj_dim`` != hidden); Falcon 7B-style
 (multi-query, one norm, parallel attention and MLP) and ``new_decoder_architecture``
@@ -20,7 +21,11 @@ hidden state (a latent of 24 and a rotary key of 8: cached heads of 32) or throu
 ``q_lora_rank`` of 24 (a latent of 16: heads of 24, which attention=cpu takes only where
 the SIMD width divides them). The Gemma and DeepSeek configs draw weights 5x wider than
 the default (Gemma's untie the LM head), so that attention (and its cap) decides the
-greedy tokens instead of the embedding."""
+greedy tokens instead of the embedding. Mixtures of experts, top-2 with weights 5x wider
+than the default (so the routed experts decide tokens): Mixtral (4 experts of 32,
+renormalised), Qwen2-MoE (8 experts of 32, not renormalised, a gated shared expert of 48,
+layer 0 dense through ``mlp_only_layers``), Qwen3-MoE (6 experts of 32, ``norm_topk_prob``,
+q/k norms)."""
 ZERO_CENTRED_NORMS = ("gemma2", "gemma3")
 """Families whose norms scale by 1 + weight and start at zero: their tiny checkpoints draw
 the norm weights at random, so that the offset is exercised."""
@@ -43,6 +48,8 @@ def tiny_config(family: str, vocab_size: int, **overrides: Any) -> Any:
                  tie_word_embeddings=False)
     deepseek = dict(common, pad_token_id=None, num_key_value_heads=4, qk_nope_head_dim=8, qk_rope_head_dim=8,
                     v_head_dim=8, first_k_dense_replace=3, initializer_range=0.1)
+    moe = dict(common, pad_token_id=None, num_experts_per_tok=2, initializer_range=0.1)
+    qwen_moe = dict(moe, moe_intermediate_size=32)
     configs = {
         "llama": lambda: transformers.LlamaConfig(**common, tie_word_embeddings=False),
         "llama3": lambda: transformers.LlamaConfig(
@@ -68,6 +75,10 @@ def tiny_config(family: str, vocab_size: int, **overrides: Any) -> Any:
         "deepseek-v2": lambda: transformers.DeepseekV2Config(**deepseek, kv_lora_rank=24, q_lora_rank=None),
         "deepseek-v2-qlora": lambda: transformers.DeepseekV2Config(**dict(deepseek, num_hidden_layers=3),
                                                                    kv_lora_rank=16, q_lora_rank=24),
+        "mixtral": lambda: transformers.MixtralConfig(**dict(moe, intermediate_size=32), num_local_experts=4),
+        "qwen2-moe": lambda: transformers.Qwen2MoeConfig(**qwen_moe, num_experts=8, shared_expert_intermediate_size=48,
+                                                         mlp_only_layers=[0]),
+        "qwen3-moe": lambda: transformers.Qwen3MoeConfig(**qwen_moe, head_dim=32, num_experts=6, norm_topk_prob=True),
     }
     if family not in configs:
         raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {family!r}")

@@ -35,7 +35,8 @@ def families(tmp_path_factory) -> dict[str, str]:
     return {family: tiny_checkpoint(root / family, family) for family in FAMILY_SPLITS}
 
 
-FAMILY_SPLITS = ("phi3", "opt-project", "falcon", "falcon-new", "gemma2", "gemma3", "deepseek-v2-qlora")
+FAMILY_SPLITS = ("phi3", "opt-project", "falcon", "falcon-new", "gemma2", "gemma3", "deepseek-v2-qlora", "mixtral",
+                 "qwen2-moe", "qwen3-moe")
 """Families (and layouts) checked at tp=2 and at pp=2."""
 
 
@@ -72,7 +73,8 @@ def test_families_split_like_one_device(families, family, split):
     query_key_value in the multi-query and grouped layouts, Gemma's replicated norms and
     q/k norms beside windowed and global layers, DeepSeek-V2's query heads split (q_b_proj,
     kv_b_proj; q_proj splits alike) and its latent projection, norms and cached latent
-    head whole on every rank)."""
+    head whole on every rank, the mixtures of experts' expert columns split beside whole
+    routers and shared-expert gates, Qwen2-MoE's dense layer 0 on the first stage)."""
     matches(families[family], split, PAGED, "scheduler=chunked", "scheduler.token_budget=16")
 
 
@@ -103,6 +105,8 @@ def test_splits_that_cannot_work_name_the_numbers(models, overrides, message):
     ("opt", {}, ["parallel.tensor_parallel_size=3"], "tensor_parallel_size=3 does not divide the model's 4 attention heads"),
     ("falcon-new", {"ffn_hidden_size": 130}, ["parallel.tensor_parallel_size=4"],
      "tensor_parallel_size=4 does not divide the MLP's intermediate size 130"),
+    ("qwen3-moe", {"moe_intermediate_size": 33}, ["parallel.tensor_parallel_size=2"],
+     "tensor_parallel_size=2 does not divide the experts' moe_intermediate_size 33"),
 ])
 def test_family_splits_that_cannot_work_name_the_numbers(tmp_path, family, fields, overrides, message):
     folder = tiny_checkpoint(tmp_path / family, family, **fields)

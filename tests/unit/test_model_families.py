@@ -1,6 +1,7 @@
-"""Phi-3, OPT, Falcon, Gemma and DeepSeek-V2: what their configs refuse, and shapes that
-count what they hold (Gemma's: each layer's window, the attention scale and soft cap;
-DeepSeek-V2's: one latent KV head)."""
+"""Phi-3, OPT, Falcon, Gemma, DeepSeek-V2 and the mixtures of experts (Mixtral, Qwen2-MoE,
+Qwen3-MoE): what their configs refuse, and shapes that count what they hold (Gemma's: each
+layer's window, the attention scale and soft cap; DeepSeek-V2's: one latent KV head; the
+mixtures': the active experts' width, every expert held)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ BASE = ["model.dtype=float32", "device=cpu"]
 
 ARCHITECTURES = {"phi3": "Phi3ForCausalLM", "opt": "OPTForCausalLM", "falcon": "FalconForCausalLM",
                  "falcon-new": "FalconForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-                 "deepseek-v2": "DeepseekV2ForCausalLM", "deepseek-v2-qlora": "DeepseekV2ForCausalLM"}
+                 "deepseek-v2": "DeepseekV2ForCausalLM", "deepseek-v2-qlora": "DeepseekV2ForCausalLM",
+                 "mixtral": "MixtralForCausalLM", "qwen2-moe": "Qwen2MoeForCausalLM",
+                 "qwen3-moe": "Qwen3MoeForCausalLM"}
 
 
 def shape(family: str, **fields):
@@ -186,3 +189,67 @@ def test_deepseek_v2_on_attention_auto_takes_a_backend_for_its_latent_head(tmp_p
 
     folder = tiny_checkpoint(tmp_path / "qlora", "deepseek-v2-qlora")
     assert_engine_matches_transformers(folder, ["attention=auto"], max_tokens=8)
+
+
+MIXTURES = ("mixtral", "qwen2-moe", "qwen3-moe")
+"""The mixture-of-experts families' oracle configs."""
+
+
+@pytest.mark.parametrize("family, active", [("mixtral", 2 * 32), ("qwen2-moe", 2 * 32 + 48), ("qwen3-moe", 2 * 32)])
+def test_a_mixture_of_experts_prices_its_active_experts_and_holds_them_all(family, active):
+    """``intermediate_size`` is the width a token passes (top-k experts and the shared one);
+    the parameter count is transformers' (less biases and q/k norms, which shapes leave out)."""
+    from transformers import AutoModelForCausalLM
+
+    moe = shape(family)
+    assert (moe.intermediate_size, moe.mlp_kind) == (active, "gated")
+    held = AutoModelForCausalLM.from_config(tiny_config(family, 257)).named_parameters()
+    assert moe.num_parameters == sum(p.numel() for name, p in held
+                                     if not name.endswith(("bias", "q_norm.weight", "k_norm.weight")))
+
+
+@pytest.mark.parametrize("family, fields", [*((family, {}) for family in MIXTURES), ("mixtral", {"sliding_window": 8})],
+                         ids=[*MIXTURES, "mixtral-window"])
+def test_mixtures_of_experts_match_transformers(tmp_path, family, fields):
+    """Chunked prefills beside decodes: each step routes a mix of prompt and generated tokens."""
+    from servelab.testing import assert_engine_matches_transformers
+
+    folder = tiny_checkpoint(tmp_path / family, family, **fields)
+    assert_engine_matches_transformers(folder, ["scheduler=chunked", "scheduler.token_budget=24"],
+                                       prompts=mixed_prompts(257, (5, 30, 12)), max_tokens=8)
+
+
+@pytest.mark.parametrize("family, fields, message", [
+    ("mixtral", {"num_experts_per_tok": 5}, r"num_experts_per_tok=5 must be in \[1, num_local_experts=4\]"),
+    ("qwen3-moe", {"num_experts_per_tok": 0}, r"num_experts_per_tok=0 must be in \[1, num_experts=6\]"),
+    ("qwen2-moe", {"use_sliding_window": True}, "qwen2_moe with use_sliding_window=true is not supported"),
+])
+def test_mixtures_of_experts_refuse_what_they_cannot_run(family, fields, message):
+    with pytest.raises(ConfigError, match=message):
+        shape(family, **fields)
+
+
+@pytest.mark.parametrize("family, fields, message", [
+    ("mixtral", {"intermediate_size": 34}, "tensor_parallel_size=4 does not divide the experts' intermediate_size 34"),
+    ("qwen2-moe", {"shared_expert_intermediate_size": 50},
+     "tensor_parallel_size=4 does not divide the shared expert's shared_expert_intermediate_size 50"),
+    ("qwen2-moe", {"intermediate_size": 130}, "tensor_parallel_size=4 does not divide the dense layers' "
+                                              "intermediate_size 130"),
+])
+def test_a_split_of_the_experts_that_cannot_work_names_the_field(family, fields, message):
+    from servelab.core.model import ModelParallel
+
+    model_cls = get_registry().get("model", ARCHITECTURES[family]).cls
+    with pytest.raises(ConfigError, match=message):
+        model_cls(tiny_config(family, 257, **fields), None, torch.float32, 64, ModelParallel(tp_size=4))
+
+
+def test_a_missing_expert_weight_names_the_layer_expert_and_projection(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = tiny_checkpoint(tmp_path / "mixtral", "mixtral")
+    weights = load_file(f"{folder}/model.safetensors")
+    del weights["model.layers.1.block_sparse_moe.experts.2.w3.weight"]
+    save_file(weights, f"{folder}/model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match="checkpoint is missing expert weights: layer 1 expert 2 up_proj"):
+        LLM(folder, overrides=BASE)

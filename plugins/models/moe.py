@@ -1,0 +1,328 @@
+"""The sparse mixture-of-experts MLP block (Mixtral, Qwen2-MoE, Qwen3-MoE) and the decoder
+layer and causal LM that use it in place of some or all of Llama's dense MLPs.
+
+A router (``gate``, a linear layer [experts, hidden], whole on every rank) scores every
+token; the top ``num_experts_per_tok`` of its float32 softmax are the token's experts and
+their probabilities its weights, renormalised to sum to one when ``norm_topk_prob`` (always
+for Mixtral), as transformers computes them. The experts run fused: the step's (token,
+choice) pairs are sorted by expert, each expert that has any multiplies its packed rows at
+once (gate and up in one matmul, then down), the outputs are scaled by their weights and
+added back onto their tokens with one ``index_add_``; no Python loop over tokens. Qwen2-MoE
+adds a shared expert that every token passes, scaled by ``sigmoid(shared_expert_gate(x))``.
+
+Expert weights are stacked, one tensor per projection and layer (``StackedWeight``). The
+loader takes what transformers' ``save_pretrained`` writes (per-expert
+``experts.N.gate_proj`` / ``up_proj`` / ``down_proj``; Mixtral's ``w1`` / ``w3`` / ``w2``) and
+the fused 3-D ``experts.gate_up_proj`` [E, 2I, H] / ``experts.down_proj`` [E, H, I] of
+transformers' own modules. Tensor parallelism splits every expert's intermediate size
+(gate/up rows, down columns) and the shared expert's like a dense MLP; the block sums its
+ranks with one all-reduce.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from typing import Any, Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from servelab.core.errors import ConfigError
+from servelab.core.model import ModelParallel, ModelShape
+from servelab.kernels.blocked_linear import float_linear, pack_blocks
+from servelab.plugins.models.decoder import WeightPiece, use_native
+from servelab.plugins.models.linear import Linear
+from servelab.plugins.models.llama import (DecoderLayer, GatedMLP, LlamaFamilyForCausalLM, activation_of,
+                                           gated_activation)
+
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+"""The per-expert projections a checkpoint names."""
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertLayout:
+    """A config's mixture of experts: ``num_experts`` routed experts of ``intermediate_size``
+    each (``width_field`` names that size in the config, ``experts_field`` the count),
+    ``top_k`` chosen per token, their weights renormalised when ``normalize``; a shared
+    expert of ``shared_intermediate_size`` (0: none) behind a sigmoid gate; the mixture in
+    the layers ``sparse_layers``, the other layers dense."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    normalize: bool
+    sparse_layers: tuple[int, ...]
+    shared_intermediate_size: int = 0
+    experts_field: str = "num_experts"
+    width_field: str = "moe_intermediate_size"
+
+    @classmethod
+    def of(cls, hf_config: Any) -> ExpertLayout:
+        """Read from Mixtral's names (``num_local_experts``, ``intermediate_size``, every layer
+        sparse, always renormalised) or Qwen-MoE's (``num_experts``, ``moe_intermediate_size``,
+        ``norm_topk_prob``, ``shared_expert_intermediate_size``, dense layers from
+        ``mlp_only_layers`` and ``decoder_sparse_step``); a ``top_k`` outside [1, experts] is a
+        ``ConfigError`` naming the fields."""
+        layers = hf_config.num_hidden_layers
+        if hf_config.model_type == "mixtral":
+            layout = cls(hf_config.num_local_experts, hf_config.num_experts_per_tok, hf_config.intermediate_size,
+                         True, tuple(range(layers)), 0, "num_local_experts", "intermediate_size")
+        else:
+            dense, step = set(hf_config.mlp_only_layers or ()), hf_config.decoder_sparse_step
+            sparse = tuple(i for i in range(layers) if i not in dense and hf_config.num_experts > 0
+                           and (i + 1) % step == 0)
+            layout = cls(hf_config.num_experts, hf_config.num_experts_per_tok, hf_config.moe_intermediate_size,
+                         bool(hf_config.norm_topk_prob), sparse,
+                         getattr(hf_config, "shared_expert_intermediate_size", 0) or 0)
+        if layout.sparse_layers and not 1 <= layout.top_k <= layout.num_experts:
+            raise ConfigError([f"num_experts_per_tok={layout.top_k} must be in [1, {layout.experts_field}="
+                               f"{layout.num_experts}]"])
+        return layout
+
+    @property
+    def active_width(self) -> int:
+        """The intermediate width a token passes in a sparse layer: its experts and the shared one."""
+        return self.top_k * self.intermediate_size + self.shared_intermediate_size
+
+    def priced(self, dense: ModelShape) -> ModelShape:
+        """``dense`` (whose ``intermediate_size`` is the dense layers') with every layer's MLP
+        given as ``active_width`` and the weights that makes it miss (the unrouted experts,
+        routers, shared gates, dense layers' difference) as ``inactive_parameters``; ``dense``
+        itself when no layer is sparse."""
+        if not self.sparse_layers:
+            return dense
+        hidden, sparse = dense.hidden_size, len(self.sparse_layers)
+        shared_gate = hidden if self.shared_intermediate_size else 0
+        expert_weights = 3 * hidden * (self.num_experts * self.intermediate_size + self.shared_intermediate_size)
+        held = (sparse * (expert_weights + self.num_experts * hidden + shared_gate)
+                + (dense.num_layers - sparse) * 3 * hidden * dense.intermediate_size)
+        priced = dense.num_layers * 3 * hidden * self.active_width
+        return replace(dense, intermediate_size=self.active_width, inactive_parameters=held - priced)
+
+    def split_problems(self, tensor_parallel_size: int, dense_intermediate_size: int, num_layers: int) -> list[str]:
+        """Why tensor parallelism cannot split the experts, the shared expert or the dense
+        layers' MLP ``tensor_parallel_size`` ways (empty when it can)."""
+        widths = [(f"experts' {self.width_field}", self.intermediate_size)] if self.sparse_layers else []
+        if self.shared_intermediate_size:
+            widths.append(("shared expert's shared_expert_intermediate_size", self.shared_intermediate_size))
+        if len(self.sparse_layers) < num_layers:
+            widths.append(("dense layers' intermediate_size", dense_intermediate_size))
+        return [f"parallel.tensor_parallel_size={tensor_parallel_size} does not divide the {field} {size}"
+                for field, size in widths if size % tensor_parallel_size]
+
+
+def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (float32 weights [T, top_k], expert indices [T, top_k]): the
+    top ``top_k`` of the float32 softmax, renormalised to sum to one when ``normalize``."""
+    weights, experts = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
+class StackedWeight(nn.Module):
+    """``experts`` matrices [out_features, in_features] in one parameter ``weight`` [experts *
+    out_features, in_features] (expert e's rows from e * out_features), multiplied one expert
+    at a time: on the CPU in float32 with the native ops through a blocked copy of each
+    expert packed once for ``float_linear`` (rebuilt when the weight changes; one more
+    weight's memory, as ``Linear``'s), else ``F.linear`` on the expert's rows."""
+
+    def __init__(self, experts: int, out_features: int, in_features: int):
+        super().__init__()
+        self.experts, self.out_features = experts, out_features
+        self.weight = nn.Parameter(torch.empty(experts * out_features, in_features))
+        self._packed: tuple[tuple, list[torch.Tensor]] | None = None
+
+    def expert(self, index: int) -> torch.Tensor:
+        """Expert ``index``'s matrix [out_features, in_features] (a view)."""
+        return self.weight[index * self.out_features:(index + 1) * self.out_features]
+
+    @property
+    def blocked(self) -> bool:
+        """True where the experts multiply through ``float_linear`` (float32 on the CPU with
+        the native ops built)."""
+        return self.weight.dtype == torch.float32 and use_native(self.weight)
+
+    def packed(self) -> list[torch.Tensor]:
+        """Every expert's matrix in ``float_linear``'s blocked layout (packed on first use)."""
+        weight = self.weight
+        key = (weight._version, weight.data_ptr())
+        if self._packed is None or self._packed[0] != key:
+            with torch.inference_mode(False):  # normal tensors, usable in and out of inference mode
+                self._packed = (key, [pack_blocks(self.expert(e)) for e in range(self.experts)])
+        return self._packed[1]
+
+    def matmul(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        """x: [N, in_features] -> x @ expert(index).T [N, out_features]."""
+        if x.dtype == torch.float32 and self.blocked:
+            return float_linear(x.contiguous(), self.packed()[index], self.out_features)
+        return F.linear(x, self.expert(index))
+
+
+class ExpertWeights(nn.Module):
+    """Layer ``layer``'s routed experts, this rank's ``columns`` of each one's intermediate
+    size: ``gate_up_proj`` [E * 2 * I, hidden] ([gate | up] per expert) and ``down_proj``
+    [E * hidden, I]; ``loaded`` records which checkpoint tensors arrived."""
+
+    def __init__(self, layout: ExpertLayout, hidden_size: int, parallel: ModelParallel, layer: int, act: Any,
+                 fused_silu: bool):
+        super().__init__()
+        self.num_experts, self.hidden_size, self.layer = layout.num_experts, hidden_size, layer
+        self.columns = parallel.split(layout.intermediate_size)
+        self.intermediate = len(self.columns)
+        self.gate_up_proj = StackedWeight(self.num_experts, 2 * self.intermediate, hidden_size)
+        self.down_proj = StackedWeight(self.num_experts, hidden_size, self.intermediate)
+        self.act, self.fused_silu = act, fused_silu
+        self.loaded: set[tuple[int, str]] = set()
+
+    def fused_counts(self) -> dict[str, int]:
+        """gate_up_proj waits for a gate and an up piece per expert, down_proj for one per expert."""
+        return {"gate_up_proj": 2 * self.num_experts, "down_proj": self.num_experts}
+
+    def pieces(self, leaf: str, tensor: torch.Tensor) -> list[WeightPiece] | None:
+        """This rank's pieces of one expert's projection (``leaf``: ``gate_proj.3``, as
+        ``checkpoint_names`` renames ``experts.3.gate_proj.weight``) or of every expert's
+        stacked one (``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I])."""
+        part, _, index = leaf.partition(".")
+        if part in PROJECTIONS and index.isdigit():
+            return self._expert_pieces(int(index), part, tensor)
+        if part == "gate_up_proj" and not index:
+            return [piece for e in range(self.num_experts) for half, part in zip(tensor[e].chunk(2), PROJECTIONS)
+                    for piece in self._expert_pieces(e, part, half)]
+        if part == "down_proj" and not index:
+            return [piece for e in range(self.num_experts) for piece in self._expert_pieces(e, part, tensor[e])]
+        return None
+
+    def _expert_pieces(self, expert: int, part: str, tensor: torch.Tensor) -> list[WeightPiece]:
+        self.loaded.add((expert, part))
+        columns = slice(self.columns.start, self.columns.stop)
+        if part == "down_proj":
+            return [WeightPiece("down_proj.weight", expert * self.hidden_size, tensor[:, columns])]
+        start = expert * 2 * self.intermediate + (self.intermediate if part == "up_proj" else 0)
+        return [WeightPiece("gate_up_proj.weight", start, tensor[columns])]
+
+    def missing(self) -> list[str]:
+        """The (layer, expert, projection) tensors the checkpoint did not give."""
+        return [f"layer {self.layer} expert {e} {part}" for e in range(self.num_experts) for part in PROJECTIONS
+                if (e, part) not in self.loaded]
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden]; weights, experts: [T, top_k] -> the weighted sum of each token's
+        experts' outputs [T, hidden] (this rank's partial sum under tensor parallelism)."""
+        top_k = experts.shape[1]
+        flat = experts.flatten()
+        order = torch.argsort(flat, stable=True)
+        tokens = order // top_k  # the token of each (token, choice) pair, grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        packed = x[tokens]
+        out = torch.empty_like(packed)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count:
+                rows = slice(start, start + count)
+                gate_up = self.gate_up_proj.matmul(packed[rows], expert)
+                out[rows] = self.down_proj.matmul(gated_activation(gate_up, self.act, self.fused_silu), expert)
+                start += count
+        out.mul_(weights.flatten()[order].unsqueeze(1))
+        return torch.zeros_like(x).index_add_(0, tokens, out)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router, routed experts and (``shared_intermediate_size``) the gated shared expert;
+    one all-reduce over the tensor-parallel ranks."""
+
+    def __init__(self, hf_config: Any, layout: ExpertLayout, layer: int, parallel: ModelParallel):
+        super().__init__()
+        hidden, activation = hf_config.hidden_size, activation_of(hf_config)
+        from transformers.activations import ACT2FN
+
+        self.top_k, self.normalize, self.parallel = layout.top_k, layout.normalize, parallel
+        self.gate = Linear(hidden, layout.num_experts, bias=False)
+        self.experts = ExpertWeights(layout, hidden, parallel, layer, ACT2FN[activation], activation == "silu")
+        self.shared = bool(layout.shared_intermediate_size)
+        if self.shared:
+            self.shared_expert = GatedMLP(hf_config, parallel, layout.shared_intermediate_size, reduce=False)
+            self.shared_expert_gate = Linear(hidden, 1, bias=False)
+
+    def pieces(self, leaf: str, tensor: torch.Tensor) -> list[WeightPiece] | None:
+        """A checkpoint's stacked ``experts.gate_up_proj`` / ``experts.down_proj`` (the
+        experts' pieces, under ``experts.``); None for other leaves."""
+        child, _, part = leaf.partition(".")
+        if child != "experts" or part not in ("gate_up_proj", "down_proj"):
+            return None
+        return [WeightPiece(f"experts.{p.param}", p.start, p.tensor) for p in self.experts.pieces(part, tensor)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden]."""
+        weights, experts = route(self.gate(x), self.top_k, self.normalize)
+        out = self.experts(x, weights, experts)
+        if self.shared:
+            out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return self.parallel.all_reduce(out) if self.parallel.tp_size > 1 else out
+
+
+class SparseDecoderLayer(DecoderLayer):
+    """Llama's layer with a ``SparseMoeBlock`` in the layout's sparse layers."""
+
+    def build_mlp(self, hf_config: Any, layer_index: int, parallel: ModelParallel) -> nn.Module:
+        """The mixture of experts in sparse layers, the dense gated MLP in the others."""
+        layout = ExpertLayout.of(hf_config)
+        layer = parallel.layer_range(hf_config.num_hidden_layers).start + layer_index
+        if layer in layout.sparse_layers:
+            return SparseMoeBlock(hf_config, layout, layer, parallel)
+        return super().build_mlp(hf_config, layer_index, parallel)
+
+
+def checkpoint_names(weights: Iterable[tuple[str, torch.Tensor]], model: nn.Module,
+                     aliases: dict[str, str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``weights`` with per-expert names ``...experts.N.P.weight`` renamed ``...experts.P.N``
+    (``aliases`` first maps a checkpoint's projection names to ``PROJECTIONS``), so the
+    loader hands them to ``ExpertWeights.pieces``; once they are all read, a ``ConfigError``
+    names every expert projection of ``model`` the checkpoint did not give."""
+    per_expert = re.compile(r"(.*\.experts)\.(\d+)\.(\w+)\.weight")
+    for name, tensor in weights:
+        match = per_expert.fullmatch(name)
+        if match:
+            name = f"{match[1]}.{aliases.get(match[3], match[3])}.{match[2]}"
+        yield name, tensor
+    missing = [name for module in model.modules() if isinstance(module, ExpertWeights) for name in module.missing()]
+    if missing:
+        raise ConfigError([f"checkpoint is missing expert weights: {', '.join(missing[:8])}"
+                           + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")])
+
+
+class SparseForCausalLM(LlamaFamilyForCausalLM):
+    """A Llama-family causal LM whose layers are ``SparseDecoderLayer``s; subclasses name
+    their checkpoint's expert projections (``EXPERT_ALIASES``)."""
+
+    LAYER = SparseDecoderLayer
+    EXPERT_ALIASES: dict[str, str] = {}
+    """Checkpoint projection names -> ``PROJECTIONS`` (Mixtral's w1, w3, w2)."""
+
+    @classmethod
+    def shape_of(cls, hf_config: Any) -> ModelShape:
+        """Llama's sizes with the MLP priced as ``ExpertLayout.priced`` says; refuses a
+        ``num_experts_per_tok`` outside [1, experts]."""
+        return ExpertLayout.of(hf_config).priced(super().shape_of(hf_config))
+
+    def __init__(self, hf_config: Any, attention: Any, dtype: torch.dtype, max_positions: int,
+                 parallel: ModelParallel = ModelParallel()):
+        problems = ExpertLayout.of(hf_config).split_problems(parallel.tp_size, hf_config.intermediate_size,
+                                                             hf_config.num_hidden_layers)
+        if problems:
+            raise ConfigError(problems)
+        super().__init__(hf_config, attention, dtype, max_positions, parallel)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """The shared loader over ``checkpoint_names``."""
+        super().load_weights(checkpoint_names(weights, self, self.EXPERT_ALIASES))
+
+    def warm_up(self, max_tokens: int) -> int:
+        """The shared warm-up, and every expert's blocked copy packed where it multiplies."""
+        warmed = super().warm_up(max_tokens)
+        for module in self.modules():
+            if isinstance(module, StackedWeight) and module.blocked:
+                module.packed()
+        return warmed

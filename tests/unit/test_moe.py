@@ -1,0 +1,87 @@
+"""The sparse mixture-of-experts block: fused expert execution equals a per-token loop,
+routing follows transformers' math, and both checkpoint layouts load the same weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from servelab.core.model import ModelParallel
+from servelab.plugins.models.moe import ExpertLayout, ExpertWeights, route
+from servelab.testing import tiny_config
+
+
+def naive_experts(experts: ExpertWeights, x: torch.Tensor, weights: torch.Tensor,
+                  chosen: torch.Tensor) -> torch.Tensor:
+    """The weighted sum of each token's experts, one token and one choice at a time."""
+    out = torch.zeros_like(x)
+    inter = experts.intermediate
+    for t in range(x.shape[0]):
+        for w, e in zip(weights[t].tolist(), chosen[t].tolist()):
+            gate_up = experts.gate_up_proj.expert(e)
+            hidden = F.silu(x[t] @ gate_up[:inter].T) * (x[t] @ gate_up[inter:].T)
+            out[t] += w * (hidden @ experts.down_proj.expert(e).T)
+    return out
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 40])
+def test_fused_experts_equal_a_per_token_loop_on_random_routing(tokens):
+    torch.manual_seed(tokens)
+    layout = ExpertLayout(num_experts=6, top_k=2, intermediate_size=24, normalize=True, sparse_layers=(0,))
+    experts = ExpertWeights(layout, 32, ModelParallel(), 0, F.silu, True)
+    with torch.no_grad():
+        for param in experts.parameters():
+            param.normal_(0, 0.2)
+        x = torch.randn(tokens, 32)
+        chosen = torch.stack([torch.randperm(6)[:2] for _ in range(tokens)])  # expert 5 gets none at 1 token
+        weights = torch.rand(tokens, 2)
+        fused = experts(x, weights, chosen)
+    assert torch.allclose(fused, naive_experts(experts, x, weights, chosen), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family, router", [("mixtral", "MixtralTopKRouter"), ("qwen2-moe", "Qwen2MoeTopKRouter"),
+                                            ("qwen3-moe", "Qwen3MoeTopKRouter")])
+def test_routing_is_transformers_router(family, router):
+    import importlib
+
+    config = tiny_config(family, 257)
+    module = importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
+    hf_router = getattr(module, router)(config)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        hf_router.weight.normal_(0, 0.5)
+        x = torch.randn(9, 64)
+        _, expected_weights, expected_experts = hf_router(x)
+        layout = ExpertLayout.of(config)
+        weights, experts = route(x @ hf_router.weight.T, layout.top_k, layout.normalize)
+    assert torch.equal(experts, expected_experts)
+    assert torch.allclose(weights, expected_weights, atol=1e-7)
+
+
+def test_both_checkpoint_layouts_load_the_same_experts(tmp_path):
+    """save_pretrained's per-expert tensors and transformers' own stacked ones (its
+    state_dict) fill every parameter alike, on each tensor-parallel rank."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from servelab.plugins.models.qwen_moe import QwenMoeForCausalLM
+
+    config = tiny_config("qwen2-moe", 257)
+    torch.manual_seed(0)
+    hf_model = AutoModelForCausalLM.from_config(config)
+    hf_model.save_pretrained(tmp_path)
+    per_expert = load_file(tmp_path / "model.safetensors")
+    assert "model.layers.1.mlp.experts.3.up_proj.weight" in per_expert
+    stacked = hf_model.state_dict()
+    assert stacked["model.layers.1.mlp.experts.gate_up_proj"].shape == (8, 64, 64)
+    for parallel in (ModelParallel(), ModelParallel(tp_rank=1, tp_size=2)):
+        models = []
+        for weights in (per_expert, stacked):
+            model = QwenMoeForCausalLM(config, None, torch.float32, 64, parallel)
+            model.load_weights(iter(weights.items()))
+            models.append(dict(model.named_parameters()))
+        assert all(torch.equal(models[0][name], models[1][name]) for name in models[0])
+    experts = models[0]["model.layers.1.mlp.experts.gate_up_proj.weight"].view(8, 2, 16, 64)
+    # rank 1's gate and up rows of expert 3: the second half of each
+    assert torch.equal(experts[3, 1], per_expert["model.layers.1.mlp.experts.3.up_proj.weight"][16:])
