@@ -1,5 +1,6 @@
 """The sparse mixture-of-experts block: fused expert execution equals a per-token loop,
-routing follows transformers' math, and both checkpoint layouts load the same weights."""
+routing follows transformers' math, both checkpoint layouts load the same weights, and the
+sparse layers are the ones transformers builds with experts."""
 
 from __future__ import annotations
 
@@ -85,3 +86,16 @@ def test_both_checkpoint_layouts_load_the_same_experts(tmp_path):
     experts = models[0]["model.layers.1.mlp.experts.gate_up_proj.weight"].view(8, 2, 16, 64)
     # rank 1's gate and up rows of expert 3: the second half of each
     assert torch.equal(experts[3, 1], per_expert["model.layers.1.mlp.experts.3.up_proj.weight"][16:])
+
+
+@pytest.mark.parametrize("family, fields", [("qwen2-moe", {"decoder_sparse_step": 2, "mlp_only_layers": [3],
+                                                          "layer_types": ["full_attention"] * 4}),
+                                            ("qwen3-moe", {"decoder_sparse_step": 1, "mlp_only_layers": [0, 2]}),
+                                            ("mixtral", {})])
+def test_sparse_layers_are_those_transformers_builds_with_experts(family, fields):
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(family, 257, num_hidden_layers=4, **fields)
+    layers = AutoModelForCausalLM.from_config(config).model.layers
+    expected = tuple(i for i, layer in enumerate(layers) if hasattr(layer.mlp, "experts"))
+    assert ExpertLayout.of(config).sparse_layers == expected
