@@ -164,13 +164,22 @@ def layer_types_of(hf_config: Any) -> tuple[str, ...]:
     return types
 
 
-def layer_windows_of(hf_config: Any) -> tuple[int | None, ...]:
-    """Each layer's attention window: ``sliding_window`` for sliding layers, None for full
-    ones and for every layer when the window reaches ``max_position_embeddings`` (it then
-    covers any context)."""
+def sliding_window_value(hf_config: Any) -> int | None:
+    """The config's ``sliding_window``: a positive whole number of tokens or None; a window
+    reaching ``max_position_embeddings`` covers any context and is None (checkpoints such
+    as Phi-3-mini-128k carry windows longer than their context)."""
     window = getattr(hf_config, "sliding_window", None)
-    if window is not None and window >= hf_config.max_position_embeddings:
-        window = None
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ConfigError([f"sliding_window must be a whole number of tokens >= 1 (or null), got {window!r}"])
+    return None if window >= hf_config.max_position_embeddings else window
+
+
+def layer_windows_of(hf_config: Any) -> tuple[int | None, ...]:
+    """Each layer's attention window: ``sliding_window`` (``sliding_window_value``) for
+    sliding layers, None for full ones."""
+    window = sliding_window_value(hf_config)
     return tuple(window if kind == "sliding_attention" else None for kind in layer_types_of(hf_config))
 
 

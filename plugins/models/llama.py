@@ -24,7 +24,8 @@ from torch import nn
 from servelab.core.component import ComponentSpec
 from servelab.core.model import ModelParallel, ModelShape
 from servelab.plugins.models.decoder import (DecoderForCausalLM, HeadSplit, RMSNorm, RotaryEmbedding, VocabEmbedding,
-                                             WeightPiece, layer_windows_of, tied_embeddings, use_native)
+                                             WeightPiece, layer_windows_of, sliding_window_value, tied_embeddings,
+                                             use_native)
 from servelab.plugins.models.linear import Linear, linear_input
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -41,7 +42,7 @@ def sliding_window_of(hf_config: Any) -> int | None:
     if hf_config.model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not getattr(
             hf_config, "use_sliding_window", False):
         return None
-    return getattr(hf_config, "sliding_window", None)
+    return sliding_window_value(hf_config)
 
 
 def per_layer_windows(hf_config: Any) -> tuple[int | None, ...]:

@@ -67,3 +67,24 @@ def test_a_cache_that_ignores_windows_reports_their_tokens_as_waste():
     assert ignoring.usage.waste > 0.3
     assert grouped.usage.unread_slots < grouped.block_size
     assert grouped.usage.used_blocks < ignoring.usage.used_blocks * 2 * 0.7
+
+
+@pytest.mark.parametrize("window", [0, -4])
+def test_a_window_that_is_no_token_count_names_the_field(tmp_path, window):
+    from servelab import LLM
+    from servelab.core.errors import ConfigError
+    from servelab.testing import tiny_checkpoint
+
+    folder = tiny_checkpoint(tmp_path / "mistral", "mistral", sliding_window=window)
+    with pytest.raises(ConfigError, match=r"sliding_window must be a whole number of tokens >= 1"):
+        LLM(folder)
+
+
+def test_a_window_longer_than_the_context_is_full_attention(tmp_path):
+    from servelab import LLM
+    from servelab.testing import tiny_checkpoint
+
+    folder = tiny_checkpoint(tmp_path / "mistral", "mistral", sliding_window=10_000)
+    llm = LLM(folder, overrides=["model.max_model_len=128"])
+    assert [group.sliding_window for group in llm.engine.cache.groups] == [None]
+    llm.shutdown()
