@@ -30,15 +30,20 @@ class LatentAttentionConfig:
 @dataclass
 class ExpertsConfig:
     """A mixture-of-experts MLP of a shape, in DeepSeek-V2's config names: the first
-    ``first_k_dense_replace`` layers are dense (``intermediate_size``), the others route
-    each token to ``num_experts_per_tok`` of ``n_routed_experts`` experts of
-    ``moe_intermediate_size`` beside ``n_shared_experts`` that every token passes."""
+    ``first_k_dense_replace`` layers and those in ``mlp_only_layers`` (Qwen-MoE's) are dense
+    (``intermediate_size``), the others route each token to ``num_experts_per_tok`` of
+    ``n_routed_experts`` experts of ``moe_intermediate_size`` beside ``n_shared_experts`` of
+    the same size that every token passes (Mixtral, Qwen3-MoE: 0). ``routing_skew``: the
+    exponent of a Zipf-like expert popularity the simulator routes by (0: uniform;
+    docs/simulation.md, "Mixture of experts"); no architecture's config has it."""
 
     n_routed_experts: int = 64
     num_experts_per_tok: int = 6
     n_shared_experts: int = 2
     moe_intermediate_size: int = 1408
     first_k_dense_replace: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+    routing_skew: float = 0.0
 
 
 @dataclass
@@ -187,10 +192,14 @@ class ParallelConfig:
     ranks are processes joined by ``torch.distributed``: ``backend`` auto (NCCL on CUDA,
     gloo on the CPU), gloo or nccl; ``init_method`` spawn (the engine starts its workers
     on this node) or env (``torchrun`` started every rank; docs/parallel.md);
-    ``threads``: compute threads per rank (default: this machine's cores shared out)."""
+    ``threads``: compute threads per rank (default: this machine's cores shared out).
+    ``expert_parallel_size``: 1, or as many as ``tensor_parallel_size``: each rank holds
+    1/N of a mixture's routed experts whole and tokens reach them through an all-to-all
+    (``executor=simulated`` only; docs/parallel.md)."""
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    expert_parallel_size: int = 1
     backend: str = "auto"
     init_method: str = "spawn"
     threads: Optional[int] = None

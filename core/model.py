@@ -47,6 +47,45 @@ class LatentAttention:
 
 
 @dataclass(frozen=True, slots=True)
+class MixtureOfExperts:
+    """A mixture-of-experts MLP (Mixtral, Qwen-MoE, DeepSeek): a router [``num_experts``,
+    hidden] sends each token to ``top_k`` of ``num_experts`` gated experts of
+    ``expert_intermediate_size``; shared experts, ``shared_intermediate_size`` wide together
+    (0: none; DeepSeek's ``n_shared_experts`` x ``moe_intermediate_size``), pass every token;
+    the layers in ``dense_layers`` have the model's dense MLP instead (DeepSeek's first
+    ``first_k_dense_replace``, Qwen's ``mlp_only_layers``). ``routing_skew``: how unevenly
+    tokens pick experts, the exponent s of a Zipf-like popularity in which expert e (from 0)
+    weighs (e + 1) ** -s (0: uniform; see ``plugins/cost_model/experts.py``)."""
+
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    shared_intermediate_size: int = 0
+    dense_layers: tuple[int, ...] = ()
+    routing_skew: float = 0.0
+
+    def is_sparse(self, layer: int) -> bool:
+        """True when decoder layer ``layer`` has the mixture (not a dense MLP)."""
+        return layer not in self.dense_layers
+
+    def sparse_layers(self, num_layers: int) -> int:
+        """How many of ``num_layers`` decoder layers have the mixture."""
+        return sum(map(self.is_sparse, range(num_layers)))
+
+    def linear_shapes(self, hidden: int) -> tuple[tuple[int, int], ...]:
+        """(output, input) features of one sparse layer's MLP matrices: the router, each
+        routed expert's gate, up and down, and the shared experts' (as one of their width)."""
+        width, shared = self.expert_intermediate_size, self.shared_intermediate_size
+        expert = ((width, hidden), (width, hidden), (hidden, width))
+        return ((self.num_experts, hidden), *expert * self.num_experts,
+                *(((shared, hidden), (shared, hidden), (hidden, shared)) if shared else ()))
+
+    def parameters(self, hidden: int) -> int:
+        """Weights of one sparse layer's MLP (``linear_shapes``)."""
+        return sum(outputs * inputs for outputs, inputs in self.linear_shapes(hidden))
+
+
+@dataclass(frozen=True, slots=True)
 class ModelShape:
     """Sizes the engine (and a cost model) needs before building a model: ``num_layers``
     decoder layers, each with attention of ``num_heads`` query and ``num_kv_heads`` KV heads
@@ -59,9 +98,11 @@ class ModelShape:
     embedding matrix; ``attention_scale``, the softmax scale (None: ``head_dim ** -0.5``),
     and ``attention_softcap``, the attention scores' soft cap (None: none), both model-wide
     and passed on in ``attention_spec``; ``latent``: the layers' attention is latent (MLA;
-    ``head_dim`` is then the query-key width, nope + rope); ``inactive_parameters``: weights
-    the memory holds beyond the layers' shapes, which no step reads (a mixture of experts'
-    unrouted experts when its MLP is given as the active experts' width)."""
+    ``head_dim`` is then the query-key width, nope + rope); ``experts``: a mixture of
+    experts in the layers it marks sparse (``intermediate_size`` is then the dense layers'
+    MLP); ``inactive_parameters``: weights the memory holds beyond the layers' shapes, which
+    no step reads (a mixture of experts' unrouted experts when an implementation gives its
+    MLP as the active experts' width)."""
 
     num_layers: int
     num_heads: int
@@ -79,6 +120,7 @@ class ModelShape:
     attention_softcap: float | None = None
     latent: LatentAttention | None = None
     inactive_parameters: int = 0
+    experts: MixtureOfExperts | None = None
 
     def window_of(self, layer: int) -> int | None:
         """The attention window of decoder layer ``layer`` (None: the whole context)."""
@@ -91,8 +133,9 @@ class ModelShape:
 
     @property
     def layer_parameters(self) -> int:
-        """Weights of one decoder layer: its linear layers (``linear_shapes``), the two
-        norms and a latent attention's norms (biases are not counted)."""
+        """Weights of one decoder layer with a dense MLP: its linear layers
+        (``linear_shapes``), the two norms and a latent attention's norms (biases are not
+        counted)."""
         norms = 2 * self.hidden_size
         if self.latent is not None:
             norms += self.latent.kv_lora_rank + (self.latent.q_lora_rank or 0)
@@ -100,11 +143,17 @@ class ModelShape:
 
     @property
     def num_parameters(self) -> int:
-        """Every weight: the layers, the embedding, the final norm, the LM head (once
-        when tied) and the ``inactive_parameters``."""
+        """Every weight: the layers (a sparse layer's whole mixture of experts in place of
+        the dense MLP), the embedding, the final norm, the LM head (once when tied) and the
+        ``inactive_parameters``."""
         embedding = self.vocab_size * self.hidden_size
         head = 0 if self.tied_embeddings else embedding
-        return (self.num_layers * self.layer_parameters + embedding + head + self.hidden_size
+        sparse = 0
+        if self.experts is not None:
+            layers = self.experts.sparse_layers(self.num_layers)
+            dense_mlp = self.mlp_matrices * self.hidden_size * self.intermediate_size
+            sparse = layers * (self.experts.parameters(self.hidden_size) - dense_mlp)
+        return (self.num_layers * self.layer_parameters + sparse + embedding + head + self.hidden_size
                 + self.inactive_parameters)
 
     def linear_shapes(self, tensor_parallel_size: int = 1) -> dict[str, tuple[int, int]]:
@@ -181,13 +230,16 @@ class ModelShape:
             return 1
         return max(1, self.num_kv_heads // tensor_parallel_size)
 
-    def parallel_problems(self, tensor_parallel_size: int, pipeline_parallel_size: int) -> list[str]:
+    def parallel_problems(self, tensor_parallel_size: int, pipeline_parallel_size: int,
+                          expert_parallel_size: int = 1) -> list[str]:
         """Why this model cannot be split this way (empty when it can): query heads and
         the MLP must divide among tensor-parallel ranks, KV heads must divide among them
         or they among the KV heads (a latent attention's one latent head is on every
-        rank), and every pipeline stage needs a layer."""
+        rank), and every pipeline stage needs a layer; ``expert_parallel_size`` must
+        divide the routed experts and be 1 or the tensor-parallel ranks (which then hold
+        whole experts; else they split every expert's width)."""
         tp, pp = tensor_parallel_size, pipeline_parallel_size
-        problems = []
+        problems = self._expert_problems(tp, expert_parallel_size)
         if tp < 1 or pp < 1:
             problems.append(f"parallel.tensor_parallel_size and pipeline_parallel_size must be >= 1, got {tp} and {pp}")
             return problems
@@ -197,11 +249,29 @@ class ModelShape:
         if self.latent is None and self.num_kv_heads % tp and tp % self.num_kv_heads:
             problems.append(f"parallel.tensor_parallel_size={tp} and the model's {self.num_kv_heads} KV heads: "
                             f"neither divides the other, so the KV heads can be neither split nor replicated")
-        if self.intermediate_size and self.intermediate_size % tp:
+        dense_mlp = self.experts is None or self.experts.sparse_layers(self.num_layers) < self.num_layers
+        if dense_mlp and self.intermediate_size and self.intermediate_size % tp:
             problems.append(f"parallel.tensor_parallel_size={tp} does not divide the MLP's intermediate size "
                             f"{self.intermediate_size}")
         if pp > self.num_layers:
             problems.append(f"parallel.pipeline_parallel_size={pp} exceeds the model's {self.num_layers} layers")
+        return problems
+
+    def _expert_problems(self, tp: int, ep: int) -> list[str]:
+        """``parallel_problems``' checks of the expert-parallel split and the experts' widths."""
+        if ep == 1 and self.experts is None:
+            return []
+        if self.experts is None:
+            return [f"parallel.expert_parallel_size={ep}: the model has no mixture of experts (must be 1)"]
+        experts, problems = self.experts, []
+        if ep < 1 or experts.num_experts % ep or ep not in (1, tp):
+            problems.append(f"parallel.expert_parallel_size={ep} must divide the model's {experts.num_experts} "
+                            f"routed experts and be 1 or parallel.tensor_parallel_size={tp}")
+        split = tp if ep == 1 else 1  # ranks that share each expert's width
+        for name, width in (("routed", experts.expert_intermediate_size), ("shared", experts.shared_intermediate_size)):
+            if split >= 1 and width % split:
+                problems.append(f"parallel.tensor_parallel_size={tp} does not divide the {name} experts' "
+                                f"intermediate size {width}")
         return problems
 
 

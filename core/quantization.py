@@ -154,12 +154,21 @@ def group_problems(layer: str, in_features: int, group_size: int, ranks: int = 1
 def weight_memory_bytes(shape: Any, quantization: WeightQuantization | None, dtype_bytes: float) -> float:
     """Bytes of every weight of a model of ``shape`` (a ``ModelShape``) in ``dtype_bytes``
     floats, its decoder linear layers stored as ``quantization`` asks (None: floats), plus
-    the int8 copy of the LM head that ``lm_head`` keeps beside its float weight."""
+    the int8 copy of the LM head that ``lm_head`` keeps beside its float weight (a
+    mixture of experts' matrices too)."""
     total = shape.num_parameters * dtype_bytes
     if quantization is None:
         return total
-    for outputs, inputs in shape.linear_shapes().values():
-        total -= shape.num_layers * outputs * inputs * (dtype_bytes - quantization.bytes_per_weight(inputs, dtype_bytes))
+
+    def saved(matrices: Iterable[tuple[int, int]]) -> float:
+        return sum(outputs * inputs * (dtype_bytes - quantization.bytes_per_weight(inputs, dtype_bytes))
+                   for outputs, inputs in matrices)
+
+    total -= shape.num_layers * saved(shape.linear_shapes().values())
+    if shape.experts is not None:  # a sparse layer's experts in place of its dense MLP
+        dense_mlp = [size for name, size in shape.linear_shapes().items() if name.startswith("mlp.")]
+        total -= shape.experts.sparse_layers(shape.num_layers) * (
+            saved(shape.experts.linear_shapes(shape.hidden_size)) - saved(dense_mlp))
     if quantization.lm_head:
         total += shape.vocab_size * shape.hidden_size * quantization.bytes_per_weight(shape.hidden_size, dtype_bytes)
     return total

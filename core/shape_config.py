@@ -1,7 +1,8 @@
 """A model given by its sizes (``model.shape``, a ``ModelShapeConfig``): the transformers
 config of its architecture, and the ``ModelShape`` read from the sizes themselves for an
-architecture servelab has no implementation of (a weightless preset that only
-``executor=simulated`` runs, docs/simulation.md)."""
+architecture servelab has no implementation of, or whose implementation does not describe
+its mixture of experts (a weightless preset that only ``executor=simulated`` runs,
+docs/simulation.md)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from servelab.core.errors import ConfigError
-from servelab.core.model import LatentAttention, ModelShape
+from servelab.core.model import LatentAttention, MixtureOfExperts, ModelShape
 
 
 def layer_windows_of(shape: Any) -> tuple[int | None, ...]:
@@ -64,14 +65,19 @@ def sizes_problems(shape: Any) -> list[str]:
         if experts.n_shared_experts < 0 or experts.moe_intermediate_size < 1:
             problems.append(f"model.shape.experts.n_shared_experts must be >= 0 and moe_intermediate_size >= 1, got "
                             f"{experts.n_shared_experts} and {experts.moe_intermediate_size}")
+        outside = [layer for layer in experts.mlp_only_layers if not 0 <= layer < shape.num_hidden_layers]
+        if outside:
+            problems.append(f"model.shape.experts.mlp_only_layers: {outside} are not layers of the model's "
+                            f"{shape.num_hidden_layers}")
+        if experts.routing_skew < 0:
+            problems.append(f"model.shape.experts.routing_skew must be >= 0, got {experts.routing_skew}")
     return problems
 
 
 def model_shape_of(shape: Any, vocab_size: int) -> ModelShape:
     """The ``ModelShape`` of a ``ModelShapeConfig`` read from its sizes: a gated MLP;
     per-layer windows from ``window_pattern``; a latent attention; a mixture of experts
-    priced as a dense MLP as wide as the experts a token passes (routed and shared), its
-    other experts (and the dense layers' difference) held as ``inactive_parameters``."""
+    (``priced_experts``)."""
     problems = sizes_problems(shape)
     if problems:
         raise ConfigError(problems)
@@ -86,19 +92,52 @@ def model_shape_of(shape: Any, vocab_size: int) -> ModelShape:
 
 
 def priced_experts(model: ModelShape, experts: Any) -> ModelShape:
-    """``model`` (whose ``intermediate_size`` is its dense layers' MLP) with a mixture of
-    experts in DeepSeek's names (``n_routed_experts``, ``num_experts_per_tok``,
-    ``n_shared_experts``, ``moe_intermediate_size``, ``first_k_dense_replace``; a
-    ``model.shape.experts`` or a DeepSeek config) priced as a dense MLP as wide as the
-    experts a token passes, routed and shared, in every layer; its other experts (and the
-    dense layers' difference) are held as ``inactive_parameters``."""
-    active = (experts.num_experts_per_tok + experts.n_shared_experts) * experts.moe_intermediate_size
-    routed_layers = model.num_layers - experts.first_k_dense_replace
-    held = 3 * model.hidden_size * (experts.first_k_dense_replace * model.intermediate_size + routed_layers * (
-        experts.n_routed_experts + experts.n_shared_experts) * experts.moe_intermediate_size)
-    router = routed_layers * experts.n_routed_experts * model.hidden_size
-    priced = 3 * model.hidden_size * active * model.num_layers
-    return replace(model, intermediate_size=active, inactive_parameters=held + router - priced)
+    """``model`` (whose ``intermediate_size`` is its dense layers' MLP) with the mixture of
+    experts ``experts`` gives in DeepSeek's names (``n_routed_experts``,
+    ``num_experts_per_tok``, ``n_shared_experts``, ``moe_intermediate_size``,
+    ``first_k_dense_replace``; a ``model.shape.experts``, which may add
+    ``mlp_only_layers`` and ``routing_skew``, or a DeepSeek config), which the cost model
+    prices expert by expert (docs/simulation.md, "Mixture of experts")."""
+    dense = set(range(min(experts.first_k_dense_replace, model.num_layers)))
+    dense.update(getattr(experts, "mlp_only_layers", None) or ())
+    return replace(model, experts=MixtureOfExperts(
+        experts.n_routed_experts, experts.num_experts_per_tok, experts.moe_intermediate_size,
+        experts.n_shared_experts * experts.moe_intermediate_size, tuple(sorted(dense)),
+        float(getattr(experts, "routing_skew", 0.0))))
+
+
+def expert_sizes(model_type: str, shape: Any) -> tuple[dict[str, Any], list[str]]:
+    """A shape's ``experts`` in the transformers config names of ``model_type`` (Mixtral's
+    ``num_local_experts``, Qwen-MoE's ``num_experts`` and ``mlp_only_layers``, else
+    DeepSeek's), and what that architecture cannot take, each naming its field."""
+    experts = shape.experts
+    dense = sorted(set(range(experts.first_k_dense_replace)) | set(experts.mlp_only_layers))
+    shared = experts.n_shared_experts * experts.moe_intermediate_size
+    common = {"num_experts_per_tok": experts.num_experts_per_tok}
+    problems = []
+    if model_type == "mixtral":
+        if dense or shared:
+            problems.append(f"model.shape.experts: MixtralForCausalLM has neither dense layers nor shared experts "
+                            f"(first_k_dense_replace={experts.first_k_dense_replace}, mlp_only_layers="
+                            f"{list(experts.mlp_only_layers)}, n_shared_experts={experts.n_shared_experts})")
+        return {**common, "num_local_experts": experts.n_routed_experts,
+                "intermediate_size": experts.moe_intermediate_size}, problems
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        sizes = {**common, "num_experts": experts.n_routed_experts,
+                 "moe_intermediate_size": experts.moe_intermediate_size, "mlp_only_layers": dense,
+                 "decoder_sparse_step": 1, "norm_topk_prob": True}
+        if model_type == "qwen2_moe":
+            sizes["shared_expert_intermediate_size"] = shared
+        elif shared:
+            problems.append(f"model.shape.experts.n_shared_experts={experts.n_shared_experts}: Qwen3MoeForCausalLM "
+                            f"has no shared experts")
+        return sizes, problems
+    if experts.mlp_only_layers:
+        problems.append(f"model.shape.experts.mlp_only_layers={list(experts.mlp_only_layers)}: "
+                        f"{shape.architecture}'s config has dense layers only first (first_k_dense_replace)")
+    return {**common, "n_routed_experts": experts.n_routed_experts, "n_shared_experts": experts.n_shared_experts,
+            "moe_intermediate_size": experts.moe_intermediate_size,
+            "first_k_dense_replace": experts.first_k_dense_replace}, problems
 
 
 def _opt_sizes(shape: Any, sizes: dict[str, Any]) -> list[str]:
@@ -144,8 +183,8 @@ Llama's names), and what it cannot take."""
 def shape_config(shape: Any, vocab_size: int, eos_token_id: int | None) -> Any:
     """The transformers config of a ``ModelShapeConfig``'s architecture with its sizes, in
     that architecture's names (OPT's ``ffn_dim``, Falcon's ``ffn_hidden_size`` and KV
-    layout; each layer's ``layer_types`` from ``window_pattern``; MLA and experts in
-    DeepSeek's names); raises ``ConfigError`` naming every inconsistent field."""
+    layout; each layer's ``layer_types`` from ``window_pattern``; MLA in DeepSeek's names,
+    experts in the architecture's, ``expert_sizes``); raises ``ConfigError`` naming every inconsistent field."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -164,11 +203,14 @@ def shape_config(shape: Any, vocab_size: int, eos_token_id: int | None) -> Any:
     if shape.window_pattern:
         sizes["layer_types"] = ["full_attention" if window is None else "sliding_attention"
                                 for window in layer_windows_of(shape)]
-    for part in (shape.latent, shape.experts):
-        if part is not None:
-            sizes.update(OmegaConf.to_container(part) if OmegaConf.is_config(part) else asdict(part))
+    if shape.latent is not None:
+        latent = shape.latent
+        sizes.update(OmegaConf.to_container(latent) if OmegaConf.is_config(latent) else asdict(latent))
     model_type = model_types[shape.architecture]
     problems = sizes_problems(shape)
+    if shape.experts is not None and not problems:
+        experts, problems = expert_sizes(model_type, shape)
+        sizes.update(experts)
     if model_type in FAMILY_SIZES:
         problems += FAMILY_SIZES[model_type](shape, sizes)
     if problems:

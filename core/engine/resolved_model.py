@@ -6,9 +6,10 @@ config the same way (``plugins/executor/device_worker.py``).
 
 The registered implementation of the architecture reads the model's shape from its
 transformers config (a checkpoint's, or the one built from ``model.shape``). A
-weightless ``model.shape`` of an architecture servelab has no implementation of is read
-from its sizes instead (``shape_config.model_shape_of``): ``executor=simulated`` prices
-it, ``executor=model`` refuses it for having no weights.
+weightless ``model.shape`` of an architecture servelab has no implementation of, or whose
+implementation's shape has no ``experts`` where the sizes give some (it prices the MLP
+otherwise), is read from its sizes instead (``shape_config.model_shape_of``):
+``executor=simulated`` prices it, ``executor=model`` refuses it for having no weights.
 """
 
 from __future__ import annotations
@@ -53,12 +54,15 @@ class ResolvedModel:
         dtype = resolve_dtype(cfg.model.dtype, checkpoint.hf_config, device, runs_model)
         sizes = cfg.model.shape
         problems: tuple[str, ...] = ()
-        if sizes is not None and checkpoint.weights is None and checkpoint.architecture not in registry.specs("model"):
+        weightless = sizes is not None and checkpoint.weights is None
+        implemented = checkpoint.architecture in registry.specs("model")
+        model_cls = registry.get("model", checkpoint.architecture).cls if implemented or not weightless else None
+        shape = None if model_cls is None else model_cls.shape_of(checkpoint.hf_config)
+        from_sizes = weightless and (shape is None or (sizes.experts is not None and shape.experts is None))
+        if shape is not None and sizes is not None:  # read from the sizes or not, the other fields must agree
+            problems = tuple(unread_sizes(sizes, shape, checkpoint.architecture, experts=not from_sizes))
+        if from_sizes:
             model_cls, shape = None, model_shape_of(sizes, checkpoint.hf_config.vocab_size)
-        else:
-            model_cls = registry.get("model", checkpoint.architecture).cls
-            shape = model_cls.shape_of(checkpoint.hf_config)
-            problems = tuple(unread_sizes(sizes, shape, checkpoint.architecture)) if sizes is not None else ()
         try:
             kv_dtype = resolve_kv_dtype(kv_dtype_name(cfg.cache), dtype)
         except ConfigError as exc:
@@ -67,9 +71,10 @@ class ResolvedModel:
                    cfg.model.max_model_len or shape.max_positions, problems)
 
 
-def unread_sizes(sizes: Any, shape: ModelShape, architecture: str) -> list[str]:
+def unread_sizes(sizes: Any, shape: ModelShape, architecture: str, experts: bool = True) -> list[str]:
     """The parts of a ``model.shape`` that the implementation of ``architecture`` read
-    otherwise or not at all (its ``shape``), each naming its field."""
+    otherwise or not at all (its ``shape``), each naming its field; ``experts``: whether
+    a mixture of experts its shape lacks is one (not when the sizes give it instead)."""
     problems = []
     read = tuple(None if w is None or w >= shape.max_positions else w
                  for w in map(shape.window_of, range(shape.num_layers)))
@@ -82,6 +87,6 @@ def unread_sizes(sizes: Any, shape: ModelShape, architecture: str) -> list[str]:
     if sizes.latent is None and shape.latent is not None:
         problems.append(f"model.shape.latent=null: {architecture}'s servelab implementation always runs latent "
                         f"attention (its config's kv_lora_rank={shape.latent.kv_lora_rank})")
-    if sizes.experts is not None and not shape.inactive_parameters:
+    if experts and sizes.experts is not None and shape.experts is None and not shape.inactive_parameters:
         problems.append(f"model.shape.experts: {architecture}'s servelab implementation has no mixture of experts")
     return problems

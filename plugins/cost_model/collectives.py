@@ -34,7 +34,9 @@ def all_reduce_time(num_bytes: float, devices: int, hardware: HardwareConfig) ->
 
 def all_gather_time(num_bytes: float, devices: int, hardware: HardwareConfig) -> float:
     """Seconds to gather ``num_bytes`` (the whole result, each rank holding 1/n of it) on
-    every rank of a ring: (n - 1) / n of it through each link."""
+    every rank of a ring: (n - 1) / n of it through each link. An all-to-all in which each
+    rank sends ``num_bytes`` spread evenly over the ranks (expert parallelism's dispatch
+    and combine) moves as much through each link."""
     if devices <= 1 or num_bytes <= 0:
         return 0.0
     return hardware.interconnect_latency_s + (devices - 1) / devices * num_bytes / ring_bandwidth(devices, hardware)

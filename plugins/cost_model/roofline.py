@@ -5,7 +5,8 @@ An operator takes ``max(flops / (peak_flops x compute_efficiency), bytes /
 (``plugins/cost_model/operators.py`` counts the work). A layer adds attention priced from
 each request's real context within the layer's own window (``ModelShape.window_of``), two
 all-reduces of its activations under tensor parallelism (``collectives.py``) and
-``layer_overhead_s``; a step adds the embedding on the first
+``layer_overhead_s``; a mixture of experts' sparse layers price their MLP expert by expert,
+with expert parallelism's all-to-alls (``experts.py``); a step adds the embedding on the first
 pipeline stage, the final norm, the LM head and sampling on the last, and
 ``step_overhead_s`` of host work. Pipeline stages hold contiguous layer ranges and send
 their activations to the next stage (``StepCost.transfer_time``). The efficiencies are the
@@ -18,15 +19,25 @@ and their error.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from servelab.core.component import ComponentSpec
 from servelab.core.cost_model import BatchShape, CostModel, CostModelContext, StepCost
 from servelab.core.errors import ConfigError
+from servelab.core.model import ModelShape
 from servelab.plugins.cost_model.collectives import (all_gather_time, all_reduce_time, pipeline_crosses_nodes,
                                                      send_time, stage_layer_counts)
+from servelab.plugins.cost_model.experts import dispatch_bytes, sparse_mlp_operators
 from servelab.plugins.cost_model.operators import (Operator, Widths, attention_operators, first_stage_operators,
-                                                   last_stage_operators, layer_operators, window_groups)
+                                                   last_stage_operators, layer_operators)
+
+MLP_OPERATORS = ("mlp_up_proj", "mlp_act", "mlp_down_proj")
+"""The dense MLP's operators, which a sparse layer replaces with its experts'."""
+
+LayerKind = tuple[int | None, bool]
+"""What prices a decoder layer: its attention window (None: the whole context) and
+whether its MLP is a mixture of experts."""
 
 CACHE_LIMIT = 1 << 16
 """Priced token counts (and token, logits-row pairs) kept before the caches start over."""
@@ -55,15 +66,16 @@ class RooflineCostModel(CostModel):
         raise_problems(roofline_problems(config, context))
         parallel = context.parallel
         self.tp, self.pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+        self.ep = parallel.expert_parallel_size
         self.widths = Widths.of(context.model, self.tp, context.weight_bytes, context.kv_bytes,
                                 context.activation_bytes, context.quantization)
         self.stage_layers = stage_layer_counts(context.model.num_layers, self.pp)
         starts = [sum(self.stage_layers[:stage]) for stage in range(self.pp)]
-        self.stage_windows = [window_groups(context.model, range(start, start + count))
-                              for start, count in zip(starts, self.stage_layers)]
-        self.windows = window_groups(context.model)
+        self.stage_kinds = [layer_kinds(context.model, range(start, start + count))
+                            for start, count in zip(starts, self.stage_layers)]
+        self.kinds = layer_kinds(context.model, range(context.model.num_layers))
         self.crosses_nodes = pipeline_crosses_nodes(self.tp, self.pp, context.hardware)
-        self._dense: dict[int, tuple[tuple[str, float], ...]] = {}
+        self._dense: dict[tuple[int, bool], tuple[tuple[str, float], ...]] = {}
         self._ends: dict[tuple[int, int], tuple[tuple[tuple[str, float], ...], tuple[tuple[str, float], ...]]] = {}
 
     # -- operators ----------------------------------------------------------------------------
@@ -77,6 +89,13 @@ class RooflineCostModel(CostModel):
     def dense_times(self, num_tokens: int) -> tuple[tuple[str, float], ...]:
         """(name, seconds) of one layer's operators but attention and all-reduces."""
         return tuple((op.name, self.operator_time(op)) for op in layer_operators(num_tokens, self.widths))
+
+    def sparse_times(self, num_tokens: int) -> tuple[tuple[str, float], ...]:
+        """(name, seconds) of a sparse layer's operators but attention and collectives:
+        ``dense_times`` with the MLP's replaced by the mixture of experts' on its busiest rank."""
+        experts = sparse_mlp_operators(num_tokens, self.widths, self.context.model.experts, self.tp, self.ep)
+        return (*((name, t) for name, t in self.dense_times(num_tokens) if name not in MLP_OPERATORS),
+                *((op.name, self.operator_time(op)) for op in experts))
 
     def attention_times(self, batch: BatchShape, window: int | None) -> tuple[tuple[str, float], ...]:
         """(name, seconds) of one layer's attention over the batch's contexts within
@@ -108,20 +127,28 @@ class RooflineCostModel(CostModel):
     # -- one step ------------------------------------------------------------------------------
     def layer_times(self, batch: BatchShape, layer: int = 0) -> list[tuple[str, float]]:
         """(name, seconds) of decoder layer ``layer``: its operators, attention within
-        its window, the two all-reduces under tensor parallelism and the layer overhead."""
-        return self._layer_times(batch, self.context.model.window_of(layer))
+        its window, the two all-reduces under tensor parallelism (a sparse layer under
+        expert parallelism: one, and the dispatch and combine all-to-alls) and the layer
+        overhead."""
+        return self._layer_times(batch, layer_kind(self.context.model, layer))
 
-    def _layer_times(self, batch: BatchShape, window: int | None) -> list[tuple[str, float]]:
+    def _layer_times(self, batch: BatchShape, kind: LayerKind) -> list[tuple[str, float]]:
+        window, sparse = kind
         tokens = batch.num_tokens
-        dense = self._dense.get(tokens)
+        dense = self._dense.get((tokens, sparse))
         if dense is None:
             if len(self._dense) > CACHE_LIMIT:
                 self._dense.clear()
-            dense = self._dense[tokens] = self.dense_times(tokens)
+            dense = self._dense[tokens, sparse] = self.sparse_times(tokens) if sparse else self.dense_times(tokens)
         times = list(dense)
         times += self.attention_times(batch, window)
-        if self.tp > 1:
-            times.append(("all_reduce", 2 * self.all_reduce(tokens * self.widths.hidden * self.widths.ab)))
+        activations = tokens * self.widths.hidden * self.widths.ab
+        if sparse and self.ep > 1:
+            times.append(("all_reduce", self.all_reduce(activations)))
+            moved = dispatch_bytes(tokens, self.widths, self.context.model.experts, self.ep)
+            times.append(("all_to_all", 2 * all_gather_time(moved, self.ep, self.context.hardware)))
+        elif self.tp > 1:
+            times.append(("all_reduce", 2 * self.all_reduce(activations)))
         if self.config.layer_overhead_s:
             times.append(("layer_overhead", self.config.layer_overhead_s))
         return times
@@ -129,11 +156,11 @@ class RooflineCostModel(CostModel):
     def forward_cost(self, batch: BatchShape) -> StepCost:
         """Per-stage seconds of one forward pass, the stage-to-stage transfer, a breakdown."""
         tokens = batch.num_tokens
-        layers = {window: self._layer_times(batch, window) for window, _ in self.windows}
-        per_layer = {window: sum(seconds for _, seconds in times) for window, times in layers.items()}
+        layers = {kind: self._layer_times(batch, kind) for kind, _ in self.kinds}
+        per_layer = {kind: sum(seconds for _, seconds in times) for kind, times in layers.items()}
         totals: dict[str, float] = {}
-        for window, count in self.windows:
-            for name, seconds in layers[window]:
+        for kind, count in self.kinds:
+            for name, seconds in layers[kind]:
                 totals[name] = totals.get(name, 0.0) + count * seconds
         key = (tokens, batch.num_logits_rows)
         ends = self._ends.get(key)
@@ -144,7 +171,7 @@ class RooflineCostModel(CostModel):
                                       self.last_stage_times(tokens, batch.num_logits_rows))
         first, last = ends
         overhead = self.step_overhead(batch)
-        stage_times = [sum(count * per_layer[window] for window, count in groups) for groups in self.stage_windows]
+        stage_times = [sum(count * per_layer[kind] for kind, count in kinds) for kinds in self.stage_kinds]
         stage_times[0] += overhead + sum(seconds for _, seconds in first)
         stage_times[-1] += sum(seconds for _, seconds in last)
         transfer = 0.0
@@ -155,6 +182,16 @@ class RooflineCostModel(CostModel):
         if self.pp > 1:
             breakdown.append(("transfer", transfer * (self.pp - 1)))
         return StepCost(tuple(stage_times), transfer, tuple(breakdown))
+
+
+def layer_kind(shape: ModelShape, layer: int) -> LayerKind:
+    """Decoder layer ``layer``'s window and whether its MLP is sparse."""
+    return shape.window_of(layer), shape.experts is not None and shape.experts.is_sparse(layer)
+
+
+def layer_kinds(shape: ModelShape, layers: range) -> tuple[tuple[LayerKind, int], ...]:
+    """(kind, layers) of each distinct ``layer_kind`` among ``layers``, in order of first appearance."""
+    return tuple(Counter(layer_kind(shape, layer) for layer in layers).items())
 
 
 def roofline_problems(config: RooflineCostModelConfig, context: CostModelContext) -> list[str]:

@@ -10,6 +10,7 @@ from servelab import ConfigError, LLM, SamplingParams
 from servelab.core.checkpoint import load_checkpoint
 from servelab.core.engine.llm_engine import LLMEngine
 from servelab.core.entrypoints.compose import compose_config
+from servelab.core.model import MixtureOfExperts
 
 SIMULATED = ["executor=simulated", "cost_model=roofline", "hardware=a100-80gb"]
 
@@ -45,8 +46,9 @@ def test_deepseek_v2_reads_a_weightless_shape_as_its_sizes_say():
     assert engine.executor.context.model_cls.__name__ == "DeepseekV2ForCausalLM"
     assert shape == model_shape_of(cfg.model.shape, 102400)
     assert shape.latent.cached_width == 576 and shape.head_dim == 192
-    # priced as the 6 routed and 2 shared experts a token passes; the memory holds all of them
-    assert shape.intermediate_size == 8 * 1408
+    # the first layer dense, the other 26 route to 6 of 64 experts beside 2 shared; the memory holds all
+    assert shape.intermediate_size == 10944
+    assert shape.experts == MixtureOfExperts(64, 6, 1408, 2 * 1408, (0,))
     assert shape.num_parameters / 1e9 == pytest.approx(15.7, abs=0.05)
     with pytest.raises(ConfigError, match="has no weights: executor=model runs checkpoints; use executor=simulated"):
         LLMEngine(compose_config(["model=deepseek-v2-lite", "device=cpu"]))
@@ -57,6 +59,10 @@ def test_deepseek_v2_reads_a_weightless_shape_as_its_sizes_say():
     (["model=deepseek-v2-lite", "model.shape.experts.num_experts_per_tok=65"],
      r"model.shape.experts.num_experts_per_tok must be in \[1, n_routed_experts=64\]"),
     (["model=gemma-3-27b", "model.shape.sliding_window=null"], "model.shape.window_pattern needs model.shape.sliding"),
+    (["model=mixtral-8x7b", "model.shape.experts.n_shared_experts=1"],
+     "model.shape.experts: MixtralForCausalLM has neither dense layers nor shared experts"),
+    (["model=qwen3-30b-a3b", "model.shape.experts.mlp_only_layers=[48]"],
+     r"model.shape.experts.mlp_only_layers: \[48\] are not layers of the model's 48"),
     (["model=toy", "model.shape.architecture=OPTForCausalLM"],
      "model.shape.num_key_value_heads=2: OPTForCausalLM has as many KV heads as attention heads"),
     (["model=toy", "model.shape.architecture=FalconForCausalLM", "model.shape.head_dim=8"],
