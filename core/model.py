@@ -262,7 +262,8 @@ class ModelShape:
         if ep == 1 and self.experts is None:
             return []
         if self.experts is None:
-            return [f"parallel.expert_parallel_size={ep}: the model has no mixture of experts (must be 1)"]
+            return [f"parallel.expert_parallel_size={ep}: the model's shape describes no mixture of experts "
+                    f"(must be 1)"]
         experts, problems = self.experts, []
         if ep < 1 or experts.num_experts % ep or ep not in (1, tp):
             problems.append(f"parallel.expert_parallel_size={ep} must divide the model's {experts.num_experts} "
