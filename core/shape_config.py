@@ -125,7 +125,7 @@ def expert_sizes(model_type: str, shape: Any) -> tuple[dict[str, Any], list[str]
     if model_type in ("qwen2_moe", "qwen3_moe"):
         sizes = {**common, "num_experts": experts.n_routed_experts,
                  "moe_intermediate_size": experts.moe_intermediate_size, "mlp_only_layers": dense,
-                 "decoder_sparse_step": 1, "norm_topk_prob": True}
+                 "decoder_sparse_step": 1, "norm_topk_prob": model_type == "qwen3_moe"}
         if model_type == "qwen2_moe":
             sizes["shared_expert_intermediate_size"] = shared
         elif shared:
