@@ -1,5 +1,5 @@
 """Builds the two local lm-evaluation-harness tasks from Python sources the default model
-never trained on (the ``torch`` package, held out of its corpus, docs/models.md).
+never trained on (the ``torch`` package, held out of its corpus, docs/shipped_models.md).
 
 - ``python_next_line.jsonl``: 200 multiple-choice items. ``context``: six consecutive
   non-blank lines of a file (none over 100 characters); ``choices``: the line that follows and three lines of
