@@ -9,6 +9,9 @@ choice) pairs are sorted by expert, each expert that has any multiplies its pack
 once (gate and up in one matmul, then down), the outputs are scaled by their weights and
 added back onto their tokens with one ``index_add_``; no Python loop over tokens. Qwen2-MoE
 adds a shared expert that every token passes, scaled by ``sigmoid(shared_expert_gate(x))``.
+On a CUDA device with triton installed the experts run instead as the Triton grouped GEMM
+of ``servelab/kernels/fused_moe.py`` (pairs aligned to whole tiles per expert, one launch
+for gate/up and one for down, the activation between them in torch); elsewhere as above.
 
 Expert weights are stacked, one tensor per projection and layer (``StackedWeight``). The
 loader takes what transformers' ``save_pretrained`` writes (per-expert
@@ -31,6 +34,7 @@ from torch import nn
 
 from servelab.core.errors import ConfigError
 from servelab.core.model import ModelParallel, ModelShape
+from servelab.kernels.availability import triton_unavailable_reason
 from servelab.kernels.blocked_linear import float_linear, pack_blocks
 from servelab.plugins.models.decoder import WeightPiece, use_native
 from servelab.plugins.models.linear import Linear
@@ -210,7 +214,15 @@ class ExpertWeights(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden]; weights, experts: [T, top_k] -> the weighted sum of each token's
-        experts' outputs [T, hidden] (this rank's partial sum under tensor parallelism)."""
+        experts' outputs [T, hidden] (this rank's partial sum under tensor parallelism);
+        the Triton ``fused_moe`` kernel on CUDA when triton is installed."""
+        if x.device.type == "cuda" and triton_unavailable_reason() is None:
+            from servelab.kernels.fused_moe import fused_moe
+
+            return fused_moe(x, self.gate_up_proj.weight.unflatten(0, (self.num_experts, -1)),
+                             self.down_proj.weight.unflatten(0, (self.num_experts, -1)), weights, experts,
+                             lambda gate_up: gated_activation(gate_up, self.act, self.fused_silu),
+                             check_expert_ids=False)
         top_k = experts.shape[1]
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)
