@@ -55,7 +55,9 @@ class MixtureOfExperts:
     the layers in ``dense_layers`` have the model's dense MLP instead (DeepSeek's first
     ``first_k_dense_replace``, Qwen's ``mlp_only_layers``). ``routing_skew``: how unevenly
     tokens pick experts, the exponent s of a Zipf-like popularity in which expert e (from 0)
-    weighs (e + 1) ** -s (0: uniform; see ``plugins/cost_model/experts.py``)."""
+    weighs (e + 1) ** -s (0: uniform; see ``plugins/cost_model/experts.py``).
+    ``shared_gate``: the shared experts' output is scaled by a sigmoid gate [1, hidden]
+    (Qwen2-MoE's ``shared_expert_gate``)."""
 
     num_experts: int
     top_k: int
@@ -63,6 +65,7 @@ class MixtureOfExperts:
     shared_intermediate_size: int = 0
     dense_layers: tuple[int, ...] = ()
     routing_skew: float = 0.0
+    shared_gate: bool = False
 
     def is_sparse(self, layer: int) -> bool:
         """True when decoder layer ``layer`` has the mixture (not a dense MLP)."""
@@ -74,11 +77,13 @@ class MixtureOfExperts:
 
     def linear_shapes(self, hidden: int) -> tuple[tuple[int, int], ...]:
         """(output, input) features of one sparse layer's MLP matrices: the router, each
-        routed expert's gate, up and down, and the shared experts' (as one of their width)."""
+        routed expert's gate, up and down, and the shared experts' (as one of their width)
+        with their gate."""
         width, shared = self.expert_intermediate_size, self.shared_intermediate_size
         expert = ((width, hidden), (width, hidden), (hidden, width))
         return ((self.num_experts, hidden), *expert * self.num_experts,
-                *(((shared, hidden), (shared, hidden), (hidden, shared)) if shared else ()))
+                *(((shared, hidden), (shared, hidden), (hidden, shared)) if shared else ()),
+                *(((1, hidden),) if self.shared_gate else ()))
 
     def parameters(self, hidden: int) -> int:
         """Weights of one sparse layer's MLP (``linear_shapes``)."""
@@ -100,9 +105,7 @@ class ModelShape:
     and passed on in ``attention_spec``; ``latent``: the layers' attention is latent (MLA;
     ``head_dim`` is then the query-key width, nope + rope); ``experts``: a mixture of
     experts in the layers it marks sparse (``intermediate_size`` is then the dense layers'
-    MLP); ``inactive_parameters``: weights the memory holds beyond the layers' shapes, which
-    no step reads (a mixture of experts' unrouted experts when an implementation gives its
-    MLP as the active experts' width)."""
+    MLP)."""
 
     num_layers: int
     num_heads: int
@@ -119,7 +122,6 @@ class ModelShape:
     attention_scale: float | None = None
     attention_softcap: float | None = None
     latent: LatentAttention | None = None
-    inactive_parameters: int = 0
     experts: MixtureOfExperts | None = None
 
     def window_of(self, layer: int) -> int | None:
@@ -144,8 +146,7 @@ class ModelShape:
     @property
     def num_parameters(self) -> int:
         """Every weight: the layers (a sparse layer's whole mixture of experts in place of
-        the dense MLP), the embedding, the final norm, the LM head (once when tied) and the
-        ``inactive_parameters``."""
+        the dense MLP), the embedding, the final norm and the LM head (once when tied)."""
         embedding = self.vocab_size * self.hidden_size
         head = 0 if self.tied_embeddings else embedding
         sparse = 0
@@ -153,8 +154,7 @@ class ModelShape:
             layers = self.experts.sparse_layers(self.num_layers)
             dense_mlp = self.mlp_matrices * self.hidden_size * self.intermediate_size
             sparse = layers * (self.experts.parameters(self.hidden_size) - dense_mlp)
-        return (self.num_layers * self.layer_parameters + sparse + embedding + head + self.hidden_size
-                + self.inactive_parameters)
+        return self.num_layers * self.layer_parameters + sparse + embedding + head + self.hidden_size
 
     def linear_shapes(self, tensor_parallel_size: int = 1) -> dict[str, tuple[int, int]]:
         """(output, input) features of each decoder layer's linear layers (Hugging Face

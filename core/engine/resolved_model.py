@@ -87,6 +87,6 @@ def unread_sizes(sizes: Any, shape: ModelShape, architecture: str, experts: bool
     if sizes.latent is None and shape.latent is not None:
         problems.append(f"model.shape.latent=null: {architecture}'s servelab implementation always runs latent "
                         f"attention (its config's kv_lora_rank={shape.latent.kv_lora_rank})")
-    if experts and sizes.experts is not None and shape.experts is None and not shape.inactive_parameters:
+    if experts and sizes.experts is not None and shape.experts is None:
         problems.append(f"model.shape.experts: {architecture}'s servelab implementation has no mixture of experts")
     return problems

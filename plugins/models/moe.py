@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from servelab.core.errors import ConfigError
-from servelab.core.model import ModelParallel, ModelShape
+from servelab.core.model import MixtureOfExperts, ModelParallel, ModelShape
 from servelab.kernels.availability import triton_unavailable_reason
 from servelab.kernels.blocked_linear import float_linear, pack_blocks
 from servelab.plugins.models.decoder import WeightPiece, use_native
@@ -85,25 +85,16 @@ class ExpertLayout:
                                f"{layout.num_experts}]"])
         return layout
 
-    @property
-    def active_width(self) -> int:
-        """The intermediate width a token passes in a sparse layer: its experts and the shared one."""
-        return self.top_k * self.intermediate_size + self.shared_intermediate_size
-
     def priced(self, dense: ModelShape) -> ModelShape:
-        """``dense`` (whose ``intermediate_size`` is the dense layers') with every layer's MLP
-        given as ``active_width`` and the weights that makes it miss (the unrouted experts,
-        routers, shared gates, dense layers' difference) as ``inactive_parameters``; ``dense``
-        itself when no layer is sparse."""
+        """``dense`` (whose ``intermediate_size`` is the dense layers') with its mixture of
+        experts (``ModelShape.experts``), which the cost models price expert by expert;
+        ``dense`` itself when no layer is sparse."""
         if not self.sparse_layers:
             return dense
-        hidden, sparse = dense.hidden_size, len(self.sparse_layers)
-        shared_gate = hidden if self.shared_intermediate_size else 0
-        expert_weights = 3 * hidden * (self.num_experts * self.intermediate_size + self.shared_intermediate_size)
-        held = (sparse * (expert_weights + self.num_experts * hidden + shared_gate)
-                + (dense.num_layers - sparse) * 3 * hidden * dense.intermediate_size)
-        priced = dense.num_layers * 3 * hidden * self.active_width
-        return replace(dense, intermediate_size=self.active_width, inactive_parameters=held - priced)
+        dense_layers = tuple(layer for layer in range(dense.num_layers) if layer not in self.sparse_layers)
+        return replace(dense, experts=MixtureOfExperts(self.num_experts, self.top_k, self.intermediate_size,
+                                                       self.shared_intermediate_size, dense_layers,
+                                                       shared_gate=bool(self.shared_intermediate_size)))
 
     def split_problems(self, tensor_parallel_size: int, dense_intermediate_size: int, num_layers: int) -> list[str]:
         """Why tensor parallelism cannot split the experts, the shared expert or the dense

@@ -195,14 +195,18 @@ MIXTURES = ("mixtral", "qwen2-moe", "qwen3-moe")
 """The mixture-of-experts families' oracle configs."""
 
 
-@pytest.mark.parametrize("family, active", [("mixtral", 2 * 32), ("qwen2-moe", 2 * 32 + 48), ("qwen3-moe", 2 * 32)])
-def test_a_mixture_of_experts_prices_its_active_experts_and_holds_them_all(family, active):
-    """``intermediate_size`` is the width a token passes (top-k experts and the shared one);
-    the parameter count is transformers' (less biases and q/k norms, which shapes leave out)."""
+@pytest.mark.parametrize("family, experts", [("mixtral", (4, 2, 32, 0, ())), ("qwen2-moe", (8, 2, 32, 48, (0,))),
+                                             ("qwen3-moe", (6, 2, 32, 0, ()))])
+def test_a_mixture_of_experts_describes_its_experts_and_holds_them_all(family, experts):
+    """``ModelShape.experts`` gives the routed experts, top-k, widths and dense layers the
+    cost models price; the parameter count is transformers' (less biases and q/k norms,
+    which shapes leave out)."""
     from transformers import AutoModelForCausalLM
 
     moe = shape(family)
-    assert (moe.intermediate_size, moe.mlp_kind) == (active, "gated")
+    described = moe.experts
+    assert (described.num_experts, described.top_k, described.expert_intermediate_size,
+            described.shared_intermediate_size, described.dense_layers) == experts
     held = AutoModelForCausalLM.from_config(tiny_config(family, 257)).named_parameters()
     assert moe.num_parameters == sum(p.numel() for name, p in held
                                      if not name.endswith(("bias", "q_norm.weight", "k_norm.weight")))
