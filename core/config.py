@@ -194,8 +194,8 @@ class ParallelConfig:
     on this node) or env (``torchrun`` started every rank; docs/parallel.md);
     ``threads``: compute threads per rank (default: this machine's cores shared out).
     ``expert_parallel_size``: 1, or as many as ``tensor_parallel_size``: each rank holds
-    1/N of a mixture's routed experts whole and tokens reach them through an all-to-all
-    (``executor=simulated`` only; docs/parallel.md)."""
+    1/N of a mixture's routed experts whole (real runs combine them with the tensor-parallel
+    all-reduce; the simulator prices an all-to-all; docs/parallel.md)."""
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1

@@ -283,7 +283,9 @@ class ModelParallel:
     ``tp_rank`` of ``tp_size`` ranks that split every layer of its stage Megatron-style
     (``tp_group``: their ``torch.distributed`` group, None alone); ``pp_rank`` of
     ``pp_size`` pipeline stages, each holding consecutive layers. Alone, the collectives
-    are no-ops.
+    are no-ops. ``expert_parallel``: the tensor-parallel ranks hold a mixture's routed
+    experts whole, 1/``tp_size`` of them each (``expert_range``), instead of a share of
+    every expert's width (``parallel.expert_parallel_size``).
     """
 
     tp_rank: int = 0
@@ -291,6 +293,11 @@ class ModelParallel:
     pp_rank: int = 0
     pp_size: int = 1
     tp_group: Any = None
+    expert_parallel: bool = False
+
+    def expert_range(self, num_experts: int) -> range:
+        """The routed experts this rank holds: its share under expert parallelism, else all."""
+        return self.split(num_experts) if self.expert_parallel else range(num_experts)
 
     @property
     def is_first_stage(self) -> bool:

@@ -88,9 +88,6 @@ class LLMEngine:
         parallel = cfg.parallel
         problems += shape.parallel_problems(parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
                                             parallel.expert_parallel_size)
-        if parallel.expert_parallel_size != 1 and executor_cls.runs_model:
-            problems.append(f"parallel.expert_parallel_size={parallel.expert_parallel_size}: only executor=simulated "
-                            f"prices expert parallelism; the model executor does not run it yet (must be 1)")
         problems += quantization_problems(checkpoint.quantization, shape, parallel.tensor_parallel_size, self.device,
                                           executor_cls.runs_model)
         executor = None if problems else build_collecting(problems, lambda: registry.build(

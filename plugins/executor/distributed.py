@@ -41,10 +41,12 @@ GROUP_TIMEOUT = timedelta(minutes=10)
 
 @dataclass(frozen=True, slots=True)
 class Topology:
-    """``tp`` tensor ranks per stage, ``pp`` stages; ranks numbered ``stage * tp + tp_rank``."""
+    """``tp`` tensor ranks per stage, ``pp`` stages; ranks numbered ``stage * tp + tp_rank``;
+    ``ep``: expert-parallel ranks (1, or ``tp``: the tensor ranks hold whole experts)."""
 
     tp: int
     pp: int
+    ep: int = 1
 
     @property
     def world_size(self) -> int:
@@ -54,7 +56,7 @@ class Topology:
     def parallel(self, rank: int, groups: list[Any]) -> ModelParallel:
         """The ``ModelParallel`` of ``rank`` (``groups``: each stage's tensor group)."""
         stage, tp_rank = divmod(rank, self.tp)
-        return ModelParallel(tp_rank, self.tp, stage, self.pp, groups[stage] if self.tp > 1 else None)
+        return ModelParallel(tp_rank, self.tp, stage, self.pp, groups[stage] if self.tp > 1 else None, self.ep > 1)
 
     def next_rank(self, rank: int) -> int:
         """The same tensor rank of the next stage."""
@@ -202,7 +204,8 @@ def serve_torchrun_worker(backend: str) -> None:
     received: list[Any] = [None]
     dist.broadcast_object_list(received, src=0)
     cfg = received[0]
-    topology = Topology(cfg.parallel.tensor_parallel_size, cfg.parallel.pipeline_parallel_size)
+    topology = Topology(cfg.parallel.tensor_parallel_size, cfg.parallel.pipeline_parallel_size,
+                        cfg.parallel.expert_parallel_size)
     torch.set_num_threads(cfg.parallel.threads or default_threads(local_world_size(topology.world_size)))
     run_worker(cfg, topology, dist.get_rank(), stage_groups(topology))
 

@@ -19,7 +19,10 @@ loader takes what transformers' ``save_pretrained`` writes (per-expert
 the fused 3-D ``experts.gate_up_proj`` [E, 2I, H] / ``experts.down_proj`` [E, H, I] of
 transformers' own modules. Tensor parallelism splits every expert's intermediate size
 (gate/up rows, down columns) and the shared expert's like a dense MLP; the block sums its
-ranks with one all-reduce.
+ranks with one all-reduce. Expert parallelism (``parallel.expert_parallel_size`` equal to
+the tensor-parallel size) gives each tensor-parallel rank 1/N of the routed experts whole
+instead: every rank has every token's hidden state already, computes the pairs routed to
+its experts, and the same all-reduce combines them (no all-to-all: the tokens never leave).
 """
 
 from __future__ import annotations
@@ -96,10 +99,15 @@ class ExpertLayout:
                                                        self.shared_intermediate_size, dense_layers,
                                                        shared_gate=bool(self.shared_intermediate_size)))
 
-    def split_problems(self, tensor_parallel_size: int, dense_intermediate_size: int, num_layers: int) -> list[str]:
-        """Why tensor parallelism cannot split the experts, the shared expert or the dense
-        layers' MLP ``tensor_parallel_size`` ways (empty when it can)."""
-        widths = [(f"experts' {self.width_field}", self.intermediate_size)] if self.sparse_layers else []
+    def split_problems(self, tensor_parallel_size: int, dense_intermediate_size: int, num_layers: int,
+                       expert_parallel: bool = False) -> list[str]:
+        """Why tensor parallelism cannot split the experts (their width; under
+        ``expert_parallel``, their count), the shared expert or the dense layers' MLP
+        ``tensor_parallel_size`` ways (empty when it can)."""
+        if expert_parallel:
+            widths = [(f"routed experts' count {self.experts_field}", self.num_experts)]
+        else:
+            widths = [(f"experts' {self.width_field}", self.intermediate_size)] if self.sparse_layers else []
         if self.shared_intermediate_size:
             widths.append(("shared expert's shared_expert_intermediate_size", self.shared_intermediate_size))
         if len(self.sparse_layers) < num_layers:
@@ -157,15 +165,20 @@ class StackedWeight(nn.Module):
 
 
 class ExpertWeights(nn.Module):
-    """Layer ``layer``'s routed experts, this rank's ``columns`` of each one's intermediate
-    size: ``gate_up_proj`` [E * 2 * I, hidden] ([gate | up] per expert) and ``down_proj``
-    [E * hidden, I]; ``loaded`` records which checkpoint tensors arrived."""
+    """Layer ``layer``'s routed experts this rank holds (``held``: all of them, or under
+    expert parallelism its share, whole), this rank's ``columns`` of each one's
+    intermediate size (all of them under expert parallelism): ``gate_up_proj`` [E * 2 * I,
+    hidden] ([gate | up] per held expert) and ``down_proj`` [E * hidden, I]; ``loaded``
+    records which checkpoint tensors arrived."""
 
     def __init__(self, layout: ExpertLayout, hidden_size: int, parallel: ModelParallel, layer: int, act: Any,
                  fused_silu: bool):
         super().__init__()
-        self.num_experts, self.hidden_size, self.layer = layout.num_experts, hidden_size, layer
-        self.columns = parallel.split(layout.intermediate_size)
+        self.held = parallel.expert_range(layout.num_experts)
+        self.sharded = parallel.expert_parallel
+        self.total_experts, self.num_experts = layout.num_experts, len(self.held)
+        self.hidden_size, self.layer = hidden_size, layer
+        self.columns = range(layout.intermediate_size) if self.sharded else parallel.split(layout.intermediate_size)
         self.intermediate = len(self.columns)
         self.gate_up_proj = StackedWeight(self.num_experts, 2 * self.intermediate, hidden_size)
         self.down_proj = StackedWeight(self.num_experts, hidden_size, self.intermediate)
@@ -184,14 +197,19 @@ class ExpertWeights(nn.Module):
         if part in PROJECTIONS and index.isdigit():
             return self._expert_pieces(int(index), part, tensor)
         if part == "gate_up_proj" and not index:
-            return [piece for e in range(self.num_experts) for half, part in zip(tensor[e].chunk(2), PROJECTIONS)
+            return [piece for e in range(self.total_experts) for half, part in zip(tensor[e].chunk(2), PROJECTIONS)
                     for piece in self._expert_pieces(e, part, half)]
         if part == "down_proj" and not index:
-            return [piece for e in range(self.num_experts) for piece in self._expert_pieces(e, part, tensor[e])]
+            return [piece for e in range(self.total_experts) for piece in self._expert_pieces(e, part, tensor[e])]
         return None
 
     def _expert_pieces(self, expert: int, part: str, tensor: torch.Tensor) -> list[WeightPiece]:
+        """Expert ``expert``'s (a checkpoint index) piece of ``part``; none for an expert
+        another rank holds."""
         self.loaded.add((expert, part))
+        if expert not in self.held:
+            return []
+        expert -= self.held.start
         columns = slice(self.columns.start, self.columns.stop)
         if part == "down_proj":
             return [WeightPiece("down_proj.weight", expert * self.hidden_size, tensor[:, columns])]
@@ -200,14 +218,16 @@ class ExpertWeights(nn.Module):
 
     def missing(self) -> list[str]:
         """The (layer, expert, projection) tensors the checkpoint did not give."""
-        return [f"layer {self.layer} expert {e} {part}" for e in range(self.num_experts) for part in PROJECTIONS
+        return [f"layer {self.layer} expert {e} {part}" for e in range(self.total_experts) for part in PROJECTIONS
                 if (e, part) not in self.loaded]
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden]; weights, experts: [T, top_k] -> the weighted sum of each token's
-        experts' outputs [T, hidden] (this rank's partial sum under tensor parallelism);
-        the Triton ``fused_moe`` kernel on CUDA when triton is installed."""
-        if x.device.type == "cuda" and triton_unavailable_reason() is None:
+        experts' outputs [T, hidden] (this rank's partial sum under tensor or expert
+        parallelism: under expert parallelism the pairs routed to its experts only); the
+        Triton ``fused_moe`` kernel on CUDA when triton is installed (not yet under expert
+        parallelism, which takes the generic path)."""
+        if x.device.type == "cuda" and not self.sharded and triton_unavailable_reason() is None:
             from servelab.kernels.fused_moe import fused_moe
 
             return fused_moe(x, self.gate_up_proj.weight.unflatten(0, (self.num_experts, -1)),
@@ -216,7 +236,12 @@ class ExpertWeights(nn.Module):
                              check_expert_ids=False)
         top_k = experts.shape[1]
         flat = experts.flatten()
+        if self.sharded:  # only the pairs routed to this rank's experts
+            pairs = ((flat >= self.held.start) & (flat < self.held.stop)).nonzero().squeeze(1)
+            flat = flat[pairs] - self.held.start
         order = torch.argsort(flat, stable=True)
+        if self.sharded:
+            order = pairs[order]
         tokens = order // top_k  # the token of each (token, choice) pair, grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         packed = x[tokens]
@@ -313,7 +338,7 @@ class SparseForCausalLM(LlamaFamilyForCausalLM):
     def __init__(self, hf_config: Any, attention: Any, dtype: torch.dtype, max_positions: int,
                  parallel: ModelParallel = ModelParallel()):
         problems = ExpertLayout.of(hf_config).split_problems(parallel.tp_size, hf_config.intermediate_size,
-                                                             hf_config.num_hidden_layers)
+                                                             hf_config.num_hidden_layers, parallel.expert_parallel)
         if problems:
             raise ConfigError(problems)
         super().__init__(hf_config, attention, dtype, max_positions, parallel)

@@ -13,6 +13,8 @@ the pure-torch references live in the ``*_reference`` modules):
   table; covers prefill, chunked prefill, speculative verification and decode.
 - ``decode_attention.paged_decode_attention``: flash-decoding (split-K) for
   batches where every request has exactly one new token.
+- ``fused_moe.fused_moe``: a mixture of experts' routed experts as grouped GEMMs over
+  the (token, expert) pairs sorted and padded by expert (``align_by_expert``).
 - ``availability.triton_unavailable_reason``: says why the kernels cannot run
   here (``None`` when they can).
 

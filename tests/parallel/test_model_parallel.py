@@ -78,6 +78,14 @@ def test_families_split_like_one_device(families, family, split):
     matches(families[family], split, PAGED, "scheduler=chunked", "scheduler.token_budget=16")
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen2-moe"])
+def test_expert_parallelism_equals_one_device(families, family):
+    """Each tensor-parallel rank holds half the routed experts whole (Qwen2-MoE's shared
+    expert and dense layer split as ever)."""
+    matches(families[family], "parallel.tensor_parallel_size=2", "parallel.expert_parallel_size=2", PAGED,
+            "scheduler=chunked", "scheduler.token_budget=16")
+
+
 def test_tensor_and_pipeline_together_with_a_draft_model(models):
     matches(models["qwen2"], "parallel.tensor_parallel_size=2", "parallel.pipeline_parallel_size=2")
     matches(models["llama"], "parallel.tensor_parallel_size=2", "decoding=speculative",
