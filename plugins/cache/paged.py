@@ -165,13 +165,15 @@ class PagedKVCacheManager(KVCacheManager):
         ``computed`` reads (position computed - window + 1) at the null block."""
         starts = self._window_starts.setdefault(rid, [0] * len(tables))
         for index in self._windowed:
-            table = tables[index]
+            table, start = tables[index], starts[index]
             first = min(max(0, computed - self._windows[index] + 1) // self.block_size, len(table))
-            gone = [block for block in table[starts[index]:first] if block != self.null_block]
+            if first <= start:  # most steps: the window has not left another block
+                continue
+            gone = [block for block in table[start:first] if block != self.null_block]
             if gone:
                 self._release(gone)
-            table[starts[index]:first] = [self.null_block] * (first - starts[index])
-            starts[index] = max(starts[index], first)
+            table[start:first] = [self.null_block] * (first - start)
+            starts[index] = first
 
     def _register_full_blocks(self, request: Request, tables: list[list[int]], used: int) -> None:
         size = self.block_size
