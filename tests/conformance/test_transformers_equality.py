@@ -6,7 +6,9 @@ import itertools
 
 import pytest
 
+from servelab import LLM
 from servelab.core.engine.registry import get_registry
+from servelab.core.errors import ConfigError
 from servelab.testing import assert_engine_matches_transformers, mixed_prompts
 
 REGISTRY = get_registry()
@@ -78,8 +80,11 @@ def test_large_batch_of_decodes_matches_transformers(llama, attention):
                                        max_tokens=6)
 
 
-FAMILY_REPRESENTATIVES = ("phi3", "opt", "falcon-new")
-"""One tiny config per family beyond Llama, run through every combination."""
+FAMILY_REPRESENTATIVES = ("phi3", "opt", "falcon-new", "gemma2", "gemma3", "deepseek-v2")
+"""One tiny config per family beyond Llama, run through every combination (Gemma 3:
+windowed and global layers in three KV cache groups; DeepSeek-V2: latent attention)."""
+REFUSED = {("gemma2", "cpu"): "does not soft-cap attention scores"}
+"""Combinations a backend refuses by design, with the reason its error names."""
 FAMILY_LAYOUTS = {
     "phi3-window": ("phi3", {"sliding_window": 16}, ("continuous", "paged", "cpu"), ("chunked", "contiguous", "sdpa")),
     "opt-postnorm": ("opt-postnorm", {}, ("continuous", "paged", "cpu"), ("chunked", "contiguous", "sdpa")),
@@ -118,8 +123,13 @@ def family_checkpoints(tmp_path_factory) -> dict[str, str]:
 @pytest.mark.parametrize("family", FAMILY_REPRESENTATIVES)
 @pytest.mark.parametrize("scheduler,cache,attention", COMBINATIONS)
 def test_every_family_matches_transformers(family_checkpoints, family, scheduler, cache, attention):
-    """Phi-3 (fused checkpoint projections, partial rotary, longrope), OPT (pre-norm) and
-    Falcon (new_decoder_architecture) through every combination."""
+    """Phi-3 (fused checkpoint projections, partial rotary, longrope), OPT (pre-norm),
+    Falcon (new_decoder_architecture), Gemma 2 and 3 and DeepSeek-V2 through every
+    combination; a refused one names why."""
+    if (family, attention) in REFUSED:
+        with pytest.raises(ConfigError, match=REFUSED[family, attention]):
+            LLM(family_checkpoints[family], overrides=[f"attention={attention}"])
+        return
     assert_engine_matches_transformers(
         family_checkpoints[family], [f"scheduler={scheduler}", f"cache={cache}", f"attention={attention}",
                                      "cache.memory_bytes=4000000"])
