@@ -37,7 +37,12 @@ def families(tmp_path_factory) -> dict[str, str]:
 
 FAMILY_SPLITS = ("phi3", "opt-project", "falcon", "falcon-new", "gemma2", "gemma3", "deepseek-v2-qlora", "mixtral",
                  "qwen2-moe", "qwen3-moe")
-"""Families (and layouts) checked at tp=2 and at pp=2."""
+"""Families (and layouts) checked at tp=2, each splitting its own modules."""
+STAGE_SPLITS = ("phi3", "opt-project", "falcon", "gemma3", "deepseek-v2-qlora", "qwen2-moe")
+"""One layout per family (the rest share its stage code) checked at pp=2: stage-local
+weights, tied heads, what a stage carries, Qwen2-MoE's dense layer 0 on the first stage."""
+SPLITS = [(family, "parallel.tensor_parallel_size=2") for family in FAMILY_SPLITS] + [
+    (family, "parallel.pipeline_parallel_size=2") for family in STAGE_SPLITS]
 
 
 def matches(folder: str, *overrides: str, prompts=None) -> None:
@@ -64,9 +69,8 @@ def test_greedy_output_equals_one_device(models, model, overrides):
     matches(models[model], *overrides)
 
 
-@pytest.mark.parametrize("family", FAMILY_SPLITS)
-@pytest.mark.parametrize("split", ["parallel.tensor_parallel_size=2", "parallel.pipeline_parallel_size=2"],
-                         ids=["tp2", "pp2"])
+@pytest.mark.parametrize("family, split", SPLITS,
+                         ids=[f"{'tp2' if 'tensor' in split else 'pp2'}-{family}" for family, split in SPLITS])
 def test_families_split_like_one_device(families, family, split):
     """Each family's fused, replicated and stage-local weights land where one device has them
     (Phi-3's fused projections, OPT's positions, project_in/out and tied head, Falcon's
@@ -114,7 +118,7 @@ def test_splits_that_cannot_work_name_the_numbers(models, overrides, message):
     ("falcon-new", {"ffn_hidden_size": 130}, ["parallel.tensor_parallel_size=4"],
      "tensor_parallel_size=4 does not divide the MLP's intermediate size 130"),
     ("qwen3-moe", {"moe_intermediate_size": 33}, ["parallel.tensor_parallel_size=2"],
-     "tensor_parallel_size=2 does not divide the experts' moe_intermediate_size 33"),
+     "tensor_parallel_size=2 does not divide the routed experts' intermediate size 33"),
 ])
 def test_family_splits_that_cannot_work_name_the_numbers(tmp_path, family, fields, overrides, message):
     folder = tiny_checkpoint(tmp_path / family, family, **fields)
