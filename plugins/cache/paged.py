@@ -68,6 +68,7 @@ class PagedKVCacheManager(KVCacheManager):
         self.groups = groups
         self._windows = tuple(group.sliding_window for group in groups)
         self._windowed = tuple(index for index, window in enumerate(self._windows) if window is not None)
+        self._layer_windows = tuple(window for window in spec.layer_windows if window)
         self.null_block = num_blocks if self._windowed else None
         self.num_blocks = num_blocks + bool(self._windowed)
         self.pool = BlockPool(num_blocks)
@@ -255,7 +256,7 @@ class PagedKVCacheManager(KVCacheManager):
             total_blocks=total,
             used_blocks=used_blocks,
             cached_blocks=cached,
-            unread_slots=self._unread_slots() if any(self.spec.layer_windows) else 0,
+            unread_slots=self._unread_slots() if self._layer_windows else 0,
         )
 
     def _unread_slots(self) -> int:
@@ -263,7 +264,6 @@ class PagedKVCacheManager(KVCacheManager):
         of its live blocks before the window; in one group that ignores its layers'
         windows, each windowed layer's tokens before its window, by its share of the
         group's layers (blocks shared between requests count for each)."""
-        windows = [window for window in self.spec.layer_windows if window]
         unread = 0.0
         for rid, tables in self._tables.items():
             used = self._used_slots.get(rid, 0)
@@ -272,7 +272,7 @@ class PagedKVCacheManager(KVCacheManager):
                 unread += sum(max(0, used - starts[index] * self.block_size - self._windows[index])
                               for index in self._windowed)
             else:
-                unread += sum(max(0, used - window) for window in windows) / self.spec.num_layers
+                unread += sum(max(0, used - window) for window in self._layer_windows) / self.spec.num_layers
         return int(unread)
 
     # -- prefix caching and sharing ---------------------------------------------------------------
