@@ -6,6 +6,8 @@ docs/simulation.md)."""
 
 from __future__ import annotations
 
+import re
+
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -180,16 +182,28 @@ FAMILY_SIZES = {"opt": _opt_sizes, "falcon": _falcon_sizes}
 Llama's names), and what it cannot take."""
 
 
+def model_type_of(architecture: str) -> str | None:
+    """transformers' model type of a causal-LM ``architecture`` (None: not one): of the
+    model types that use the class, the one whose config class carries its name
+    (``deepseek_v3`` for ``DeepseekV3ForCausalLM``, not another family built on it)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    candidates = [model_type for model_type, name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items() if name == architecture]
+    stem = re.sub(r"(ForCausalLM|LMHeadModel)$", "", architecture)
+    named = [model_type for model_type in candidates if CONFIG_MAPPING_NAMES.get(model_type) == f"{stem}Config"]
+    return (named or candidates or [None])[-1]
+
+
 def shape_config(shape: Any, vocab_size: int, eos_token_id: int | None) -> Any:
     """The transformers config of a ``ModelShapeConfig``'s architecture with its sizes, in
     that architecture's names (OPT's ``ffn_dim``, Falcon's ``ffn_hidden_size`` and KV
     layout; each layer's ``layer_types`` from ``window_pattern``; MLA in DeepSeek's names,
     experts in the architecture's, ``expert_sizes``); raises ``ConfigError`` naming every inconsistent field."""
     from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    model_types = {architecture: model_type for model_type, architecture in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()}
-    if shape.architecture not in model_types:
+    model_type = model_type_of(shape.architecture)
+    if model_type is None:
         raise ConfigError([f"model.shape.architecture={shape.architecture!r} is no transformers causal LM "
                            f"(e.g. LlamaForCausalLM, MistralForCausalLM, OPTForCausalLM, FalconForCausalLM)"])
     sizes = {key: getattr(shape, key) for key in (
@@ -206,7 +220,6 @@ def shape_config(shape: Any, vocab_size: int, eos_token_id: int | None) -> Any:
     if shape.latent is not None:
         latent = shape.latent
         sizes.update(OmegaConf.to_container(latent) if OmegaConf.is_config(latent) else asdict(latent))
-    model_type = model_types[shape.architecture]
     problems = sizes_problems(shape)
     if shape.experts is not None and not problems:
         experts, problems = expert_sizes(model_type, shape)

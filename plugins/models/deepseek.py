@@ -1,5 +1,7 @@
-"""DeepSeek-V2 (``DeepseekV2ForCausalLM``) with dense MLPs, on flat token batches: multi-head
-latent attention (MLA) in its absorbed form through the ordinary attention backends.
+"""DeepSeek-V2 (``DeepseekV2ForCausalLM``) and DeepSeek-V3 (``DeepseekV3ForCausalLM``) on
+flat token batches: multi-head latent attention (MLA) in its absorbed form through the
+ordinary attention backends, and dense MLPs in the first ``first_k_dense_replace`` layers,
+mixtures of experts in the others.
 
 Per token, ``kv_a_proj_with_mqa`` gives a latent ``c`` of ``kv_lora_rank`` features
 (normalised by ``kv_a_layernorm``) and one rotary key of ``qk_rope_head_dim`` shared by all
@@ -14,21 +16,27 @@ takes keys and values of one head size runs it unchanged, at twice the latent's 
 The softmax scale is transformers': ``(qk_nope + qk_rope) ** -0.5``, times yarn's
 ``mscale ** 2`` when ``rope_parameters`` sets ``mscale_all_dim``.
 
-DeepSeek rotates consecutive feature pairs (complex multiplication); the rotary rows of
+DeepSeek rotates consecutive feature pairs (V2's complex multiplication, V3's
+``rope_interleave``, its default); the rotary rows of
 ``q_proj`` / ``q_b_proj`` and ``kv_a_proj_with_mqa`` are reordered at load time to even
 features then odd ones, so the shared rotate-half ``RotaryEmbedding`` (and its native CPU
 op; of the config's ``head_dim``, which transformers sets to ``qk_rope_head_dim``) rotates
 exactly those pairs; queries and keys are reordered alike, so the scores are
-unchanged. The layer is otherwise Llama's (``llama.DecoderLayer``: pre-norm, gated MLP).
+unchanged. A V3 config with ``rope_interleave=false`` rotates halves, as the shared
+embedding does, and loads as it is. The layer is otherwise Llama's (pre-norm; a gated MLP
+or the sparse block of ``moe.py``, whose router ``routing.py`` describes: V2's softmax with
+an optional group-limited top-k, V3's sigmoid scores with the correction bias and groups
+scored by their two best experts; shared experts added ungated).
 
 Tensor parallelism splits the query heads (``q_proj`` / ``q_b_proj`` and ``kv_b_proj`` by
 rows, ``o_proj`` by input columns); the latent's projection and norm (and the query's
 ``q_a_proj`` / ``q_a_layernorm``) are whole on every rank, each caching the one latent
 head. Pipeline parallelism is the shared decoder's.
 
-Mixture-of-experts layers (``first_k_dense_replace`` below ``num_hidden_layers``) are not
-run: building such a model is a ``ConfigError``; ``shape_of`` still prices them, as the
-simulator's weightless shapes do (``shape_config.priced_experts``).
+The experts split as the other mixtures' do: each expert's intermediate size across the
+tensor-parallel ranks, or whole experts per rank under expert parallelism. Layers past
+``num_hidden_layers`` in a checkpoint (V3's multi-token-prediction layer) are not loaded,
+as transformers leaves them.
 """
 
 from __future__ import annotations
@@ -39,12 +47,10 @@ import torch
 from torch import nn
 
 from servelab.core.component import ComponentSpec
-from servelab.core.errors import ConfigError
 from servelab.core.model import LatentAttention, ModelParallel, ModelShape
-from servelab.core.shape_config import priced_experts
 from servelab.plugins.models.decoder import RMSNorm, RotaryEmbedding, rope_type_of, tied_embeddings
 from servelab.plugins.models.linear import Linear
-from servelab.plugins.models.llama import DecoderLayer, LlamaFamilyForCausalLM
+from servelab.plugins.models.moe import ExpertLayout, SparseDecoderLayer, SparseForCausalLM
 
 LATENT_NORM_EPS = 1e-6
 """transformers builds ``q_a_layernorm`` and ``kv_a_layernorm`` with this eps, whatever
@@ -68,12 +74,6 @@ def attention_scale_of(hf_config: Any) -> float | None:
     default = (hf_config.qk_nope_head_dim + hf_config.qk_rope_head_dim) ** -0.5
     scale = yarn_apply_mscale(params, default)
     return None if scale == default else scale
-
-
-def moe_layers(hf_config: Any) -> range:
-    """The layers transformers builds with a mixture of experts: from
-    ``first_k_dense_replace`` on."""
-    return range(min(hf_config.first_k_dense_replace, hf_config.num_hidden_layers), hf_config.num_hidden_layers)
 
 
 class LatentProjection(nn.Module):
@@ -139,8 +139,9 @@ class LatentAttentionBlock(nn.Module):
         return self.parallel.all_reduce(out) if self.parallel.tp_size > 1 else out
 
 
-class LatentDecoderLayer(DecoderLayer):
-    """Llama's pre-norm layer and gated MLP around latent attention."""
+class LatentDecoderLayer(SparseDecoderLayer):
+    """Llama's pre-norm layer around latent attention, with a dense MLP or a mixture of
+    experts."""
 
     def build_attention(self, hf_config: Any, layer_index: int, attention: Any, rotary: RotaryEmbedding,
                         parallel: ModelParallel) -> nn.Module:
@@ -148,17 +149,19 @@ class LatentDecoderLayer(DecoderLayer):
         return LatentAttentionBlock(hf_config, layer_index, attention, rotary, parallel)
 
 
-class DeepseekV2ForCausalLM(LlamaFamilyForCausalLM):
-    """DeepSeek-V2 with every layer dense (see the module docstring)."""
+class DeepseekV2ForCausalLM(SparseForCausalLM):
+    """DeepSeek-V2 and DeepSeek-V3 (see the module docstring)."""
 
     LAYER = LatentDecoderLayer
     COLUMN_PARALLEL = ("q_proj", "q_b_proj", "kv_b_proj")
+    EXPERT_ALIASES: dict[str, str] = {}
 
     @classmethod
     def shape_of(cls, hf_config: Any) -> ModelShape:
         """Sizes with the latent attention (``head_dim``: the query-key width, nope + rope;
         as many KV heads as the config's decompressed ones), transformers' softmax scale,
-        and mixture-of-experts layers priced as ``shape_config.priced_experts`` does."""
+        and the mixture of experts as ``ExpertLayout.priced`` describes it; a routing that
+        cannot run is a ``ConfigError`` naming its fields."""
         latent = latent_of(hf_config)
         heads = hf_config.num_attention_heads
         shape = ModelShape(hf_config.num_hidden_layers, heads, hf_config.num_key_value_heads or heads,
@@ -166,26 +169,21 @@ class DeepseekV2ForCausalLM(LlamaFamilyForCausalLM):
                            hf_config.max_position_embeddings, hf_config.vocab_size, hf_config.hidden_size,
                            hf_config.intermediate_size, tied_embeddings(hf_config),
                            attention_scale=attention_scale_of(hf_config), latent=latent)
-        return priced_experts(shape, hf_config) if moe_layers(hf_config) else shape
-
-    def __init__(self, hf_config: Any, attention: Any, dtype: torch.dtype, max_positions: int,
-                 parallel: ModelParallel = ModelParallel()):
-        moe = moe_layers(hf_config)
-        if moe:
-            raise ConfigError([f"first_k_dense_replace={hf_config.first_k_dense_replace} makes the layers from "
-                               f"{moe.start} on mixture-of-experts (n_routed_experts={hf_config.n_routed_experts}), "
-                               f"which servelab does not run yet; it runs DeepSeek-V2 with every layer dense "
-                               f"(first_k_dense_replace >= num_hidden_layers={hf_config.num_hidden_layers})"])
-        super().__init__(hf_config, attention, dtype, max_positions, parallel)
+        return ExpertLayout.of(hf_config).priced(shape)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """The shared loader, the rotary rows of the query and latent projections
-        reordered even features first (see the module docstring)."""
+        """The sparse loader, the shared experts (``mlp.shared_experts``) read as the block's
+        ``shared_expert`` and, where DeepSeek rotates consecutive pairs, the rotary rows of
+        the query and latent projections reordered even features first (see the module
+        docstring)."""
         latent = latent_of(self.hf_config)
         rope = latent.qk_rope_head_dim
         groups = {"q_proj.weight": latent.qk_nope_head_dim + rope, "q_b_proj.weight": latent.qk_nope_head_dim + rope,
                   "kv_a_proj_with_mqa.weight": latent.cached_width, "kv_a_proj_with_mqa.bias": latent.cached_width}
-        super().load_weights((name, deinterleaved(tensor, groups[leaf], rope) if (leaf := _leaf(name)) in groups
+        if not getattr(self.hf_config, "rope_interleave", True):
+            groups = {}
+        super().load_weights((name.replace(".mlp.shared_experts.", ".mlp.shared_expert."),
+                              deinterleaved(tensor, groups[leaf], rope) if (leaf := _leaf(name)) in groups
                               else tensor) for name, tensor in weights)
 
 
@@ -203,6 +201,9 @@ def deinterleaved(tensor: torch.Tensor, width: int, rope: int) -> torch.Tensor:
 
 
 def model_specs() -> list[ComponentSpec]:
-    """Registry entry for DeepSeek-V2 (dense layers)."""
+    """Registry entries for DeepSeek-V2 and DeepSeek-V3."""
     return [ComponentSpec("model", "DeepseekV2ForCausalLM", DeepseekV2ForCausalLM, None,
-                          "DeepSeek-V2 decoder, multi-head latent attention (absorbed), dense MLPs")]
+                          "DeepSeek-V2 decoder, multi-head latent attention (absorbed), softmax-routed experts"),
+            ComponentSpec("model", "DeepseekV3ForCausalLM", DeepseekV2ForCausalLM, None,
+                          "DeepSeek-V3 decoder, multi-head latent attention (absorbed), sigmoid-routed grouped "
+                          "experts with correction bias")]

@@ -1,14 +1,15 @@
 """The sparse mixture-of-experts MLP block (Mixtral, Qwen2-MoE, Qwen3-MoE) and the decoder
 layer and causal LM that use it in place of some or all of Llama's dense MLPs.
 
-A router (``gate``, a linear layer [experts, hidden], whole on every rank) scores every
-token; the top ``num_experts_per_tok`` of its float32 softmax are the token's experts and
-their probabilities its weights, renormalised to sum to one when ``norm_topk_prob`` (always
-for Mixtral), as transformers computes them. The experts run fused: the step's (token,
+A router (``gate``, [experts, hidden], whole on every rank) scores every token and picks
+its ``num_experts_per_tok`` experts and their weights as ``routing.py`` says for each
+family (Mixtral's and Qwen's top-k of a softmax, DeepSeek's grouped and biased top-k). The experts run fused: the step's (token,
 choice) pairs are sorted by expert, each expert that has any multiplies its packed rows at
 once (gate and up in one matmul, then down), the outputs are scaled by their weights and
 added back onto their tokens with one ``index_add_``; no Python loop over tokens. Qwen2-MoE
-adds a shared expert that every token passes, scaled by ``sigmoid(shared_expert_gate(x))``.
+adds a shared expert that every token passes, scaled by ``sigmoid(shared_expert_gate(x))``;
+DeepSeek's shared experts (``n_shared_experts`` of ``moe_intermediate_size``, run as one MLP
+of their summed width) are added ungated.
 On a CUDA device with triton installed the experts run instead as the Triton grouped GEMM
 of ``servelab/kernels/fused_moe.py`` (pairs aligned to whole tiles per expert, one launch
 for gate/up and one for down, the activation between them in torch); elsewhere as above.
@@ -43,6 +44,7 @@ from servelab.plugins.models.decoder import WeightPiece, use_native
 from servelab.plugins.models.linear import Linear
 from servelab.plugins.models.llama import (DecoderLayer, GatedMLP, LlamaFamilyForCausalLM, activation_of,
                                            gated_activation)
+from servelab.plugins.models.routing import Router, Routing, checked
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 """The per-expert projections a checkpoint names."""
@@ -51,41 +53,50 @@ PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 @dataclass(frozen=True, slots=True)
 class ExpertLayout:
     """A config's mixture of experts: ``num_experts`` routed experts of ``intermediate_size``
-    each (``width_field`` names that size in the config, ``experts_field`` the count),
-    ``top_k`` chosen per token, their weights renormalised when ``normalize``; a shared
-    expert of ``shared_intermediate_size`` (0: none) behind a sigmoid gate; the mixture in
-    the layers ``sparse_layers``, the other layers dense."""
+    each (``width_field`` names that size in the config, ``experts_field`` the count), each
+    token's chosen as ``routing`` says; shared experts of ``shared_intermediate_size``
+    together (0: none; ``shared_field`` names that size), behind a sigmoid gate when
+    ``shared_gated``; the mixture in the layers ``sparse_layers``, the other layers dense."""
 
     num_experts: int
-    top_k: int
+    routing: Routing
     intermediate_size: int
-    normalize: bool
     sparse_layers: tuple[int, ...]
     shared_intermediate_size: int = 0
+    shared_gated: bool = True
     experts_field: str = "num_experts"
     width_field: str = "moe_intermediate_size"
+    shared_field: str = "shared_expert_intermediate_size"
+
+    @property
+    def top_k(self) -> int:
+        """Experts chosen per token."""
+        return self.routing.top_k
 
     @classmethod
     def of(cls, hf_config: Any) -> ExpertLayout:
         """Read from Mixtral's names (``num_local_experts``, ``intermediate_size``, every layer
-        sparse, always renormalised) or Qwen-MoE's (``num_experts``, ``moe_intermediate_size``,
+        sparse, always renormalised), Qwen-MoE's (``num_experts``, ``moe_intermediate_size``,
         ``norm_topk_prob``, ``shared_expert_intermediate_size``, dense layers from
-        ``mlp_only_layers`` and ``decoder_sparse_step``); a ``top_k`` outside [1, experts] is a
-        ``ConfigError`` naming the fields."""
+        ``mlp_only_layers`` and ``decoder_sparse_step``) or DeepSeek-V2/V3's
+        (``deepseek_layout``); a routing that cannot run (a ``top_k`` outside [1, experts],
+        groups that do not divide the experts) is a ``ConfigError`` naming the fields."""
         layers = hf_config.num_hidden_layers
-        if hf_config.model_type == "mixtral":
-            layout = cls(hf_config.num_local_experts, hf_config.num_experts_per_tok, hf_config.intermediate_size,
-                         True, tuple(range(layers)), 0, "num_local_experts", "intermediate_size")
+        if hf_config.model_type in ("deepseek_v2", "deepseek_v3"):
+            layout = deepseek_layout(hf_config)
+        elif hf_config.model_type == "mixtral":
+            layout = cls(hf_config.num_local_experts, Routing(hf_config.num_experts_per_tok, True),
+                         hf_config.intermediate_size, tuple(range(layers)), 0, True, "num_local_experts",
+                         "intermediate_size")
         else:
             dense, step = set(hf_config.mlp_only_layers or ()), hf_config.decoder_sparse_step
             sparse = tuple(i for i in range(layers) if i not in dense and hf_config.num_experts > 0
                            and (i + 1) % step == 0)
-            layout = cls(hf_config.num_experts, hf_config.num_experts_per_tok, hf_config.moe_intermediate_size,
-                         bool(hf_config.norm_topk_prob), sparse,
+            layout = cls(hf_config.num_experts, Routing(hf_config.num_experts_per_tok, bool(hf_config.norm_topk_prob)),
+                         hf_config.moe_intermediate_size, sparse,
                          getattr(hf_config, "shared_expert_intermediate_size", 0) or 0)
-        if layout.sparse_layers and not 1 <= layout.top_k <= layout.num_experts:
-            raise ConfigError([f"num_experts_per_tok={layout.top_k} must be in [1, {layout.experts_field}="
-                               f"{layout.num_experts}]"])
+        if layout.sparse_layers:
+            checked(layout.routing, layout.num_experts, layout.experts_field)
         return layout
 
     def priced(self, dense: ModelShape) -> ModelShape:
@@ -97,7 +108,7 @@ class ExpertLayout:
         dense_layers = tuple(layer for layer in range(dense.num_layers) if layer not in self.sparse_layers)
         return replace(dense, experts=MixtureOfExperts(self.num_experts, self.top_k, self.intermediate_size,
                                                        self.shared_intermediate_size, dense_layers,
-                                                       shared_gate=bool(self.shared_intermediate_size)))
+                                                       shared_gate=self.shared_gated and bool(self.shared_intermediate_size)))
 
     def split_problems(self, tensor_parallel_size: int, dense_intermediate_size: int, num_layers: int,
                        expert_parallel: bool = False) -> list[str]:
@@ -108,21 +119,39 @@ class ExpertLayout:
             widths = [(f"routed experts' count {self.experts_field}", self.num_experts)]
         else:
             widths = [(f"experts' {self.width_field}", self.intermediate_size)] if self.sparse_layers else []
-        if self.shared_intermediate_size:
-            widths.append(("shared expert's shared_expert_intermediate_size", self.shared_intermediate_size))
+        if self.sparse_layers and self.shared_intermediate_size:
+            widths.append((f"shared expert's {self.shared_field}", self.shared_intermediate_size))
         if len(self.sparse_layers) < num_layers:
             widths.append(("dense layers' intermediate_size", dense_intermediate_size))
         return [f"parallel.tensor_parallel_size={tensor_parallel_size} does not divide the {field} {size}"
                 for field, size in widths if size % tensor_parallel_size]
 
 
-def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, E] -> (float32 weights [T, top_k], expert indices [T, top_k]): the
-    top ``top_k`` of the float32 softmax, renormalised to sum to one when ``normalize``."""
-    weights, experts = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), top_k, dim=-1)
-    if normalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, experts
+def deepseek_layout(hf_config: Any) -> ExpertLayout:
+    """DeepSeek-V2/V3's mixture: ``n_routed_experts`` of ``moe_intermediate_size`` in the
+    layers from ``first_k_dense_replace`` on, ``n_shared_experts`` of the same width run as
+    one ungated MLP; V2 routes by softmax, greedy or (``topk_method=group_limited_greedy``)
+    within the best ``topk_group`` of ``n_group`` groups; V3 by sigmoid scores with the
+    correction bias, within the groups whose two best experts add up highest, renormalised
+    with ``norm_topk_prob``; both scale the weights by ``routed_scaling_factor``. Another
+    ``topk_method`` is a ``ConfigError`` naming it."""
+    layers = hf_config.num_hidden_layers
+    sparse = tuple(range(min(hf_config.first_k_dense_replace or 0, layers), layers))
+    groups, top_groups = hf_config.n_group or 1, hf_config.topk_group or 1
+    top_k, scale = hf_config.num_experts_per_tok or 0, float(hf_config.routed_scaling_factor)
+    if hf_config.model_type == "deepseek_v3":
+        routing = Routing(top_k, bool(hf_config.norm_topk_prob), "sigmoid", groups, top_groups, "top2_sum", scale,
+                          float32_logits=True, correction_bias=True)
+    elif hf_config.topk_method in ("greedy", "group_limited_greedy"):
+        grouped = hf_config.topk_method == "group_limited_greedy"
+        routing = Routing(top_k, False, "softmax", groups if grouped else 1, top_groups if grouped else 1, "max",
+                          scale, float32_logits=True)
+    else:
+        raise ConfigError([f"topk_method={hf_config.topk_method!r} is not supported; supported: greedy, "
+                           f"group_limited_greedy"])
+    return ExpertLayout(hf_config.n_routed_experts, routing, hf_config.moe_intermediate_size, sparse,
+                        (hf_config.n_shared_experts or 0) * hf_config.moe_intermediate_size, False, "n_routed_experts",
+                        "moe_intermediate_size", "n_shared_experts x moe_intermediate_size")
 
 
 class StackedWeight(nn.Module):
@@ -258,20 +287,22 @@ class ExpertWeights(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    """Router, routed experts and (``shared_intermediate_size``) the gated shared expert;
-    one all-reduce over the tensor-parallel ranks."""
+    """Router, routed experts and (``shared_intermediate_size``) the shared experts, gated
+    when the layout says so; one all-reduce over the tensor-parallel ranks."""
 
     def __init__(self, hf_config: Any, layout: ExpertLayout, layer: int, parallel: ModelParallel):
         super().__init__()
         hidden, activation = hf_config.hidden_size, activation_of(hf_config)
         from transformers.activations import ACT2FN
 
-        self.top_k, self.normalize, self.parallel = layout.top_k, layout.normalize, parallel
-        self.gate = Linear(hidden, layout.num_experts, bias=False)
+        self.parallel = parallel
+        self.gate = Router(hidden, layout.num_experts, layout.routing)
         self.experts = ExpertWeights(layout, hidden, parallel, layer, ACT2FN[activation], activation == "silu")
         self.shared = bool(layout.shared_intermediate_size)
+        self.shared_gated = self.shared and layout.shared_gated
         if self.shared:
             self.shared_expert = GatedMLP(hf_config, parallel, layout.shared_intermediate_size, reduce=False)
+        if self.shared_gated:
             self.shared_expert_gate = Linear(hidden, 1, bias=False)
 
     def pieces(self, leaf: str, tensor: torch.Tensor) -> list[WeightPiece] | None:
@@ -284,10 +315,12 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
-        weights, experts = route(self.gate(x), self.top_k, self.normalize)
+        weights, experts = self.gate(x)
         out = self.experts(x, weights, experts)
-        if self.shared:
+        if self.shared_gated:
             out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        elif self.shared:
+            out += self.shared_expert(x)
         return self.parallel.all_reduce(out) if self.parallel.tp_size > 1 else out
 
 

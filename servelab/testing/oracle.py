@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 FAMILIES = ("llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "opt", "opt-postnorm", "opt-project",
             "falcon", "falcon-new", "gemma2", "gemma3", "deepseek-v2", "deepseek-v2-qlora", "mixtral", "qwen2-moe",
-            "qwen3-moe")
+            "qwen3-moe", "deepseek-v2-moe", "deepseek-v3")
 """Tiny configs: the Llama family; Phi-3 (longrope, partial rotary); OPT pre-norm, post-norm
 (350m-style) and with project_in/out (``word_embed_proj_dim`` != hidden); Falcon 7B-style
 (multi-query, one norm, parallel attention and MLP) and ``new_decoder_architecture``
@@ -25,10 +25,17 @@ greedy tokens instead of the embedding. Mixtures of experts, top-2 with weights 
 than the default (so the routed experts decide tokens): Mixtral (4 experts of 32,
 renormalised), Qwen2-MoE (8 experts of 32, not renormalised, a gated shared expert of 48,
 layer 0 dense through ``mlp_only_layers``), Qwen3-MoE (6 experts of 32, ``norm_topk_prob``,
-q/k norms)."""
+q/k norms); DeepSeek-V2 with a dense first layer then 8 experts of 32 in 4 groups, top-2
+within the best 2 groups (``group_limited_greedy``), one shared expert, weights scaled by
+1.5; DeepSeek-V3 likewise with sigmoid scores, a random ``e_score_correction_bias``,
+groups scored by their two best experts, renormalised and scaled by 2.5, a latent of 24
+and queries through a ``q_lora_rank`` of 24."""
 ZERO_CENTRED_NORMS = ("gemma2", "gemma3")
 """Families whose norms scale by 1 + weight and start at zero: their tiny checkpoints draw
 the norm weights at random, so that the offset is exercised."""
+ZERO_STARTED = ("e_score_correction_bias",)
+"""Parameters transformers starts at zero that tiny checkpoints draw at random (DeepSeek-V3's
+routing bias), so that they change the output."""
 
 
 def tiny_config(family: str, vocab_size: int, **overrides: Any) -> Any:
@@ -49,6 +56,8 @@ def tiny_config(family: str, vocab_size: int, **overrides: Any) -> Any:
     deepseek = dict(common, pad_token_id=None, num_key_value_heads=4, qk_nope_head_dim=8, qk_rope_head_dim=8,
                     v_head_dim=8, first_k_dense_replace=3, initializer_range=0.1)
     moe = dict(common, pad_token_id=None, num_experts_per_tok=2, initializer_range=0.1)
+    deepseek_moe = dict(deepseek, first_k_dense_replace=1, n_routed_experts=8, n_shared_experts=1,
+                        moe_intermediate_size=32, num_experts_per_tok=2, n_group=4, topk_group=2)
     qwen_moe = dict(moe, moe_intermediate_size=32)
     configs = {
         "llama": lambda: transformers.LlamaConfig(**common, tie_word_embeddings=False),
@@ -79,6 +88,11 @@ def tiny_config(family: str, vocab_size: int, **overrides: Any) -> Any:
         "qwen2-moe": lambda: transformers.Qwen2MoeConfig(**qwen_moe, num_experts=8, shared_expert_intermediate_size=48,
                                                          mlp_only_layers=[0]),
         "qwen3-moe": lambda: transformers.Qwen3MoeConfig(**qwen_moe, head_dim=32, num_experts=6, norm_topk_prob=True),
+        "deepseek-v2-moe": lambda: transformers.DeepseekV2Config(
+            **deepseek_moe, kv_lora_rank=24, q_lora_rank=None, topk_method="group_limited_greedy",
+            routed_scaling_factor=1.5),
+        "deepseek-v3": lambda: transformers.DeepseekV3Config(**deepseek_moe, kv_lora_rank=24, q_lora_rank=24,
+                                                             routed_scaling_factor=2.5, norm_topk_prob=True),
     }
     if family not in configs:
         raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {family!r}")
@@ -102,11 +116,13 @@ def tiny_checkpoint(folder: str | os.PathLike, family: str = "llama", seed: int 
     config = tiny_config(family, overrides.pop("vocab_size", len(tokenizer)), **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
-    if family in ZERO_CENTRED_NORMS:
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    param.normal_(0.0, 0.1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(ZERO_STARTED) or (family in ZERO_CENTRED_NORMS and name.endswith("norm.weight")):
+                param.normal_(0.0, 0.1)
+        for name, buffer in model.named_buffers():
+            if name.endswith(ZERO_STARTED):
+                buffer.normal_(0.0, 0.1)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder

@@ -80,9 +80,11 @@ def test_large_batch_of_decodes_matches_transformers(llama, attention):
                                        max_tokens=6)
 
 
-FAMILY_REPRESENTATIVES = ("phi3", "opt", "falcon-new", "gemma2", "gemma3", "deepseek-v2")
+FAMILY_REPRESENTATIVES = ("phi3", "opt", "falcon-new", "gemma2", "gemma3", "deepseek-v2", "mixtral", "qwen2-moe",
+                          "qwen3-moe", "deepseek-v3")
 """One tiny config per family beyond Llama, run through every combination (Gemma 3:
-windowed and global layers in three KV cache groups; DeepSeek-V2: latent attention)."""
+windowed and global layers in three KV cache groups; DeepSeek-V2: latent attention; the
+mixtures of experts, DeepSeek-V3 with latent attention and grouped, biased routing)."""
 REFUSED = {("gemma2", "cpu"): "does not soft-cap attention scores"}
 """Combinations a backend refuses by design, with the reason its error names."""
 FAMILY_LAYOUTS = {
@@ -98,6 +100,7 @@ FAMILY_LAYOUTS = {
     "gemma3": ("gemma3", {}, ("continuous", "paged", "cpu"), ("chunked", "paged", "sdpa")),
     "deepseek-v2": ("deepseek-v2", {}, ("continuous", "paged", "cpu"), ("chunked", "contiguous", "naive")),
     "deepseek-v2-qlora": ("deepseek-v2-qlora", {}, ("chunked", "paged", "sdpa")),
+    "deepseek-v2-moe": ("deepseek-v2-moe", {}, ("continuous", "paged", "cpu"), ("chunked", "contiguous", "sdpa")),
     "deepseek-v2-yarn": ("deepseek-v2", {"rope_parameters": {
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
         "mscale": 0.707, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}}, ("continuous", "paged", "sdpa")),
@@ -124,8 +127,8 @@ def family_checkpoints(tmp_path_factory) -> dict[str, str]:
 @pytest.mark.parametrize("scheduler,cache,attention", COMBINATIONS)
 def test_every_family_matches_transformers(family_checkpoints, family, scheduler, cache, attention):
     """Phi-3 (fused checkpoint projections, partial rotary, longrope), OPT (pre-norm),
-    Falcon (new_decoder_architecture), Gemma 2 and 3 and DeepSeek-V2 through every
-    combination; a refused one names why."""
+    Falcon (new_decoder_architecture), Gemma 2 and 3, DeepSeek-V2, Mixtral, Qwen2-MoE,
+    Qwen3-MoE and DeepSeek-V3 through every combination; a refused one names why."""
     if (family, attention) in REFUSED:
         with pytest.raises(ConfigError, match=REFUSED[family, attention]):
             LLM(family_checkpoints[family], overrides=[f"attention={attention}"])

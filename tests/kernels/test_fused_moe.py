@@ -91,8 +91,9 @@ def test_stacked_expert_weights_of_moe_block(moe, device, close):
     (``TRITON_INTERPRET=0``) the module itself takes the kernel path and gives it too."""
     from servelab.core.model import ModelParallel
     from servelab.plugins.models.moe import ExpertLayout, ExpertWeights
+    from servelab.plugins.models.routing import Routing
 
-    layout = ExpertLayout(num_experts=6, top_k=2, intermediate_size=40, normalize=True, sparse_layers=(0,))
+    layout = ExpertLayout(num_experts=6, routing=Routing(top_k=2, normalize=True), intermediate_size=40, sparse_layers=(0,))
     experts = ExpertWeights(layout, 32, ModelParallel(), 0, F.silu, True)
     with torch.no_grad():
         for param in experts.parameters():

@@ -36,7 +36,7 @@ def families(tmp_path_factory) -> dict[str, str]:
 
 
 FAMILY_SPLITS = ("phi3", "opt-project", "falcon", "falcon-new", "gemma2", "gemma3", "deepseek-v2-qlora", "mixtral",
-                 "qwen2-moe", "qwen3-moe")
+                 "qwen2-moe", "qwen3-moe", "deepseek-v3")
 """Families (and layouts) checked at tp=2, each splitting its own modules."""
 STAGE_SPLITS = ("phi3", "opt-project", "falcon", "gemma3", "deepseek-v2-qlora", "qwen2-moe")
 """One layout per family (the rest share its stage code) checked at pp=2: stage-local
@@ -78,14 +78,16 @@ def test_families_split_like_one_device(families, family, split):
     q/k norms beside windowed and global layers, DeepSeek-V2's query heads split (q_b_proj,
     kv_b_proj; q_proj splits alike) and its latent projection, norms and cached latent
     head whole on every rank, the mixtures of experts' expert columns split beside whole
-    routers and shared-expert gates, Qwen2-MoE's dense layer 0 on the first stage)."""
+    routers and shared-expert gates, DeepSeek-V3's latent attention beside its experts,
+Qwen2-MoE's dense layer 0 on the first stage)."""
     matches(families[family], split, PAGED, "scheduler=chunked", "scheduler.token_budget=16")
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2-moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2-moe", "deepseek-v3"])
 def test_expert_parallelism_equals_one_device(families, family):
-    """Each tensor-parallel rank holds half the routed experts whole (Qwen2-MoE's shared
-    expert and dense layer split as ever)."""
+    """Each tensor-parallel rank holds half the routed experts whole (Qwen2-MoE's and
+    DeepSeek-V3's shared experts and dense layer split as ever, V3's grouped router and its
+    correction bias whole on every rank)."""
     matches(families[family], "parallel.tensor_parallel_size=2", "parallel.expert_parallel_size=2", PAGED,
             "scheduler=chunked", "scheduler.token_budget=16")
 

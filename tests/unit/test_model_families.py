@@ -1,5 +1,5 @@
 """Phi-3, OPT, Falcon, Gemma, DeepSeek-V2 and the mixtures of experts (Mixtral, Qwen2-MoE,
-Qwen3-MoE): what their configs refuse, and shapes that count what they hold (Gemma's: each
+Qwen3-MoE, DeepSeek-V2's and V3's): what their configs refuse, and shapes that count what they hold (Gemma's: each
 layer's window, the attention scale and soft cap; DeepSeek-V2's: one latent KV head; the
 mixtures': the active experts' width, every expert held)."""
 
@@ -20,7 +20,8 @@ ARCHITECTURES = {"phi3": "Phi3ForCausalLM", "opt": "OPTForCausalLM", "falcon": "
                  "falcon-new": "FalconForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
                  "deepseek-v2": "DeepseekV2ForCausalLM", "deepseek-v2-qlora": "DeepseekV2ForCausalLM",
                  "mixtral": "MixtralForCausalLM", "qwen2-moe": "Qwen2MoeForCausalLM",
-                 "qwen3-moe": "Qwen3MoeForCausalLM"}
+                 "qwen3-moe": "Qwen3MoeForCausalLM", "deepseek-v2-moe": "DeepseekV2ForCausalLM",
+                 "deepseek-v3": "DeepseekV3ForCausalLM"}
 
 
 def shape(family: str, **fields):
@@ -172,14 +173,12 @@ def test_deepseek_v2_splits_by_query_heads_only():
                                            "MLP's intermediate size 128"]
 
 
-def test_deepseek_v2_refuses_mixture_of_experts_layers_naming_the_field(tmp_path):
-    moe = dict(first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
-    # priced as the 2 routed and 2 shared experts a token passes, the others held
-    assert shape("deepseek-v2", **moe).intermediate_size == 4 * 32
-    folder = tiny_checkpoint(tmp_path / "moe", "deepseek-v2", **moe)
-    with pytest.raises(ConfigError, match=r"first_k_dense_replace=1 makes the layers from 1 on mixture-of-experts "
-                                          r"\(n_routed_experts=4\), which servelab does not run yet"):
-        LLM(folder, overrides=BASE)
+def test_deepseek_v3_without_interleaved_rope_matches_transformers(tmp_path):
+    """``rope_interleave=false`` rotates halves: the checkpoint loads without reordering."""
+    from servelab.testing import assert_engine_matches_transformers
+
+    folder = tiny_checkpoint(tmp_path / "halves", "deepseek-v3", rope_interleave=False)
+    assert_engine_matches_transformers(folder, prompts=mixed_prompts(257, (5, 30)), max_tokens=8)
 
 
 def test_deepseek_v2_on_attention_auto_takes_a_backend_for_its_latent_head(tmp_path):
@@ -191,12 +190,13 @@ def test_deepseek_v2_on_attention_auto_takes_a_backend_for_its_latent_head(tmp_p
     assert_engine_matches_transformers(folder, ["attention=auto"], max_tokens=8)
 
 
-MIXTURES = ("mixtral", "qwen2-moe", "qwen3-moe")
+MIXTURES = ("mixtral", "qwen2-moe", "qwen3-moe", "deepseek-v2-moe", "deepseek-v3")
 """The mixture-of-experts families' oracle configs."""
 
 
 @pytest.mark.parametrize("family, experts", [("mixtral", (4, 2, 32, 0, ())), ("qwen2-moe", (8, 2, 32, 48, (0,))),
-                                             ("qwen3-moe", (6, 2, 32, 0, ()))])
+                                             ("qwen3-moe", (6, 2, 32, 0, ())), ("deepseek-v2-moe", (8, 2, 32, 32, (0,))),
+                                             ("deepseek-v3", (8, 2, 32, 32, (0,)))])
 def test_a_mixture_of_experts_describes_its_experts_and_holds_them_all(family, experts):
     """``ModelShape.experts`` gives the routed experts, top-k, widths and dense layers the
     cost models price; the parameter count is transformers' (less biases and q/k norms,
@@ -227,6 +227,13 @@ def test_mixtures_of_experts_match_transformers(tmp_path, family, fields):
     ("mixtral", {"num_experts_per_tok": 5}, r"num_experts_per_tok=5 must be in \[1, num_local_experts=4\]"),
     ("qwen3-moe", {"num_experts_per_tok": 0}, r"num_experts_per_tok=0 must be in \[1, num_experts=6\]"),
     ("qwen2-moe", {"use_sliding_window": True}, "qwen2_moe with use_sliding_window=true is not supported"),
+    ("deepseek-v3", {"n_group": 3}, "n_group=3 must divide n_routed_experts=8"),
+    ("deepseek-v3", {"topk_group": 5}, r"topk_group=5 must be in \[1, n_group=4\]"),
+    ("deepseek-v3", {"num_experts_per_tok": 5}, "num_experts_per_tok=5 must be at most topk_group=2 x 2 experts per "
+                                                "group"),
+    ("deepseek-v3", {"n_group": 8, "topk_group": 4}, "n_group=8 leaves one expert per group of n_routed_experts=8"),
+    ("deepseek-v2-moe", {"num_experts_per_tok": 9}, r"num_experts_per_tok=9 must be in \[1, n_routed_experts=8\]"),
+    ("deepseek-v2-moe", {"topk_method": "noaux_tc"}, "topk_method='noaux_tc' is not supported"),
 ])
 def test_mixtures_of_experts_refuse_what_they_cannot_run(family, fields, message):
     with pytest.raises(ConfigError, match=message):
@@ -239,6 +246,8 @@ def test_mixtures_of_experts_refuse_what_they_cannot_run(family, fields, message
      "tensor_parallel_size=4 does not divide the shared expert's shared_expert_intermediate_size 50"),
     ("qwen2-moe", {"intermediate_size": 130}, "tensor_parallel_size=4 does not divide the dense layers' "
                                               "intermediate_size 130"),
+    ("deepseek-v3", {"moe_intermediate_size": 34}, "tensor_parallel_size=4 does not divide the experts' "
+                                                   "moe_intermediate_size 34"),
 ])
 def test_a_split_of_the_experts_that_cannot_work_names_the_field(family, fields, message):
     from servelab.core.model import ModelParallel

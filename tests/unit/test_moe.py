@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from servelab.core.model import ModelParallel
-from servelab.plugins.models.moe import ExpertLayout, ExpertWeights, route
+from servelab.plugins.models.moe import ExpertLayout, ExpertWeights
+from servelab.plugins.models.routing import Router, Routing
 from servelab.testing import tiny_config
 
 
@@ -29,7 +30,7 @@ def naive_experts(experts: ExpertWeights, x: torch.Tensor, weights: torch.Tensor
 @pytest.mark.parametrize("tokens", [1, 7, 40])
 def test_fused_experts_equal_a_per_token_loop_on_random_routing(tokens):
     torch.manual_seed(tokens)
-    layout = ExpertLayout(num_experts=6, top_k=2, intermediate_size=24, normalize=True, sparse_layers=(0,))
+    layout = ExpertLayout(num_experts=6, routing=Routing(top_k=2, normalize=True), intermediate_size=24, sparse_layers=(0,))
     experts = ExpertWeights(layout, 32, ModelParallel(), 0, F.silu, True)
     with torch.no_grad():
         for param in experts.parameters():
@@ -54,10 +55,51 @@ def test_routing_is_transformers_router(family, router):
         hf_router.weight.normal_(0, 0.5)
         x = torch.randn(9, 64)
         _, expected_weights, expected_experts = hf_router(x)
-        layout = ExpertLayout.of(config)
-        weights, experts = route(x @ hf_router.weight.T, layout.top_k, layout.normalize)
+        router = Router(64, hf_router.weight.shape[0], ExpertLayout.of(config).routing)
+        router.weight.copy_(hf_router.weight)
+        weights, experts = router(x)
     assert torch.equal(experts, expected_experts)
     assert torch.allclose(weights, expected_weights, atol=1e-7)
+
+
+@pytest.mark.parametrize("family, fields", [("deepseek-v2-moe", {}), ("deepseek-v2-moe", {"topk_method": "greedy"}),
+                                            ("deepseek-v3", {}), ("deepseek-v3", {"norm_topk_prob": False})],
+                         ids=["v2-grouped", "v2-greedy", "v3", "v3-unnormalised"])
+def test_deepseek_routing_is_transformers_router(family, fields):
+    """The same experts and weights as transformers' router over 200 tokens (its top-k is
+    unsorted: compared by expert), with a correction bias that changes V3's choices."""
+    import importlib
+
+    config = tiny_config(family, 257, **fields)
+    module = importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
+    hf_router = getattr(module, f"{type(config).__name__[:-len('Config')]}TopkRouter")(config)
+    router = Router(64, 8, ExpertLayout.of(config).routing)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        hf_router.weight.normal_(0, 0.5)
+        router.weight.copy_(hf_router.weight)
+        if hasattr(hf_router, "e_score_correction_bias"):
+            hf_router.e_score_correction_bias.normal_(0, 0.3)
+            router.e_score_correction_bias.copy_(hf_router.e_score_correction_bias)
+        x = torch.randn(200, 64)
+        _, expected_weights, expected_experts = hf_router(x)
+        weights, experts = router(x)
+    expected_order, order = expected_experts.argsort(dim=1), experts.argsort(dim=1)
+    assert torch.equal(experts.gather(1, order), expected_experts.gather(1, expected_order))
+    assert torch.allclose(weights.gather(1, order), expected_weights.gather(1, expected_order), atol=1e-6)
+
+
+def test_grouped_routing_keeps_each_token_in_its_best_groups():
+    """DeepSeek-V3's rule by hand: 8 experts in 4 groups, the best 2 groups by the sum of
+    their two best biased scores; the top-2 come from those groups even where a better
+    single expert sits elsewhere; weights are unbiased scores, renormalised, scaled."""
+    routing = Routing(top_k=2, normalize=True, scoring="sigmoid", groups=4, top_groups=2, group_score="top2_sum",
+                      scale=2.0, correction_bias=True)
+    scores = torch.tensor([[0.9, 0.1, 0.6, 0.6, 0.5, 0.5, 0.2, 0.2]])  # groups: 1.0, 1.2, 1.0, 0.4
+    bias = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.05, 0.0, 0.0])  # group 2 -> 1.05
+    weights, experts = routing.route(torch.logit(scores), bias)
+    assert sorted(experts[0].tolist()) == [2, 3]  # expert 0 (0.9) is in a group left out
+    assert torch.allclose(weights[0], torch.tensor([1.0, 1.0]))
 
 
 def test_both_checkpoint_layouts_load_the_same_experts(tmp_path):
