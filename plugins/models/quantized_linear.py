@@ -17,12 +17,14 @@ the whole weight, then ``F.linear``; tests use it as the oracle.
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from servelab.core.errors import ConfigError
-from servelab.core.quantization import DECODER_PREFIX, WeightQuantization, group_problems
+from servelab.core.quantization import DECODER_PREFIX, WeightQuantization, group_problems, is_quantized_tensor
 from servelab.kernels.cpu_ops import native_cpu_available, native_cpu_enabled
 from servelab.kernels.quantized_cpu import int8_linear, pack_int8
 from servelab.kernels.quantized_weights import dequantize_int4, dequantize_int8, quantize_int8, unpack_int4
@@ -200,6 +202,10 @@ def pack_quantized_linears(module: nn.Module) -> int:
     return sum(layer.packed_kernel_weights(layer.scales.new_empty(0)) is not None for layer in layers)
 
 
+LAYER_INDEX = re.compile(r"^.*?[.]\d+[.]")
+"""A module path's prefix up to its decoder layer's index (``model.layers.3.``)."""
+
+
 def _frozen(tensor: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(tensor, requires_grad=False)
 
@@ -209,7 +215,15 @@ def quantize_linears(model: torch.nn.Module, quantization: WeightQuantization) -
     ``QuantizedLinear`` of the same size, dtype and device (``load_weights`` fills it from
     ``quantized_weights``' tensors), and with ``quantization.lm_head`` the model's
     ``lm_head`` by a ``QuantizedHead`` over the same float weight; returns how many
-    decoder layers were replaced."""
+    decoder layers were replaced. A model with decoder weights the checkpoint's quantizer
+    rewrites but no linear layer holds (stacked experts, routers, MLA's ``kv_b_proj``) is a
+    ``ConfigError`` naming them."""
+    unquantizable = sorted({f"{LAYER_INDEX.sub('', path)} ({type(model.get_submodule(path)).__name__})"
+                            for name, param in model.named_parameters() if is_quantized_tensor(name, param)
+                            and not isinstance(model.get_submodule(path := name.rpartition(".")[0]), torch.nn.Linear)})
+    if unquantizable:  # named once for every layer that has them
+        raise ConfigError([f"model.quantization: {type(model).__name__} has decoder weights outside linear layers, "
+                           f"which weight quantization does not cover: {', '.join(unquantizable)}"])
     if quantization.lm_head and isinstance(getattr(model, "lm_head", None), torch.nn.Linear):
         model.lm_head = QuantizedHead(model.lm_head, quantization.int8_activations)
 

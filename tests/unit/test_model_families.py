@@ -266,3 +266,17 @@ def test_a_missing_expert_weight_names_the_layer_expert_and_projection(tmp_path)
     save_file(weights, f"{folder}/model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ConfigError, match="checkpoint is missing expert weights: layer 1 expert 2 up_proj"):
         LLM(folder, overrides=BASE)
+
+
+@pytest.mark.parametrize("family, modules", [
+    ("mixtral", r"mlp.experts.down_proj \(StackedWeight\), mlp.experts.gate_up_proj \(StackedWeight\), "
+                r"mlp.gate \(Router\)$"),
+    ("deepseek-v2", r"self_attn.kv_b_proj \(LatentProjection\)$"),
+])
+def test_weight_quantization_names_the_weights_it_cannot_cover(tmp_path, family, modules):
+    """Stacked experts, routers and MLA's kv_b_proj hold decoder weights outside linear
+    layers: quantizing them is refused at load, naming each once, not a missing tensor."""
+    folder = tiny_checkpoint(tmp_path / family, family)
+    with pytest.raises(ConfigError, match=r"model.quantization: \w+ has decoder weights outside linear layers, "
+                                          r"which weight quantization does not cover: " + modules):
+        LLM(folder, overrides=[*BASE, "model.quantization=int8"])
