@@ -18,6 +18,7 @@ import torch
 
 from servelab.core.clock import Clock
 from servelab.core.decoding import DecodeResult
+from servelab.core.expert_load import ExpertLoad
 from servelab.core.model import ModelShape
 from servelab.core.outputs import Logprob
 from servelab.core.request import Request
@@ -139,6 +140,13 @@ class Executor(abc.ABC):
         (``view[i]`` is block i, whatever the attention backend's layout), when all of them
         live in this process (one device), for KV transfer connectors; None otherwise (the
         default: sharded across ranks, or no tensors at all)."""
+        return None
+
+    def expert_load(self) -> ExpertLoad | None:
+        """The (token, expert) pairs routed so far in the mixture-of-experts layers this
+        process runs (every sparse layer on one device, the first pipeline stage's under
+        pipeline parallelism); None for models without experts or executors that do not
+        route tokens (the default)."""
         return None
 
     def shutdown(self) -> None:

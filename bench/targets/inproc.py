@@ -39,6 +39,7 @@ class ServelabSystem(SteppedSystem):
         self.space = TokenSpace(self.engine.vocab_size, self.engine.max_model_len, self.engine.tokenizer)
         self.workload = cfg.workload
         self.observer: StepObserver | None = None
+        self.experts_before = None
 
     def add(self, request: BenchRequest, arrival_time: float) -> RequestRecord | None:
         """Submit to the engine; a rejected request becomes a failed record."""
@@ -64,14 +65,20 @@ class ServelabSystem(SteppedSystem):
         return self.engine.has_unfinished_requests()
 
     def begin(self) -> None:
-        """Register a fresh step observer."""
+        """Register a fresh step observer; note the experts' load so far (warm-up's)."""
         self.observer = StepObserver(self.engine)
         self.engine.registry.plugin_manager.register(self.observer)
+        self.experts_before = self.engine.executor.expert_load()
 
     def end(self) -> dict[str, Any]:
-        """Unregister the observer; its summary."""
+        """Unregister the observer; its summary, with the load of a mixture of experts'
+        layers during the measured requests (``experts``: ``ExpertLoad.summary``)."""
         self.engine.registry.plugin_manager.unregister(self.observer)
-        return self.observer.summary()
+        summary = self.observer.summary()
+        load = self.engine.executor.expert_load()
+        if load is not None:
+            summary["experts"] = (load - self.experts_before if self.experts_before is not None else load).summary()
+        return summary
 
     def close(self) -> None:
         """Shut the engine down."""

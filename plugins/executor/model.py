@@ -20,6 +20,7 @@ from servelab.core.component import ComponentSpec
 from servelab.core.decoding import DecodeBatch, DecodingStrategy, lookahead_allowances
 from servelab.core.errors import ConfigError
 from servelab.core.executor import ExecutedStep, Executor, ExecutorContext
+from servelab.core.expert_load import ExpertLoad
 from servelab.core.kv_cache import KVCacheManager, KVCacheSpec
 from servelab.core.kv_cache_dtype import kv_dtype_name
 from servelab.core.model import ModelParallel
@@ -34,6 +35,7 @@ from servelab.plugins.executor.distributed import (ATTACH, STOP, WARM_UP, Topolo
 from servelab.plugins.executor.prompt_logprobs import prompt_logprobs
 from servelab.plugins.executor.worker_group import WorkerGroup, WorkerProcess, describe_dead
 from servelab.plugins.models.linear import release_padding_buffers
+from servelab.plugins.models.moe import routed_pairs
 
 CPU_KV_CACHE_BYTES = 512 * 1024 * 1024
 """What a cache that sets no size gets on the CPU."""
@@ -181,6 +183,13 @@ class ModelExecutor(Executor):
         block_axis = next(axis for axis, (a, b) in enumerate(zip(one, two)) if a != b)
         return [cache.movedim(block_axis, 0) for cache in self.kv_caches]
 
+
+    def expert_load(self) -> ExpertLoad | None:
+        """The pairs routed so far in this process's sparse layers (all of them on one
+        device or under tensor and expert parallelism, where every rank routes every
+        token; the first stage's under pipeline parallelism), per expert-parallel rank."""
+        pairs = routed_pairs(self.worker.model) if self.worker is not None else {}
+        return ExpertLoad(pairs, self.topology.ep) if pairs else None
 
     # -- steps ------------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -198,7 +198,8 @@ class ExpertWeights(nn.Module):
     expert parallelism its share, whole), this rank's ``columns`` of each one's
     intermediate size (all of them under expert parallelism): ``gate_up_proj`` [E * 2 * I,
     hidden] ([gate | up] per held expert) and ``down_proj`` [E * hidden, I]; ``loaded``
-    records which checkpoint tensors arrived."""
+    records which checkpoint tensors arrived; ``routed`` counts the pairs routed to each
+    of the layer's experts (every rank routes every token)."""
 
     def __init__(self, layout: ExpertLayout, hidden_size: int, parallel: ModelParallel, layer: int, act: Any,
                  fused_silu: bool):
@@ -213,6 +214,7 @@ class ExpertWeights(nn.Module):
         self.down_proj = StackedWeight(self.num_experts, hidden_size, self.intermediate)
         self.act, self.fused_silu = act, fused_silu
         self.loaded: set[tuple[int, str]] = set()
+        self.register_buffer("routed", torch.zeros(layout.num_experts, dtype=torch.int64), persistent=False)
 
     def fused_counts(self) -> dict[str, int]:
         """gate_up_proj waits for a gate and an up piece per expert, down_proj for one per expert."""
@@ -255,7 +257,12 @@ class ExpertWeights(nn.Module):
         experts' outputs [T, hidden] (this rank's partial sum under tensor or expert
         parallelism: under expert parallelism the pairs routed to its experts only); the
         Triton ``fused_moe`` kernel on CUDA when triton is installed (not yet under expert
-        parallelism, which takes the generic path)."""
+        parallelism, which takes the generic path). Every pair of the step, this rank's
+        experts' or not, is added to ``routed`` (pairs per expert since the model was built,
+        ``routed_pairs``)."""
+        flat = experts.flatten()
+        routed = torch.bincount(flat, minlength=self.total_experts)
+        self.routed += routed
         if x.device.type == "cuda" and not self.sharded and triton_unavailable_reason() is None:
             from servelab.kernels.fused_moe import fused_moe
 
@@ -264,7 +271,6 @@ class ExpertWeights(nn.Module):
                              lambda gate_up: gated_activation(gate_up, self.act, self.fused_silu),
                              check_expert_ids=False)
         top_k = experts.shape[1]
-        flat = experts.flatten()
         if self.sharded:  # only the pairs routed to this rank's experts
             pairs = ((flat >= self.held.start) & (flat < self.held.stop)).nonzero().squeeze(1)
             flat = flat[pairs] - self.held.start
@@ -272,7 +278,7 @@ class ExpertWeights(nn.Module):
         if self.sharded:
             order = pairs[order]
         tokens = order // top_k  # the token of each (token, choice) pair, grouped by expert
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        counts = routed[self.held.start:self.held.stop].tolist()
         packed = x[tokens]
         out = torch.empty_like(packed)
         start = 0
@@ -334,6 +340,13 @@ class SparseDecoderLayer(DecoderLayer):
         if layer in layout.sparse_layers:
             return SparseMoeBlock(hf_config, layout, layer, parallel)
         return super().build_mlp(hf_config, layer_index, parallel)
+
+
+def routed_pairs(model: nn.Module) -> dict[int, tuple[int, ...]]:
+    """Per sparse layer of ``model`` (by its index in the whole model), the pairs routed to
+    each expert so far; empty for a model without experts."""
+    return {module.layer: tuple(module.routed.tolist()) for module in model.modules()
+            if isinstance(module, ExpertWeights)}
 
 
 def checkpoint_names(weights: Iterable[tuple[str, torch.Tensor]], model: nn.Module,

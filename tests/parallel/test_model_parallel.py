@@ -87,9 +87,16 @@ Qwen2-MoE's dense layer 0 on the first stage)."""
 def test_expert_parallelism_equals_one_device(families, family):
     """Each tensor-parallel rank holds half the routed experts whole (Qwen2-MoE's and
     DeepSeek-V3's shared experts and dense layer split as ever, V3's grouped router and its
-    correction bias whole on every rank)."""
-    matches(families[family], "parallel.tensor_parallel_size=2", "parallel.expert_parallel_size=2", PAGED,
-            "scheduler=chunked", "scheduler.token_budget=16")
+    correction bias whole on every rank); the expert load is reported per rank."""
+    llm = LLM(families[family], overrides=[*BASE, "parallel.tensor_parallel_size=2", "parallel.expert_parallel_size=2",
+                                           PAGED, "scheduler=chunked", "scheduler.token_budget=16"])
+    try:
+        assert_engine_matches_transformers(families[family], llm=llm)
+        load = llm.engine.executor.expert_load()
+        assert load.ranks == 2 and len(load.per_rank()) == 2
+        assert sum(load.per_rank()) == sum(load.per_expert()) > 0
+    finally:
+        llm.engine.shutdown()
 
 
 def test_tensor_and_pipeline_together_with_a_draft_model(models):
