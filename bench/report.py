@@ -44,6 +44,7 @@ COLUMNS: tuple[tuple[str, Callable[[dict[str, Any]], Any]], ...] = (
     ("KV waste %", _percent("system", "kv_waste")),
     ("KV peak reserved", _get("system", "kv_peak_reserved_slots")),
     ("peak running", _get("system", "peak_running")),
+    ("expert imbalance", _get("system", "experts", "imbalance")),
     ("preemptions", _get("preemptions")),
     ("prefix hit %", _percent("prefix_cache_hit_rate")),
     ("spec accept %", _percent("spec_acceptance_rate")),

@@ -6,6 +6,7 @@ from servelab.testing import tiny_checkpoint
 
 
 def test_servelab_bench_reports_the_measured_requests_expert_load(tmp_path, bench_config):
+    from servelab.bench.report import format_value, summary_table
     from servelab.bench.runner import measure
     from servelab.bench.targets.inproc import ServelabSystem
 
@@ -15,9 +16,11 @@ def test_servelab_bench_reports_the_measured_requests_expert_load(tmp_path, benc
                        "warmup_requests=1")
     system = ServelabSystem(cfg)
     try:
-        experts = measure(system, cfg)["system"]["experts"]
+        metrics = measure(system, cfg)
     finally:
         system.close()
+    experts = metrics["system"]["experts"]
     # four requests of 8 prompt tokens and 2 more steps each, top-2, both layers sparse
     assert sum(experts["pairs_per_expert"]) == 4 * (8 + 2) * 2 * 2
     assert experts["pairs_per_rank"] == [sum(experts["pairs_per_expert"])] and experts["layers"] == [0, 1]
+    assert f"expert imbalance  {format_value(experts['imbalance'])}" in summary_table(metrics)
