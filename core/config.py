@@ -35,7 +35,10 @@ class ExpertsConfig:
     ``n_routed_experts`` experts of ``moe_intermediate_size`` beside ``n_shared_experts`` of
     the same size that every token passes (Mixtral, Qwen3-MoE: 0). ``routing_skew``: the
     exponent of a Zipf-like expert popularity the simulator routes by (0: uniform;
-    docs/simulation.md, "Mixture of experts"); no architecture's config has it."""
+    docs/simulation.md, "Mixture of experts"); ``routing_trace``: instead, the expert
+    popularity a real run measured, the ``metrics.json`` of a servelab-bench run of a model
+    with as many routed experts (its ``system.experts.pairs_per_expert``). No
+    architecture's config has either."""
 
     n_routed_experts: int = 64
     num_experts_per_tok: int = 6
@@ -44,6 +47,7 @@ class ExpertsConfig:
     first_k_dense_replace: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
     routing_skew: float = 0.0
+    routing_trace: Optional[str] = None
 
 
 @dataclass

@@ -57,7 +57,9 @@ class MixtureOfExperts:
     tokens pick experts, the exponent s of a Zipf-like popularity in which expert e (from 0)
     weighs (e + 1) ** -s (0: uniform; see ``plugins/cost_model/experts.py``).
     ``shared_gate``: the shared experts' output is scaled by a sigmoid gate [1, hidden]
-    (Qwen2-MoE's ``shared_expert_gate``)."""
+    (Qwen2-MoE's ``shared_expert_gate``). ``popularity``: each expert's share of the pairs
+    routed (a real run's, ``model.shape.experts.routing_trace``), which then replaces the
+    skew's (empty: the skew's)."""
 
     num_experts: int
     top_k: int
@@ -66,6 +68,7 @@ class MixtureOfExperts:
     dense_layers: tuple[int, ...] = ()
     routing_skew: float = 0.0
     shared_gate: bool = False
+    popularity: tuple[float, ...] = ()
 
     def is_sparse(self, layer: int) -> bool:
         """True when decoder layer ``layer`` has the mixture (not a dense MLP)."""

@@ -6,6 +6,7 @@ docs/simulation.md)."""
 
 from __future__ import annotations
 
+import json
 import re
 
 from dataclasses import asdict, replace
@@ -73,6 +74,8 @@ def sizes_problems(shape: Any) -> list[str]:
                             f"{shape.num_hidden_layers}")
         if experts.routing_skew < 0:
             problems.append(f"model.shape.experts.routing_skew must be >= 0, got {experts.routing_skew}")
+        if getattr(experts, "routing_trace", None) is not None:
+            problems += trace_problems(experts)
     return problems
 
 
@@ -102,10 +105,56 @@ def priced_experts(model: ModelShape, experts: Any) -> ModelShape:
     prices expert by expert (docs/simulation.md, "Mixture of experts")."""
     dense = set(range(min(experts.first_k_dense_replace, model.num_layers)))
     dense.update(getattr(experts, "mlp_only_layers", None) or ())
-    return replace(model, experts=MixtureOfExperts(
+    return simulated_routing(replace(model, experts=MixtureOfExperts(
         experts.n_routed_experts, experts.num_experts_per_tok, experts.moe_intermediate_size,
-        experts.n_shared_experts * experts.moe_intermediate_size, tuple(sorted(dense)),
-        float(getattr(experts, "routing_skew", 0.0))))
+        experts.n_shared_experts * experts.moe_intermediate_size, tuple(sorted(dense)))), experts)
+
+
+def simulated_routing(model: ModelShape, experts: Any) -> ModelShape:
+    """``model`` whose mixture of experts routes as ``experts`` (a ``model.shape.experts``,
+    or an architecture's config, which has neither) says the simulator should:
+    ``routing_skew``, or the popularity of a ``routing_trace``."""
+    skew, trace = float(getattr(experts, "routing_skew", 0.0)), getattr(experts, "routing_trace", None)
+    popularity = trace_popularity(trace) if trace is not None else ()
+    return replace(model, experts=replace(model.experts, routing_skew=skew, popularity=popularity))
+
+
+def _trace_pairs(path: str) -> list:
+    """``system.experts.pairs_per_expert`` of a servelab-bench ``metrics.json``; a
+    ``ConfigError`` naming ``model.shape.experts.routing_trace`` when it has none."""
+    try:
+        with open(path) as f:
+            pairs = json.load(f)["system"]["experts"]["pairs_per_expert"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError([f"model.shape.experts.routing_trace={path!r}: no servelab-bench metrics.json with "
+                           f"system.experts.pairs_per_expert ({type(exc).__name__}: {exc})"]) from exc
+    return pairs
+
+
+def trace_problems(experts: Any) -> list[str]:
+    """What keeps ``experts.routing_trace`` from giving the experts' popularity: no
+    readable trace, another expert count, no pairs, and a ``routing_skew`` beside it."""
+    path = experts.routing_trace
+    try:
+        pairs = _trace_pairs(path)
+    except ConfigError as exc:
+        return list(exc.problems)
+    problems = []
+    if len(pairs) != experts.n_routed_experts:
+        problems.append(f"model.shape.experts.routing_trace={path!r} counts {len(pairs)} experts, the shape "
+                        f"routes to n_routed_experts={experts.n_routed_experts}")
+    elif min(pairs) < 0 or sum(pairs) <= 0:
+        problems.append(f"model.shape.experts.routing_trace={path!r} holds no routed pairs")
+    if experts.routing_skew:
+        problems.append(f"model.shape.experts.routing_skew={experts.routing_skew} and routing_trace both set the "
+                        f"experts' popularity: set one")
+    return problems
+
+
+def trace_popularity(path: str) -> tuple[float, ...]:
+    """Each expert's share of the pairs a real run routed (``trace_problems`` checked it)."""
+    pairs = _trace_pairs(path)
+    return tuple(count / sum(pairs) for count in pairs)
 
 
 def expert_sizes(model_type: str, shape: Any) -> tuple[dict[str, Any], list[str]]:

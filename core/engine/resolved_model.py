@@ -23,7 +23,7 @@ from servelab.core.checkpoint import Checkpoint, load_checkpoint, resolve_device
 from servelab.core.errors import ConfigError
 from servelab.core.kv_cache_dtype import kv_dtype_name, resolve_kv_dtype
 from servelab.core.model import ModelShape
-from servelab.core.shape_config import layer_windows_of, model_shape_of
+from servelab.core.shape_config import layer_windows_of, model_shape_of, simulated_routing
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +63,8 @@ class ResolvedModel:
             problems = tuple(unread_sizes(sizes, shape, checkpoint.architecture, experts=not from_sizes))
         if from_sizes:
             model_cls, shape = None, model_shape_of(sizes, checkpoint.hf_config.vocab_size)
+        elif sizes is not None and sizes.experts is not None and shape.experts is not None:
+            shape = simulated_routing(shape, sizes.experts)  # routing no architecture's config holds
         try:
             kv_dtype = resolve_kv_dtype(kv_dtype_name(cfg.cache), dtype)
         except ConfigError as exc:

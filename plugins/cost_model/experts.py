@@ -2,7 +2,8 @@
 sparse layer's MLP costs on its busiest device.
 
 **Routing.** Expert e (from 0) has popularity w_e = (e + 1) ** -s / sum, s being
-``MixtureOfExperts.routing_skew`` (0: uniform). A token picks ``top_k`` distinct experts;
+``MixtureOfExperts.routing_skew`` (0: uniform), or the share of the pairs a real run routed
+to it (``MixtureOfExperts.popularity``, from a routing trace). A token picks ``top_k`` distinct experts;
 the chance it picks e is taken as p_e = min(1, c w_e), c chosen so the p_e add up to
 ``top_k`` (uniform: p_e = k / E exactly). Tokens route independently, so among T tokens
 expert e gets T p_e (token, expert) pairs on average and is activated (by at least one
@@ -19,7 +20,8 @@ whole: the step's tokens are split N ways for the layer's MLP (the attention's a
 becomes a reduce-scatter and the next all-gather, the same bytes), each rank sends its
 tokens' ``top_k`` copies to the experts' ranks and gets their outputs back (two all-to-alls,
 priced as ``collectives.all_gather_time``), and the step waits for the rank with the most expected
-pairs: rank 0, holding the most popular experts, when routing is skewed. The load's
+pairs: rank 0, holding the most popular experts, when routing is skewed; under a trace,
+whichever rank's experts drew the most. The load's
 variance around its expectation is not priced.
 """
 
@@ -35,7 +37,7 @@ from servelab.plugins.cost_model.operators import Operator, Widths, elementwise,
 def pick_probabilities(moe: MixtureOfExperts) -> tuple[float, ...]:
     """Per expert, the probability that one token picks it (module docstring): ``top_k``
     in all, none above 1."""
-    weights = [(e + 1) ** -moe.routing_skew for e in range(moe.num_experts)]
+    weights = list(moe.popularity) or [(e + 1) ** -moe.routing_skew for e in range(moe.num_experts)]
     picks = [0.0] * moe.num_experts
     capped: set[int] = set()
     while True:  # water-filling: experts that would exceed 1 are capped at 1, the rest share the remainder
@@ -58,9 +60,12 @@ def expected_active(moe: MixtureOfExperts, num_tokens: int, experts: range | Non
 
 
 def busiest_experts(moe: MixtureOfExperts, expert_parallel_size: int) -> range:
-    """The experts of the rank with the most expected pairs: the first of
-    ``expert_parallel_size`` equal consecutive ranges (popularity falls with the index)."""
-    return range(moe.num_experts // expert_parallel_size)
+    """The experts of the rank with the most expected pairs, of ``expert_parallel_size``
+    equal consecutive ranges (the first under a skew, whose popularity falls with the
+    index; any under a trace's)."""
+    size, picks = moe.num_experts // expert_parallel_size, pick_probabilities(moe)
+    ranks = [range(r * size, (r + 1) * size) for r in range(expert_parallel_size)]
+    return max(ranks, key=lambda held: sum(picks[e] for e in held))
 
 
 def sparse_mlp_operators(num_tokens: int, w: Widths, moe: MixtureOfExperts, tp: int, ep: int) -> list[Operator]:

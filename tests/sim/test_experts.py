@@ -116,3 +116,51 @@ def test_each_moe_preset_builds_and_runs(preset):
     while engine.has_unfinished_requests():
         finished += [out for out in engine.step() if out.finished]
     assert len(finished) == 2 and engine.clock.now() > 0
+
+
+MIXTRAL = ["model=mixtral-8x7b", "executor=simulated", "hardware=h100-80gb", "model.max_model_len=1024",
+           "parallel.tensor_parallel_size=2", "parallel.expert_parallel_size=2"]
+
+
+def trace(tmp_path, pairs: list[int]) -> str:
+    """A servelab-bench metrics.json whose measured run routed ``pairs`` per expert."""
+    import json
+
+    from servelab.core.expert_load import ExpertLoad
+
+    path = tmp_path / "metrics.json"
+    path.write_text(json.dumps({"system": {"experts": ExpertLoad({0: tuple(pairs)}).summary()}}))
+    return str(path)
+
+
+def test_a_shape_read_through_its_implementation_keeps_the_routing_skew():
+    engine = LLMEngine(compose_config([*MIXTRAL, "model.shape.experts.routing_skew=1.0"]))
+    assert engine.shape.experts.routing_skew == 1.0 and engine.shape.experts.num_experts == 8
+
+
+def test_a_routing_trace_sets_the_popularity_and_the_busiest_rank(tmp_path):
+    """A real run's pairs per expert: here experts 4-7 drew 90%, so rank 1 holds the busiest
+    experts and the step waits for it, longer than under even routing."""
+    from servelab.plugins.cost_model.experts import busiest_experts
+
+    engine = LLMEngine(compose_config([*MIXTRAL, f"model.shape.experts.routing_trace={trace(tmp_path, [5] * 4 + [45] * 4)}"]))
+    moe = engine.shape.experts
+    assert moe.popularity == pytest.approx((0.025,) * 4 + (0.225,) * 4)
+    assert pick_probabilities(moe) == pytest.approx((0.05,) * 4 + (0.45,) * 4)
+    assert busiest_experts(moe, 2) == range(4, 8)
+    batch = BatchShape((256,), (256,), 1)
+    traced = replace(SHAPE, experts=replace(SHAPE.experts, popularity=(0.01,) * 8 + (0.115,) * 8))
+    even, uneven = dict(roofline(2, 2).layer_times(batch, 1)), dict(roofline(2, 2, traced).layer_times(batch, 1))
+    assert uneven["moe_up_proj"] > even["moe_up_proj"]
+
+
+@pytest.mark.parametrize("pairs, extra, message", [
+    ([3] * 16, [], r"routing_trace=.* counts 16 experts, the shape routes to n_routed_experts=8"),
+    ([0] * 8, [], r"routing_trace=.* holds no routed pairs"),
+    ([1] * 8, ["model.shape.experts.routing_skew=0.5"], "routing_skew=0.5 and routing_trace both set"),
+    (None, [], r"routing_trace=.*: no servelab-bench metrics.json with system.experts.pairs_per_expert"),
+])
+def test_a_routing_trace_that_cannot_be_used_names_the_field(tmp_path, pairs, extra, message):
+    path = trace(tmp_path, pairs) if pairs is not None else str(tmp_path / "missing.json")
+    with pytest.raises(ConfigError, match=message):
+        LLMEngine(compose_config([*MIXTRAL, f"model.shape.experts.routing_trace={path}", *extra]))
