@@ -174,10 +174,17 @@ def weight_memory_bytes(shape: Any, quantization: WeightQuantization | None, dty
     return total
 
 
+FLOAT_KEPT = ("gate", "shared_expert_gate", "kv_b_proj")
+"""Decoder layers whose weights stay in float: a mixture of experts' router and its shared
+expert's gate (small, and they decide where tokens go), MLA's ``kv_b_proj`` (multiplied
+in pieces, no linear layer)."""
+
+
 def is_quantized_tensor(name: str, tensor: torch.Tensor) -> bool:
     """True for a checkpoint tensor that ``quantized_weights`` rewrites: a 2-D ``weight``
-    of a layer inside the decoder layers."""
-    return name.startswith(DECODER_PREFIX) and name.endswith(".weight") and tensor.dim() == 2
+    of a layer inside the decoder layers, other than the ``FLOAT_KEPT`` ones."""
+    return (name.startswith(DECODER_PREFIX) and name.endswith(".weight") and tensor.dim() == 2
+            and name.split(".")[-2] not in FLOAT_KEPT)
 
 
 def quantized_weights(weights: Iterable[tuple[str, torch.Tensor]],

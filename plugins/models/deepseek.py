@@ -174,17 +174,21 @@ class DeepseekV2ForCausalLM(SparseForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The sparse loader, the shared experts (``mlp.shared_experts``) read as the block's
         ``shared_expert`` and, where DeepSeek rotates consecutive pairs, the rotary rows of
-        the query and latent projections reordered even features first (see the module
-        docstring)."""
+        the query and latent projections (float or quantized) reordered even features first
+        (see the module docstring)."""
         latent = latent_of(self.hf_config)
         rope = latent.qk_rope_head_dim
-        groups = {"q_proj.weight": latent.qk_nope_head_dim + rope, "q_b_proj.weight": latent.qk_nope_head_dim + rope,
-                  "kv_a_proj_with_mqa.weight": latent.cached_width, "kv_a_proj_with_mqa.bias": latent.cached_width}
-        if not getattr(self.hf_config, "rope_interleave", True):
-            groups = {}
+        widths = {"q_proj": latent.qk_nope_head_dim + rope, "q_b_proj": latent.qk_nope_head_dim + rope,
+                  "kv_a_proj_with_mqa": latent.cached_width}
+        groups = {f"{layer}.{kind}": width for layer, width in widths.items() for kind in ROWED
+                  } if getattr(self.hf_config, "rope_interleave", True) else {}
         super().load_weights((name.replace(".mlp.shared_experts.", ".mlp.shared_expert."),
                               deinterleaved(tensor, groups[leaf], rope) if (leaf := _leaf(name)) in groups
                               else tensor) for name, tensor in weights)
+
+
+ROWED = ("weight", "bias", "qweight", "scales", "zeros")
+"""A linear layer's tensors with a row per output feature, float or quantized."""
 
 
 def _leaf(name: str) -> str:

@@ -38,10 +38,13 @@ from torch import nn
 
 from servelab.core.errors import ConfigError
 from servelab.core.model import MixtureOfExperts, ModelParallel, ModelShape
+from servelab.core.quantization import WeightQuantization
 from servelab.kernels.availability import triton_unavailable_reason
 from servelab.kernels.blocked_linear import float_linear, pack_blocks
+from servelab.kernels.quantized_weights import quantize_int8
 from servelab.plugins.models.decoder import WeightPiece, use_native
 from servelab.plugins.models.linear import Linear
+from servelab.plugins.models.quantized_linear import QuantizedLinear
 from servelab.plugins.models.llama import (DecoderLayer, GatedMLP, LlamaFamilyForCausalLM, activation_of,
                                            gated_activation)
 from servelab.plugins.models.routing import Router, Routing, checked
@@ -193,6 +196,54 @@ class StackedWeight(nn.Module):
         return F.linear(x, self.expert(index))
 
 
+class QuantizedStackedWeight(nn.Module):
+    """``experts`` matrices [out_features, in_features] in int8 with one scale per row,
+    stacked as ``StackedWeight`` stacks them: ``qweight`` [experts * out_features,
+    in_features] and ``scales`` [experts * out_features] (in the activations' dtype), as
+    ``quantize_int8`` gives them. Each expert multiplies as a ``QuantizedLinear`` over views
+    of its rows (the int8 CPU kernel, w8a8's with ``int8_activations``, the Triton kernel on
+    CUDA), built on first use and again when the tensors move."""
+
+    def __init__(self, experts: int, out_features: int, in_features: int, dtype: torch.dtype,
+                 int8_activations: bool):
+        super().__init__()
+        self.experts, self.out_features, self.in_features = experts, out_features, in_features
+        self.int8_activations = int8_activations
+        self.qweight = nn.Parameter(torch.zeros(experts * out_features, in_features, dtype=torch.int8),
+                                    requires_grad=False)
+        self.scales = nn.Parameter(torch.ones(experts * out_features, dtype=dtype), requires_grad=False)
+        self._layers: tuple[tuple, list[QuantizedLinear]] | None = None
+
+    def layers(self) -> list[QuantizedLinear]:
+        """One ``QuantizedLinear`` per expert over views of its rows."""
+        key = (self.qweight.data_ptr(), self.scales.data_ptr())
+        if self._layers is None or self._layers[0] != key:
+            layers = []
+            with torch.inference_mode(False):  # normal tensors, usable in and out of inference mode
+                for e in range(self.experts):
+                    rows = slice(e * self.out_features, (e + 1) * self.out_features)
+                    layer = QuantizedLinear(self.in_features, self.out_features, False, 8, -1, self.scales.dtype,
+                                            self.int8_activations)
+                    layer.qweight = nn.Parameter(self.qweight[rows], requires_grad=False)
+                    layer.scales = nn.Parameter(self.scales[rows], requires_grad=False)
+                    layers.append(layer)
+            self._layers = (key, layers)
+        return self._layers[1]
+
+    def expert(self, index: int) -> torch.Tensor:
+        """Expert ``index``'s matrix [out_features, in_features], dequantized."""
+        return self.layers()[index].dequantized_weight()
+
+    def pack(self) -> None:
+        """Pack every expert for its CPU kernel now (else on first use)."""
+        for layer in self.layers():
+            layer.packed_kernel_weights(layer.scales.new_empty(0))
+
+    def matmul(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        """x: [N, in_features] -> x @ expert(index).T [N, out_features]."""
+        return self.layers()[index](x)
+
+
 class ExpertWeights(nn.Module):
     """Layer ``layer``'s routed experts this rank holds (``held``: all of them, or under
     expert parallelism its share, whole), this rank's ``columns`` of each one's
@@ -213,8 +264,22 @@ class ExpertWeights(nn.Module):
         self.gate_up_proj = StackedWeight(self.num_experts, 2 * self.intermediate, hidden_size)
         self.down_proj = StackedWeight(self.num_experts, hidden_size, self.intermediate)
         self.act, self.fused_silu = act, fused_silu
+        self.quantized = False
         self.loaded: set[tuple[int, str]] = set()
         self.register_buffer("routed", torch.zeros(layout.num_experts, dtype=torch.int64), persistent=False)
+
+    def quantize_weights(self, quantization: WeightQuantization) -> None:
+        """Store the experts in int8 (``QuantizedStackedWeight``; with w8a8's int8
+        activations when ``quantization`` asks); other bit widths are a ``ConfigError``."""
+        if quantization.bits != 8:
+            raise ConfigError([f"model.quantization: a mixture's experts are quantized to 8 bits only (int8 or w8a8), "
+                               f"not {quantization.bits}"])
+        weight = self.gate_up_proj.weight
+        self.gate_up_proj = QuantizedStackedWeight(self.num_experts, 2 * self.intermediate, self.hidden_size,
+                                                   weight.dtype, quantization.int8_activations).to(weight.device)
+        self.down_proj = QuantizedStackedWeight(self.num_experts, self.hidden_size, self.intermediate, weight.dtype,
+                                                quantization.int8_activations).to(weight.device)
+        self.quantized = True
 
     def fused_counts(self) -> dict[str, int]:
         """gate_up_proj waits for a gate and an up piece per expert, down_proj for one per expert."""
@@ -222,11 +287,13 @@ class ExpertWeights(nn.Module):
 
     def pieces(self, leaf: str, tensor: torch.Tensor) -> list[WeightPiece] | None:
         """This rank's pieces of one expert's projection (``leaf``: ``gate_proj.3``, as
-        ``checkpoint_names`` renames ``experts.3.gate_proj.weight``) or of every expert's
+        ``checkpoint_names`` renames ``experts.3.gate_proj.weight``; ``gate_proj:qweight.3``
+        and ``gate_proj:scales.3`` for a quantized checkpoint's) or of every expert's
         stacked one (``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I])."""
         part, _, index = leaf.partition(".")
-        if part in PROJECTIONS and index.isdigit():
-            return self._expert_pieces(int(index), part, tensor)
+        projection, _, kind = part.partition(":")
+        if projection in PROJECTIONS and index.isdigit():
+            return self._expert_pieces(int(index), projection, tensor, kind or "weight")
         if part == "gate_up_proj" and not index:
             return [piece for e in range(self.total_experts) for half, part in zip(tensor[e].chunk(2), PROJECTIONS)
                     for piece in self._expert_pieces(e, part, half)]
@@ -234,18 +301,30 @@ class ExpertWeights(nn.Module):
             return [piece for e in range(self.total_experts) for piece in self._expert_pieces(e, part, tensor[e])]
         return None
 
-    def _expert_pieces(self, expert: int, part: str, tensor: torch.Tensor) -> list[WeightPiece]:
-        """Expert ``expert``'s (a checkpoint index) piece of ``part``; none for an expert
-        another rank holds."""
-        self.loaded.add((expert, part))
+    def _expert_pieces(self, expert: int, part: str, tensor: torch.Tensor, kind: str = "weight") -> list[WeightPiece]:
+        """Expert ``expert``'s (a checkpoint index) piece of ``part``'s ``kind`` (weight,
+        qweight or scales); none for an expert another rank holds. A float weight of
+        experts stored in int8 is quantized here, its rows whole before any column split."""
+        if kind != "scales":
+            self.loaded.add((expert, part))
         if expert not in self.held:
             return []
         expert -= self.held.start
+        if kind == "weight" and self.quantized:
+            qweight, scales = quantize_int8(tensor)
+            return self._rows(expert, part, qweight, "qweight") + self._rows(expert, part, scales, "scales")
+        return self._rows(expert, part, tensor, kind)
+
+    def _rows(self, expert: int, part: str, tensor: torch.Tensor, kind: str) -> list[WeightPiece]:
+        """This rank's expert ``expert``'s rows of ``part`` in the stacked parameter
+        ``kind``: its columns of gate and up, its input columns of down (a row's scale
+        covers every column)."""
         columns = slice(self.columns.start, self.columns.stop)
         if part == "down_proj":
-            return [WeightPiece("down_proj.weight", expert * self.hidden_size, tensor[:, columns])]
+            rows = tensor if kind == "scales" else tensor[:, columns]
+            return [WeightPiece(f"down_proj.{kind}", expert * self.hidden_size, rows)]
         start = expert * 2 * self.intermediate + (self.intermediate if part == "up_proj" else 0)
-        return [WeightPiece("gate_up_proj.weight", start, tensor[columns])]
+        return [WeightPiece(f"gate_up_proj.{kind}", start, tensor[columns])]
 
     def missing(self) -> list[str]:
         """The (layer, expert, projection) tensors the checkpoint did not give."""
@@ -257,13 +336,13 @@ class ExpertWeights(nn.Module):
         experts' outputs [T, hidden] (this rank's partial sum under tensor or expert
         parallelism: under expert parallelism the pairs routed to its experts only); the
         Triton ``fused_moe`` kernel on CUDA when triton is installed (not yet under expert
-        parallelism, which takes the generic path). Every pair of the step, this rank's
+        parallelism or with int8 experts, which take the generic path). Every pair of the step, this rank's
         experts' or not, is added to ``routed`` (pairs per expert since the model was built,
         ``routed_pairs``)."""
         flat = experts.flatten()
         routed = torch.bincount(flat, minlength=self.total_experts)
         self.routed += routed
-        if x.device.type == "cuda" and not self.sharded and triton_unavailable_reason() is None:
+        if x.device.type == "cuda" and not (self.sharded or self.quantized) and triton_unavailable_reason() is None:
             from servelab.kernels.fused_moe import fused_moe
 
             return fused_moe(x, self.gate_up_proj.weight.unflatten(0, (self.num_experts, -1)),
@@ -352,14 +431,16 @@ def routed_pairs(model: nn.Module) -> dict[int, tuple[int, ...]]:
 def checkpoint_names(weights: Iterable[tuple[str, torch.Tensor]], model: nn.Module,
                      aliases: dict[str, str]) -> Iterator[tuple[str, torch.Tensor]]:
     """``weights`` with per-expert names ``...experts.N.P.weight`` renamed ``...experts.P.N``
-    (``aliases`` first maps a checkpoint's projection names to ``PROJECTIONS``), so the
+    (a quantized checkpoint's ``.qweight`` / ``.scales`` ``...experts.P:qweight.N``;
+    ``aliases`` first maps a checkpoint's projection names to ``PROJECTIONS``), so the
     loader hands them to ``ExpertWeights.pieces``; once they are all read, a ``ConfigError``
     names every expert projection of ``model`` the checkpoint did not give."""
-    per_expert = re.compile(r"(.*\.experts)\.(\d+)\.(\w+)\.weight")
+    per_expert = re.compile(r"(.*\.experts)\.(\d+)\.(\w+)\.(weight|qweight|scales)")
     for name, tensor in weights:
         match = per_expert.fullmatch(name)
         if match:
-            name = f"{match[1]}.{aliases.get(match[3], match[3])}.{match[2]}"
+            kind = "" if match[4] == "weight" else f":{match[4]}"
+            name = f"{match[1]}.{aliases.get(match[3], match[3])}{kind}.{match[2]}"
         yield name, tensor
     missing = [name for module in model.modules() if isinstance(module, ExpertWeights) for name in module.missing()]
     if missing:
@@ -394,9 +475,12 @@ class SparseForCausalLM(LlamaFamilyForCausalLM):
         super().load_weights(checkpoint_names(weights, self, self.EXPERT_ALIASES))
 
     def warm_up(self, max_tokens: int) -> int:
-        """The shared warm-up, and every expert's blocked copy packed where it multiplies."""
+        """The shared warm-up, and every expert's blocked (or int8 kernel) copy packed
+        where it multiplies."""
         warmed = super().warm_up(max_tokens)
         for module in self.modules():
             if isinstance(module, StackedWeight) and module.blocked:
                 module.packed()
+            elif isinstance(module, QuantizedStackedWeight):
+                module.pack()
         return warmed

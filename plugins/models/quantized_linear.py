@@ -211,25 +211,22 @@ def _frozen(tensor: torch.Tensor) -> nn.Parameter:
 
 
 def quantize_linears(model: torch.nn.Module, quantization: WeightQuantization) -> int:
-    """Replace every ``nn.Linear`` inside ``model``'s decoder layers by an empty
-    ``QuantizedLinear`` of the same size, dtype and device (``load_weights`` fills it from
-    ``quantized_weights``' tensors), and with ``quantization.lm_head`` the model's
-    ``lm_head`` by a ``QuantizedHead`` over the same float weight; returns how many
-    decoder layers were replaced. A model with decoder weights the checkpoint's quantizer
-    rewrites but no linear layer holds (stacked experts, routers, MLA's ``kv_b_proj``) is a
-    ``ConfigError`` naming them."""
-    unquantizable = sorted({f"{LAYER_INDEX.sub('', path)} ({type(model.get_submodule(path)).__name__})"
-                            for name, param in model.named_parameters() if is_quantized_tensor(name, param)
-                            and not isinstance(model.get_submodule(path := name.rpartition(".")[0]), torch.nn.Linear)})
-    if unquantizable:  # named once for every layer that has them
-        raise ConfigError([f"model.quantization: {type(model).__name__} has decoder weights outside linear layers, "
-                           f"which weight quantization does not cover: {', '.join(unquantizable)}"])
+    """Replace every ``nn.Linear`` inside ``model``'s decoder layers whose weight the
+    checkpoint's quantizer rewrites (``is_quantized_tensor``: not the ``FLOAT_KEPT`` ones)
+    by an empty ``QuantizedLinear`` of the same size, dtype and device (``load_weights``
+    fills it from ``quantized_weights``' tensors), let every module with a
+    ``quantize_weights(quantization)`` method store its weights quantized (a mixture's
+    stacked experts), and with ``quantization.lm_head`` replace the model's ``lm_head`` by
+    a ``QuantizedHead`` over the same float weight; returns how many decoder layers were
+    replaced. Decoder weights the quantizer rewrites that are then still float are a
+    ``ConfigError`` naming their modules (once for every layer)."""
     if quantization.lm_head and isinstance(getattr(model, "lm_head", None), torch.nn.Linear):
         model.lm_head = QuantizedHead(model.lm_head, quantization.int8_activations)
-
     replaced = 0
     for name, module in list(model.named_modules()):
-        if not (name.startswith(DECODER_PREFIX) and isinstance(module, torch.nn.Linear)):
+        if callable(getattr(module, "quantize_weights", None)):
+            module.quantize_weights(quantization)
+        if not (isinstance(module, torch.nn.Linear) and is_quantized_tensor(f"{name}.weight", module.weight)):
             continue
         problems = group_problems(name, module.in_features, quantization.group_size) if quantization.bits == 4 else []
         if problems:
@@ -239,4 +236,10 @@ def quantize_linears(model: torch.nn.Module, quantization: WeightQuantization) -
                                 quantization.group_size, module.weight.dtype, quantization.int8_activations)
         setattr(model.get_submodule(parent), child, layer.to(module.weight.device))
         replaced += 1
+    unquantized = sorted({f"{LAYER_INDEX.sub('', name.rpartition('.')[0])} "
+                          f"({type(model.get_submodule(name.rpartition('.')[0])).__name__})"
+                          for name, param in model.named_parameters() if is_quantized_tensor(name, param)})
+    if unquantized:
+        raise ConfigError([f"model.quantization: {type(model).__name__} has decoder weights weight quantization "
+                           f"does not cover: {', '.join(unquantized)}"])
     return replaced

@@ -23,6 +23,9 @@ MODES = {"int8": ["model.quantization=int8"],
 # on the tiny random Llama: measured 0.0070 (int8), 0.0090 (w8a8), 0.0092 (int8 with the
 # LM head) and 0.0843 (int4, groups of 32) on 2026-12-01.
 LOGIT_TOLERANCE = {"int8": 0.015, "w8a8": 0.02, "int8+head": 0.02, "int4": 0.12}
+MIXTURE_W8A8_TOLERANCE = 0.05
+"""The tiny Qwen2-MoE's w8a8 logits against its float ones (measured 2026-12-04: see the
+test's output)."""
 needs_w8a8 = pytest.mark.skipif(w8a8_unavailable_reason() is not None, reason=str(w8a8_unavailable_reason()))
 PROMPTS = mixed_prompts(200, lengths=(5, 23, 40, 11))
 
@@ -121,3 +124,98 @@ def test_parallel_shards_equal_one_device(llama, mode, split, tolerance):
 def test_bad_combinations_fail_at_start_up(llama, overrides, message):
     with pytest.raises(ConfigError, match=message):
         LLM(llama, overrides=[*BASE, *overrides])
+
+
+MIXTURES = ("qwen2-moe", "deepseek-v3")
+"""Mixtures of experts quantized: Qwen2-MoE (a dense layer, routed experts, a gated shared
+expert) and DeepSeek-V3 (latent attention, grouped routing, shared experts)."""
+
+
+@pytest.fixture(scope="module")
+def mixtures(tmp_path_factory) -> dict[str, str]:
+    """Tiny mixture-of-experts checkpoints, and each one's float copy whose quantized
+    weights are replaced by what their int8 values stand for (``<family>-dequantized``)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from servelab.core.quantization import is_quantized_tensor
+    from servelab.kernels.quantized_weights import dequantize_int8, quantize_int8
+    from servelab.testing import tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("quantized-moe")
+    folders = {}
+    for family in MIXTURES:
+        folders[family] = tiny_checkpoint(root / family, family)
+        copy = shutil.copytree(folders[family], root / f"{family}-dequantized")
+        weights = load_file(copy / "model.safetensors")
+        save_file({name: dequantize_int8(*quantize_int8(tensor), tensor.dtype) if is_quantized_tensor(name, tensor)
+                   else tensor for name, tensor in weights.items()}, copy / "model.safetensors", metadata={"format": "pt"})
+        folders[f"{family}-dequantized"] = str(copy)
+    return folders
+
+
+@pytest.mark.parametrize("family", MIXTURES)
+def test_int8_experts_compute_what_their_int8_weights_stand_for(mixtures, family):
+    """Every expert is stored in int8 and multiplies through the int8 kernel: the logits
+    are the float model's on the dequantized weights (routing decisions included; the
+    float model's own logits are no reference, a tiny mixture's routing flips on small
+    changes). Routers, the shared expert's gate and MLA's kv_b_proj stay float."""
+    from servelab.plugins.models.moe import QuantizedStackedWeight
+    from servelab.plugins.models.routing import Router
+
+    prompts = mixed_prompts(257, lengths=(5, 23, 40, 11))
+    llm = LLM(mixtures[family], overrides=[*BASE, *MODES["int8"]])
+    model = llm.engine.executor.model
+    stacks = [m for m in model.modules() if isinstance(m, QuantizedStackedWeight)]
+    assert len(stacks) == 2 and not any(m.int8_activations for m in stacks)
+    assert all(m.weight.dtype == torch.float32 for m in model.modules() if isinstance(m, Router))
+    assert all(layer.packed_kernel_weights(torch.empty(0)) is not None for stack in stacks for layer in stack.layers())
+    got = torch.cat(prompt_logits(llm, prompts))
+    expected = torch.cat(prompt_logits(LLM(mixtures[f"{family}-dequantized"], overrides=BASE), prompts))
+    assert float((got - expected).norm() / expected.norm()) < 1e-4
+    assert_no_leaked_blocks(llm)
+
+
+@needs_w8a8
+def test_w8a8_experts_stay_close_to_the_float_model(mixtures):
+    from servelab.plugins.models.moe import QuantizedStackedWeight
+
+    prompts = mixed_prompts(257, lengths=(5, 23, 40, 11))
+    llm = LLM(mixtures["qwen2-moe"], overrides=[*BASE, *MODES["w8a8"]])
+    assert all(m.int8_activations for m in llm.engine.executor.model.modules() if isinstance(m, QuantizedStackedWeight))
+    got = torch.cat(prompt_logits(llm, prompts))
+    expected = torch.cat(prompt_logits(LLM(mixtures["qwen2-moe"], overrides=BASE), prompts))
+    relative = float((got - expected).norm() / expected.norm())
+    print(f"qwen2-moe w8a8: logits relative error {relative:.4f}")
+    assert relative < MIXTURE_W8A8_TOLERANCE
+
+
+def test_a_saved_int8_mixture_loads_to_the_logits_of_quantizing_at_load(mixtures, tmp_path):
+    """The folder holds each expert's qweight and scales (and float routers)."""
+    folder = save_quantized(mixtures["qwen2-moe"], str(tmp_path / "int8"), "int8", 128)
+    prompts = mixed_prompts(257, lengths=(5, 23))
+    saved = prompt_logits(LLM(folder, overrides=BASE), prompts)
+    at_load = prompt_logits(LLM(mixtures["qwen2-moe"], overrides=[*BASE, *MODES["int8"]]), prompts)
+    assert all(torch.equal(got, expected) for got, expected in zip(saved, at_load))
+
+
+@pytest.mark.parametrize("split", [["parallel.tensor_parallel_size=2"],
+                                   ["parallel.tensor_parallel_size=2", "parallel.expert_parallel_size=2"]],
+                         ids=["tp2", "tp2-ep2"])
+def test_int8_experts_split_like_one_device(mixtures, split):
+    """Each rank keeps its columns of every expert (a row's scale covers them all) or its
+    experts whole."""
+    folder = mixtures["qwen2-moe"]
+    one = prompt_logprobs(LLM(folder, overrides=[*BASE, *MODES["int8"]]))
+    llm = LLM(folder, overrides=[*BASE, *MODES["int8"], *split])
+    try:
+        torch.testing.assert_close(prompt_logprobs(llm), one, atol=1e-4, rtol=1e-4)
+    finally:
+        llm.engine.shutdown()
+
+
+def test_int4_experts_are_refused_naming_the_field(mixtures):
+    with pytest.raises(ConfigError, match=r"model.quantization: a mixture's experts are quantized to 8 bits only "
+                                          r"\(int8 or w8a8\), not 4"):
+        LLM(mixtures["qwen2-moe"], overrides=[*BASE, "model.quantization=int4", "model.quantization_group_size=32"])

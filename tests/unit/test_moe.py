@@ -141,3 +141,40 @@ def test_sparse_layers_are_those_transformers_builds_with_experts(family, fields
     layers = AutoModelForCausalLM.from_config(config).model.layers
     expected = tuple(i for i, layer in enumerate(layers) if hasattr(layer.mlp, "experts"))
     assert ExpertLayout.of(config).sparse_layers == expected
+
+
+def test_both_checkpoint_layouts_load_the_same_int8_experts():
+    """The quantizer's per-expert qweight and scales, and transformers' stacked float
+    tensors quantized as they load (a row's scale over all its columns), fill every
+    parameter alike, on each tensor-parallel rank and under expert parallelism."""
+    from transformers import AutoModelForCausalLM
+
+    from servelab.core.quantization import WeightQuantization, quantized_weights
+    from servelab.plugins.models.quantized_linear import quantize_linears
+    from servelab.plugins.models.qwen_moe import QwenMoeForCausalLM
+
+    config = tiny_config("qwen2-moe", 257)
+    torch.manual_seed(0)
+    hf_model = AutoModelForCausalLM.from_config(config)
+    stacked = hf_model.state_dict()
+    int8 = WeightQuantization(8, -1)
+    per_expert = dict(quantized_weights(
+        ((name, tensor) for name, tensor in stacked.items() if ".experts." not in name), int8))
+    for e in range(8):  # the layer-1 experts one by one, as save_pretrained writes them
+        for i, projection in enumerate(("gate_proj", "up_proj")):
+            half = stacked["model.layers.1.mlp.experts.gate_up_proj"][e].chunk(2)[i]
+            per_expert.update(quantized_weights([(f"model.layers.1.mlp.experts.{e}.{projection}.weight", half)], int8))
+        down = stacked["model.layers.1.mlp.experts.down_proj"][e]
+        per_expert.update(quantized_weights([(f"model.layers.1.mlp.experts.{e}.down_proj.weight", down)], int8))
+    stacked_quantized = dict(quantized_weights(stacked.items(), int8))
+    for parallel in (ModelParallel(), ModelParallel(tp_rank=1, tp_size=2),
+                     ModelParallel(tp_rank=1, tp_size=2, expert_parallel=True)):
+        models = []
+        for weights in (per_expert, stacked_quantized):
+            model = QwenMoeForCausalLM(config, None, torch.float32, 64, parallel)
+            quantize_linears(model, int8)
+            model.load_weights(iter(weights.items()))
+            models.append(dict(model.named_parameters()))
+        assert models[0].keys() == models[1].keys()
+        assert all(torch.equal(models[0][name], models[1][name]) for name in models[0])
+    assert models[0]["model.layers.1.mlp.experts.gate_up_proj.qweight"].dtype == torch.int8
