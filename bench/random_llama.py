@@ -1,4 +1,4 @@
-"""The random-weight Llama checkpoints of the vLLM comparison (``benchmarks/compare_vllm*.py``,
+"""The random-weight checkpoints of the vLLM comparison (``benchmarks/compare_vllm*.py``,
 ``cpu_roofline.py``, ``profile_engine.py``): their shapes, their matmul work per token, and
 a folder both engines load.
 
@@ -10,7 +10,10 @@ detokenize whatever they generate:
 - ``3m``: hidden 256, 4 layers, 8 heads, 4 KV heads, intermediate 688, tied embeddings;
 - ``05b``: the shape of Qwen2.5-0.5B (hidden 896, 24 layers, 14 heads, 2 KV heads,
   intermediate 4864, vocabulary 151,936, tied embeddings; 494M parameters), for the
-  quantization comparison.
+  quantization comparison;
+- ``moe05b``: a Qwen3-MoE (``Qwen3MoeForCausalLM``: q/k norms, every layer sparse) of hidden
+  512, 12 layers, 8 heads of 64, 2 KV heads, 48 experts of 512 with 4 per token,
+  normalised; 0.47B parameters, 53M of them active per token.
 
 The workloads draw prompt ids below 2048, which every model's vocabulary holds.
 """
@@ -27,6 +30,9 @@ MODELS: dict[str, dict[str, Any]] = {
            "intermediate_size": 688, "tie_word_embeddings": True},
     "05b": {"hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
             "intermediate_size": 4864, "tie_word_embeddings": True, "vocab_size": 151936},
+    "moe05b": {"model_type": "qwen3_moe", "hidden_size": 512, "num_hidden_layers": 12, "num_attention_heads": 8,
+               "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 1536, "moe_intermediate_size": 512,
+               "num_experts": 48, "num_experts_per_tok": 4, "norm_topk_prob": True, "tie_word_embeddings": False},
 }
 VOCAB = 2048
 MAX_POSITIONS = 512
@@ -49,21 +55,28 @@ def make_checkpoint(folder: str, name: str) -> str:
     if os.path.exists(os.path.join(folder, "config.json")):
         return folder
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    shape = {"vocab_size": VOCAB, **MODELS[name]}
-    config = LlamaConfig(max_position_embeddings=MAX_POSITIONS, bos_token_id=0, eos_token_id=1, **shape)
-    LlamaForCausalLM(config).save_pretrained(folder)
+    shape = {"vocab_size": VOCAB, "model_type": "llama", **MODELS[name]}
+    config = AutoConfig.for_model(shape.pop("model_type"), max_position_embeddings=MAX_POSITIONS, bos_token_id=0,
+                                  eos_token_id=1, **shape)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     word_tokenizer(shape["vocab_size"]).save_pretrained(folder)
     return folder
 
 
 def matmul_parameters(name: str) -> int:
-    """Parameters that take part in a matmul per token: every linear layer and the LM head
-    (the embedding lookup is not a matmul); a token costs twice that in FLOPs."""
+    """Parameters that take part in a matmul per token: every linear layer (of a mixture,
+    the router and the experts the token passes) and the LM head (the embedding lookup is
+    not a matmul); a token costs twice that in FLOPs."""
     m = MODELS[name]
-    hidden, inter, layers = m["hidden_size"], m["intermediate_size"], m["num_hidden_layers"]
-    kv = m["num_key_value_heads"] * (hidden // m["num_attention_heads"])
-    per_layer = hidden * (hidden + 2 * kv) + hidden * hidden + 3 * hidden * inter
+    hidden, layers = m["hidden_size"], m["num_hidden_layers"]
+    head = m.get("head_dim", hidden // m["num_attention_heads"])
+    query, kv = m["num_attention_heads"] * head, m["num_key_value_heads"] * head
+    if "num_experts" in m:  # the router and the experts a token passes
+        mlp = hidden * m["num_experts"] + 3 * hidden * m["moe_intermediate_size"] * m["num_experts_per_tok"]
+    else:
+        mlp = 3 * hidden * m["intermediate_size"]
+    per_layer = hidden * (query + 2 * kv) + query * hidden + mlp
     return layers * per_layer + hidden * m.get("vocab_size", VOCAB)

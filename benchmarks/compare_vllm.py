@@ -1,7 +1,7 @@
 """servelab against vLLM on the same CPU, models and offline workload, as ratios.
 
 Models: ``servelab.bench.random_llama`` (random-weight Llama 26m and 3m, vocabulary 2048,
-and 05b in the shape of Qwen2.5-0.5B).
+05b in the shape of Qwen2.5-0.5B, and moe05b, a Qwen3-MoE of 0.46B parameters).
 Workload: ``servelab-bench``'s ``offline`` preset (256 requests, prompt lengths uniform in
 [16, 256], random token ids, seed 0, 128 output tokens each with ignore_eos, greedy, all
 submitted at once), written to a workload file both engines read.
