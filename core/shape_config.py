@@ -154,7 +154,8 @@ def trace_problems(experts: Any) -> list[str]:
 def trace_popularity(path: str) -> tuple[float, ...]:
     """Each expert's share of the pairs a real run routed (``trace_problems`` checked it)."""
     pairs = _trace_pairs(path)
-    return tuple(count / sum(pairs) for count in pairs)
+    total = sum(pairs)
+    return tuple(count / total for count in pairs)
 
 
 def expert_sizes(model_type: str, shape: Any) -> tuple[dict[str, Any], list[str]]:

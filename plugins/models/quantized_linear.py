@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from servelab.core.errors import ConfigError
-from servelab.core.quantization import DECODER_PREFIX, WeightQuantization, group_problems, is_quantized_tensor
+from servelab.core.quantization import WeightQuantization, group_problems, is_quantized_tensor
 from servelab.kernels.cpu_ops import native_cpu_available, native_cpu_enabled
 from servelab.kernels.quantized_cpu import int8_linear, pack_int8
 from servelab.kernels.quantized_weights import dequantize_int4, dequantize_int8, quantize_int8, unpack_int4
