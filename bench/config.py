@@ -28,6 +28,28 @@ class ShareGPTLengths:
 
 
 @dataclass
+class TenantConfig:
+    """One tenant of a multi-tenant workload (``workload.tenants.<name>``): its requests
+    arrive at ``rate`` requests/s (required, > 0) by ``arrival`` (with ``burstiness``);
+    ``num_requests`` of them (null: its share of ``workload.num_requests`` by rate);
+    prompt and output lengths by ``lengths`` with ``input_len``/``output_len`` or
+    ``input_range``/``output_range``. Null fields take the workload's value. Each request
+    carries ``RequestMetadata(tenant=<name>, priority, slo_class)``."""
+
+    rate: Optional[float] = None
+    num_requests: Optional[int] = None
+    arrival: Optional[str] = None
+    burstiness: Optional[float] = None
+    lengths: Optional[str] = None
+    input_len: Optional[int] = None
+    output_len: Optional[int] = None
+    input_range: Optional[list[int]] = None
+    output_range: Optional[list[int]] = None
+    priority: int = 0
+    slo_class: Optional[str] = None
+
+
+@dataclass
 class WorkloadConfig:
     """The requests of one run, deterministic under ``seed``.
 
@@ -42,6 +64,8 @@ class WorkloadConfig:
     ``num_requests`` rows; its arrival times as recorded unless ``trace_rate`` rescales
     them to that mean rate, which rate sweeps and capacity searches set).
     Lengths are clamped to the model's context: outputs to half of it, prompts to the rest.
+    ``tenants`` (name to ``TenantConfig``): several clients, each with its own arrivals,
+    lengths, priority and SLO class (bench/tenants.py); empty = one anonymous client.
     """
 
     num_requests: int = 32
@@ -64,6 +88,7 @@ class WorkloadConfig:
     trace_rate: Optional[float] = None
     temperature: float = 0.0
     ignore_eos: bool = True
+    tenants: dict[str, TenantConfig] = field(default_factory=dict)
 
 
 @dataclass

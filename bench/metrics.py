@@ -24,6 +24,9 @@ class RequestRecord:
     ``error`` is set, and the timings empty, when the request failed. The counters
     after ``num_output_tokens`` are None when the system does not report them;
     ``scheduled_time`` is when the system first scheduled the request (same clock).
+    ``tenant``, ``priority`` and ``slo_class`` are the request's metadata (None without
+    tenants); ``finish_reason`` is the system's (``length``, ``stop``, ``deadline``: refused
+    by ``policy=deadline``; None when not reported).
     """
 
     request_id: str
@@ -37,6 +40,10 @@ class RequestRecord:
     spec_accepted: int | None = None
     error: str | None = None
     scheduled_time: float | None = None
+    tenant: str | None = None
+    priority: int | None = None
+    slo_class: str | None = None
+    finish_reason: str | None = None
 
     @property
     def ok(self) -> bool:

@@ -41,6 +41,10 @@ COLUMNS: tuple[tuple[str, Callable[[dict[str, Any]], Any]], ...] = (
     ("E2E p99 ms", _get("e2e_ms", "p99")),
     ("goodput req/s", _get("goodput")),
     ("SLO met %", _percent("slo_attainment")),
+    ("class SLO met %", _percent("slo_class_attainment")),
+    ("class goodput req/s", _get("slo_class_goodput")),
+    ("Jain", _get("fairness", "jain")),
+    ("service diff tok/s", _get("fairness", "service_difference_per_s")),
     ("KV waste %", _percent("system", "kv_waste")),
     ("KV peak reserved", _get("system", "kv_peak_reserved_slots")),
     ("peak running", _get("system", "peak_running")),
@@ -69,11 +73,30 @@ def _present(rows: Sequence[dict[str, Any]]) -> list[tuple[str, Callable[[dict[s
     return [(name, read) for name, read in COLUMNS if any(read(row) is not None for row in rows)]
 
 
+TENANT_HEADER = ("tenant", "requests", "refused", "out tok/s", "service tok/s", "TTFT p50 ms", "TTFT p99 ms",
+                 "TPOT p50 ms", "TPOT p99 ms")
+"""Columns of the per-tenant table (service = prompt + 2 x output tokens, in the load window)."""
+
+
+def tenant_rows(metrics: dict[str, Any]) -> list[list[Any]]:
+    """One row per tenant of a run's ``tenants`` metrics (``TENANT_HEADER``'s columns)."""
+    return [[name, t["requests"], t["refused"], t["output_tokens_per_s"], t["service_tokens_per_s"],
+             t["ttft_ms"]["p50"], t["ttft_ms"]["p99"], t["tpot_ms"]["p50"], t["tpot_ms"]["p99"]]
+            for name, t in metrics.get("tenants", {}).items()]
+
+
 def summary_table(metrics: dict[str, Any]) -> str:
-    """A two-column table of one run's headline metrics (rows without a value omitted)."""
+    """A two-column table of one run's headline metrics (rows without a value omitted),
+    then one row per tenant and per SLO class when the workload has tenants."""
     lines = [f"{name:>18}  {format_value(read(metrics))}" for name, read in _present([metrics])]
     lines.insert(0, f"{'requests':>18}  {metrics['num_completed']}/{metrics['num_requests']} in "
                     f"{format_value(metrics['duration_s'])} s")
+    if metrics.get("tenants"):
+        lines += ["", render_markdown(TENANT_HEADER, tenant_rows(metrics), "l" + "r" * (len(TENANT_HEADER) - 1))]
+    if metrics.get("slo_classes"):
+        lines += [render_markdown(["SLO class", "requests", "met", "attainment %", "goodput req/s"],
+                                  [[name, c["requests"], c["met"], 100 * c["attainment"], c["goodput"]]
+                                   for name, c in metrics["slo_classes"].items()], "lrrrr")]
     return "\n".join(lines)
 
 

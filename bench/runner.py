@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from servelab.bench.config import (HttpTargetConfig, InprocTargetConfig, NoBaselineConfig,
                                    TransformersBaselineConfig, VllmBaselineConfig)
-from servelab.bench.metrics import summarize
+from servelab.bench.metrics import RequestRecord, summarize
 from servelab.bench.system import System
-from servelab.bench.workload import build_workload, warmup_workload
+from servelab.bench.tenant_metrics import slo_class_summary, tenant_summary
+from servelab.bench.tenants import tenant_rates
+from servelab.bench.workload import BenchRequest, build_workload, warmup_workload
 from servelab.core.deployment import is_disaggregated
 from servelab.core.errors import ConfigError
+from servelab.core.policy import SLOClass
 
 
 def open_system(cfg: DictConfig, folder: str) -> System:
@@ -53,14 +57,24 @@ def open_system(cfg: DictConfig, folder: str) -> System:
 
 
 def offered_rate(workload: Any, requests: list, rate: float | None) -> float | None:
-    """Requests per second offered: None when they arrive all at once, the trace's own mean
-    rate for a trace replayed as recorded, else the configured (or searched) rate."""
+    """Requests per second offered: the tenants' total rate when there are tenants, None
+    when requests arrive all at once, the trace's own mean rate for a trace replayed as
+    recorded, else the configured (or searched) rate."""
+    if workload.tenants:
+        return sum(tenant_rates(workload, rate).values())
     if workload.arrival == "all_at_once":
         return None
     if workload.arrival == "trace" and rate is None and workload.trace_rate is None:
         span = requests[-1].arrival_offset_s if requests else 0.0
         return (len(requests) - 1) / span if span > 0 else None
     return rate if rate is not None else (workload.trace_rate if workload.arrival == "trace" else workload.rate)
+
+
+def with_metadata(records: list[RequestRecord], requests: list[BenchRequest]) -> list[RequestRecord]:
+    """``records`` with the tenant, priority and SLO class of the request each answers."""
+    metadata = {r.request_id: r.metadata for r in requests if r.metadata is not None}
+    return [replace(record, tenant=m.tenant, priority=m.priority, slo_class=m.slo_class)
+            if (m := metadata.get(record.request_id)) is not None else record for record in records]
 
 
 def measure(system: System, cfg: DictConfig, rate: float | None = None, desc: str = "requests") -> dict[str, Any]:
@@ -76,8 +90,14 @@ def measure(system: System, cfg: DictConfig, rate: float | None = None, desc: st
         records, stats = system.run(requests, bar)
     workload = cfg.workload
     metrics = summarize(records, cfg.slo)
+    if workload.tenants:
+        records = with_metadata(records, requests)
+        metrics.update(tenant_summary(records))
+        classes, _ = SLOClass.parse(OmegaConf.to_container(cfg.slo_classes))
+        metrics.update(slo_class_summary(records, classes, metrics["duration_s"]))
     metrics["system"] = {"name": system.name, **stats}
     metrics["workload"] = {"arrival": workload.arrival, "rate": offered_rate(workload, requests, rate),
+                           "tenants": tenant_rates(workload, rate) if workload.tenants else None,
                            "burstiness": workload.burstiness, "lengths": workload.lengths,
                            "prefix_len": workload.prefix_len, "seed": workload.seed}
     metrics["samples"] = {

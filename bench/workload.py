@@ -11,6 +11,7 @@ from servelab.bench.lengths import clamp_lengths, sample_lengths
 from servelab.bench.prompts import PromptSource
 from servelab.bench.trace import read_trace, trace_offsets
 from servelab.core.errors import ConfigError
+from servelab.core.request_metadata import RequestMetadata
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,12 +27,14 @@ class TokenSpace:
 @dataclass(frozen=True, slots=True)
 class BenchRequest:
     """One request to send: ``prompt_token_ids``, exactly ``max_tokens`` outputs wanted
-    (with ``ignore_eos``), sent ``arrival_offset_s`` seconds after the run starts."""
+    (with ``ignore_eos``), sent ``arrival_offset_s`` seconds after the run starts;
+    ``metadata`` (tenant, priority, SLO class) when the workload has tenants."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     max_tokens: int
     arrival_offset_s: float
+    metadata: RequestMetadata | None = None
 
 
 def model_token_space(model_cfg: Any) -> TokenSpace:
@@ -61,14 +64,25 @@ def workload_preset(name: str, **fields: Any) -> Any:
 
 def build_workload(cfg: Any, space: TokenSpace, rate: float | None = None, prefix: str = "") -> list[BenchRequest]:
     """The requests of ``cfg`` (a ``WorkloadConfig``), sorted by arrival; ``rate``
-    overrides ``cfg.rate`` (capacity search). Independent random streams for arrivals,
-    lengths and prompts, so changing one leaves the others unchanged."""
+    overrides ``cfg.rate`` (capacity search; with tenants, their total rate). Independent
+    random streams for arrivals, lengths and prompts, so changing one leaves the others
+    unchanged."""
+    if getattr(cfg, "tenants", None):
+        from servelab.bench.tenants import build_tenant_workload
+
+        return build_tenant_workload(cfg, space, rate, prefix)
+    return client_requests(cfg, space, rate, prefix, str(cfg.seed))
+
+
+def client_requests(cfg: Any, space: TokenSpace, rate: float | None, prefix: str, seed: str,
+                    metadata: RequestMetadata | None = None) -> list[BenchRequest]:
+    """The requests of one client's ``cfg`` (``tenants`` ignored), ids ``<prefix><i>``,
+    drawn from random streams named by ``seed``, each carrying ``metadata``."""
     problems = [f"workload.{name} must be >= {low}, got {value}" for name, value, low in
                 (("num_requests", cfg.num_requests, 1), ("prefix_len", cfg.prefix_len, 0),
                  ("num_prefixes", cfg.num_prefixes, 1)) if value < low]
     if problems:
         raise ConfigError(problems)
-    seed = cfg.seed
     rows = read_trace(cfg.path, cfg.num_requests) if "trace" in (cfg.arrival, cfg.lengths) else []
     if cfg.arrival == "trace":
         offsets = trace_offsets(rows, cfg.trace_rate if rate is None else rate)
@@ -88,7 +102,7 @@ def build_workload(cfg: Any, space: TokenSpace, rate: float | None = None, prefi
         prompt_len, output_len = clamp_lengths(len(shared) + unique_len, output_len, space.max_model_len)
         head = shared[:prompt_len]
         prompt = head + source.draw(prompt_len - len(head))
-        requests.append(BenchRequest(f"{prefix}{i}", tuple(prompt), output_len, offset))
+        requests.append(BenchRequest(f"{prefix}{i}", tuple(prompt), output_len, offset, metadata))
     return requests
 
 

@@ -21,7 +21,7 @@ def record_from_output(output: Any) -> RequestRecord:
         num_prompt_tokens=len(output.prompt_token_ids), num_output_tokens=len(output.outputs[0].token_ids),
         num_cached_prompt_tokens=metrics.num_cached_prompt_tokens, num_preemptions=metrics.num_preemptions,
         spec_proposed=metrics.spec_proposed_tokens, spec_accepted=metrics.spec_accepted_tokens,
-        scheduled_time=metrics.first_scheduled_time)
+        scheduled_time=metrics.first_scheduled_time, finish_reason=output.outputs[0].finish_reason)
 
 
 class ServelabSystem(SteppedSystem):
@@ -51,7 +51,7 @@ class ServelabSystem(SteppedSystem):
                                 ignore_eos=self.workload.ignore_eos, seed=seed)
         try:
             self.engine.add_request(list(request.prompt_token_ids), params, request_id=request.request_id,
-                                    arrival_time=arrival_time)
+                                    arrival_time=arrival_time, metadata=request.metadata)
         except InvalidRequestError as exc:
             return RequestRecord(request.request_id, arrival_time, (), len(request.prompt_token_ids), 0, error=str(exc))
         return None
