@@ -17,7 +17,8 @@ new call is answered 429 with ``Retry-After`` at once, before anything enters th
 so a flood costs the engine nothing and the event loop (``/health``, ``/metrics``) stays
 free. ``server.request_timeout_s`` bounds how long an accepted call may run: then its
 requests are aborted in the engine, which frees their KV blocks, and the call ends with
-a 504 (a stream with an error event).
+a 504 (a stream with an error event). A request the ``deadline`` policy refuses
+(finish reason ``deadline``, no tokens) ends its call with a 503 the same way.
 """
 
 from __future__ import annotations
@@ -28,20 +29,25 @@ import threading
 from typing import Any, Callable, TypeVar
 
 from servelab.core.errors import InvalidRequestError
+from servelab.core.outputs import RequestOutput
+from servelab.core.request_metadata import NO_METADATA, RequestMetadata
 from servelab.core.sampling_params import SamplingParams
 from servelab.core.kv_cache import KVCacheUsage
 from servelab.core.router import ReplicaState, Router
 from servelab.server.messages import (AbortRequests, AbortTransfers, AddRequest, AdmitHandedOff, EngineFailed,
                                       EngineInfo, HandedOff, RequestAdded, RequestFailed, StepReport, StopEngine)
 from servelab.server.engine_process import EngineProcess
-from servelab.server.errors import (RETRY_AFTER_S, EngineDeadError, QueueFullError, RequestAbortedError,
-                                    RequestTimeoutError)
+from servelab.server.errors import (RETRY_AFTER_S, DeadlineRefusedError, EngineDeadError, QueueFullError,
+                                    RequestAbortedError, RequestTimeoutError)
 from servelab.server.metrics import ServerMetrics
 from servelab.server.output_stream import OutputStream
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+DEADLINE_FINISH_REASON = "deadline"
+"""The finish reason of a request the ``deadline`` policy refused."""
 
 
 class EngineInstance:
@@ -82,6 +88,12 @@ def combined_usage(instances: list[EngineInstance]) -> KVCacheUsage | None:
     return KVCacheUsage(*(sum(getattr(u, name) for u in usages) for name in
                           ("total_slots", "reserved_slots", "used_slots", "total_blocks", "used_blocks",
                            "cached_blocks")))
+
+
+def refused_by_deadline(output: RequestOutput) -> bool:
+    """Whether the ``deadline`` policy refused a sequence of this output (finish reason
+    ``deadline``: it could not be served before its deadline or SLO class's first token)."""
+    return any(completion.finish_reason == DEADLINE_FINISH_REASON for completion in output.outputs)
 
 
 class AsyncEngine:
@@ -202,20 +214,22 @@ class AsyncEngine:
         return fn(self.engine)
 
     async def add(self, stream: OutputStream, prompt: str | list[int], params: SamplingParams,
-                  request_id: str, arrival_time: float) -> int:
-        """Validate and queue a request whose outputs go to ``stream``; returns its prompt
-        length. Raises ``InvalidRequestError`` (nothing queued) for a bad request (the
-        stream's other requests keep running until it closes)."""
+                  request_id: str, arrival_time: float, metadata: RequestMetadata = NO_METADATA) -> int:
+        """Validate and queue a request (with its scheduling ``metadata``) whose outputs go
+        to ``stream``; returns its prompt length. Raises ``InvalidRequestError`` (nothing
+        queued) for a bad request (the stream's other requests keep running until it
+        closes)."""
         self._check_alive()
         stream.track(request_id)  # before the wait, so that an expiry covers it
         self._streams[request_id] = stream
         self._idle.clear()
         added = self._loop.create_future()
         self._adding[request_id] = added
+        tenant = self.metrics.track(request_id, metadata)  # before its outputs can arrive
         try:
             instance = self._choose(self.entry, "prefill", prompt)
             self._place(request_id, instance)
-            self._send(instance, AddRequest(request_id, prompt, params, arrival_time))
+            self._send(instance, AddRequest(request_id, prompt, params, arrival_time, metadata))
             length = await added
         except BaseException:  # rejected, or cancelled while the engine may have added it
             stream.untrack(request_id)
@@ -223,7 +237,7 @@ class AsyncEngine:
             raise
         finally:
             self._adding.pop(request_id, None)
-        self.metrics.prompt_tokens.inc(length)
+        self.metrics.prompt_tokens.labels(tenant=tenant).inc(length)
         return length
 
     def abort(self, request_ids: list[str]) -> None:
@@ -294,6 +308,8 @@ class AsyncEngine:
             self._on_report(instance, message)
         elif isinstance(message, RequestAdded):
             future = self._adding.get(message.request_id)
+            if message.error is not None:
+                self.metrics.forget(message.request_id)
             if future is not None and not future.done():
                 if message.error is None:
                     future.set_result(message.prompt_length)
@@ -305,6 +321,7 @@ class AsyncEngine:
         elif isinstance(message, RequestFailed):
             stream = self._streams.get(message.request_id)
             self._forget(message.request_id)
+            self.metrics.forget(message.request_id)
             if stream is not None:
                 stream.fail(message.error)
         elif isinstance(message, EngineFailed):
@@ -339,16 +356,18 @@ class AsyncEngine:
             instance.observe(report)
             metrics.set_gauges(sum(i.num_running for i in instances), sum(i.num_waiting for i in instances),
                                combined_usage(instances))
-        metrics.record_aborted(report.num_aborted)
+        metrics.record_aborted(report.aborted)
         for output in report.outputs:
-            if output.finished:
-                metrics.record_finished(output)
+            metrics.record_output(output)
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
             if output.finished:
                 self._forget(output.request_id)
-            stream.put(output)
+            if refused_by_deadline(output):
+                stream.fail(DeadlineRefusedError())
+            else:
+                stream.put(output)
 
     def _on_failed(self, reason: str) -> None:
         """The engine loop failed or its process died: fail every request, then tell

@@ -13,7 +13,7 @@ from servelab.server.choices import ChoiceDelta, ChoiceTracker
 from servelab.server.errors import stream_error
 from servelab.server.logprobs import chat_logprobs
 from servelab.server.output_stream import DONE, EventStreamResponse, OutputStream, sse, until_disconnected
-from servelab.server.protocol import ChatCompletionRequest
+from servelab.server.protocol import TENANT_HEADER, ChatCompletionRequest
 
 if TYPE_CHECKING:
     from servelab.server.state import ServerState
@@ -74,13 +74,14 @@ class ChatResponder:
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, state: "ServerState"):
     """Render the conversation (the served model was checked by the route), queue it, and answer with the whole response or an SSE stream."""
     params = body.sampling_params()
+    metadata = body.metadata(request.headers.get(TENANT_HEADER))
     arrival = time.perf_counter()
     prompt = await state.engine.call(lambda engine: render_chat(engine.tokenizer, body.messages,
                                                                 body.add_generation_prompt))
     stream = state.engine.open_stream(1)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     try:
-        prompt_tokens = await state.engine.add(stream, prompt, params, request_id, arrival)
+        prompt_tokens = await state.engine.add(stream, prompt, params, request_id, arrival, metadata)
     except BaseException:
         stream.abort()
         raise

@@ -13,7 +13,7 @@ from servelab.server.choices import ChoiceDelta, ChoiceTracker, best_choices
 from servelab.server.errors import stream_error
 from servelab.server.logprobs import completion_logprobs, echo_logprobs, joined_logprobs, vllm_prompt_logprobs
 from servelab.server.output_stream import DONE, EventStreamResponse, OutputStream, sse, until_disconnected
-from servelab.server.protocol import CompletionRequest, Prompt
+from servelab.server.protocol import TENANT_HEADER, CompletionRequest, Prompt
 
 if TYPE_CHECKING:
     from servelab.server.state import ServerState
@@ -121,6 +121,7 @@ async def _echoes(state: "ServerState", prompts: list[Prompt]) -> list[Echo]:
 async def create_completion(body: CompletionRequest, request: Request, state: "ServerState"):
     """Validate (the served model was checked by the route), queue every prompt, and answer with the whole response or an SSE stream."""
     params = body.sampling_params()
+    metadata = body.metadata(request.headers.get(TENANT_HEADER))
     prompts = body.prompts()
     arrival = time.perf_counter()
     stream = state.engine.open_stream(len(prompts))
@@ -128,7 +129,7 @@ async def create_completion(body: CompletionRequest, request: Request, state: "S
     try:
         prompt_tokens = 0
         for prompt, request_id in zip(prompts, request_ids):
-            prompt_tokens += await state.engine.add(stream, prompt, params, request_id, arrival)
+            prompt_tokens += await state.engine.add(stream, prompt, params, request_id, arrival, metadata)
         echoes = await _echoes(state, prompts) if body.echo else None
     except BaseException:
         stream.abort()

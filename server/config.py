@@ -9,6 +9,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 
 from servelab.core.config import EngineConfig
+from servelab.server.tenant_labels import DEFAULT_MAX_TENANT_LABELS
 
 
 @dataclass
@@ -36,6 +37,11 @@ class ServerConfig:
     was accepted is aborted in the engine, which frees its KV blocks, and answered 504
     (a stream ends with an error event); null: no limit.
 
+    Metrics (docs/server.md): ``max_tenant_labels`` bounds the ``tenant`` label of the
+    request metrics: the first this many distinct tenants (a request's ``user`` or
+    ``X-Servelab-Tenant``) get their own value, later ones are counted as ``other``; a
+    request naming none is ``default``.
+
     ``backend``: ``local`` (one engine process behind this process's HTTP server) or
     ``ray`` (``replicas`` engine replicas behind Ray Serve's HTTP proxy, docs/parallel.md);
     on ``ray``, ``routing`` is ``ray`` (Ray Serve's own choice) or ``router`` (the
@@ -55,6 +61,7 @@ class ServerConfig:
     warmup_tokens: Optional[int] = None
     max_queued_requests: Optional[int] = 1024
     request_timeout_s: Optional[float] = None
+    max_tenant_labels: int = DEFAULT_MAX_TENANT_LABELS
     backend: str = "local"
     replicas: int = 1
     routing: str = "ray"
@@ -67,8 +74,8 @@ ROUTINGS = ("ray", "router")
 
 
 def server_problems(server: ServerConfig) -> list[str]:
-    """Every problem of the ``server`` node's backend and backpressure settings, each
-    naming its field."""
+    """Every problem of the ``server`` node's backend, backpressure and metrics settings,
+    each naming its field."""
     problems = []
     if server.backend not in BACKENDS:
         problems.append(f"server.backend must be one of {', '.join(BACKENDS)}, got {server.backend!r}")
@@ -87,6 +94,9 @@ def server_problems(server: ServerConfig) -> list[str]:
     timeout = server.request_timeout_s
     if timeout is not None and not timeout > 0:
         problems.append(f"server.request_timeout_s must be more than 0 seconds (or null for no limit), got {timeout}")
+    if server.max_tenant_labels < 0:
+        problems.append(f"server.max_tenant_labels must be >= 0 (0: every named tenant is labelled other), "
+                        f"got {server.max_tenant_labels}")
     return problems
 
 

@@ -44,7 +44,7 @@ class EngineLoop:
         self.connector = connector
         self._admitting: collections.deque[AdmitHandedOff] = collections.deque()
         self._stats: list[StepStats] = []
-        self._num_aborted = 0
+        self._aborted: list[str] = []
         self._observer = _StepCollector(engine, self._stats)
 
     def run(self) -> None:
@@ -61,7 +61,7 @@ class EngineLoop:
                     self._report(outputs)  # then the first tokens, before the server moves the requests on
                     for message in handed_off:
                         self.conn.send(message)
-                elif self._num_aborted:
+                elif self._aborted:
                     self._report([])
         except (EOFError, OSError):  # the server went away
             pass
@@ -100,7 +100,7 @@ class EngineLoop:
         request_id, prompt, params = command.request_id, command.prompt, command.params
         try:
             engine.add_request(prompt, params, request_id, arrival_time=command.arrival_time, output_kind="delta",
-                               max_tokens_must_fit=True)
+                               max_tokens_must_fit=True, metadata=command.metadata)
         except InvalidRequestError as exc:
             self.conn.send(RequestAdded(request_id, 0, exc))
         else:
@@ -108,12 +108,13 @@ class EngineLoop:
 
     def _abort(self, request_ids: list[str]) -> None:
         groups = self.engine.outputs.groups
-        self._num_aborted += sum(len(groups[r].children) for r in request_ids if r in groups)
+        self._aborted += [r for r in request_ids if r in groups for _ in groups[r].children]
         self.engine.abort_request(request_ids)
         aborted = set(request_ids)
         for command in [c for c in self._admitting if c.request_id in aborted]:
             self._admitting.remove(command)
             self._drop(command.tickets)
+            self._aborted += [command.request_id] * len(command.tickets)
 
     def _hand_off_prefilled(self) -> list[HandedOff | RequestFailed]:
         """Prefill role: hand off every request whose prefill is done; the messages that
@@ -174,9 +175,9 @@ class EngineLoop:
                                                  else str(logprob.token_id))
         scheduler = self.engine.scheduler
         report = StepReport(tuple(outputs), tuple(self._stats), scheduler.num_running, scheduler.num_waiting,
-                            self.engine.cache.usage, self._num_aborted)
+                            self.engine.cache.usage, tuple(self._aborted))
         self._stats.clear()
-        self._num_aborted = 0
+        self._aborted.clear()
         self.conn.send(report)
 
     def _refuse_until_stop(self, reason: str) -> None:

@@ -69,6 +69,16 @@ class RequestAbortedError(APIError):
         super().__init__(503, message, "server_error", code="service_unavailable")
 
 
+class DeadlineRefusedError(APIError):
+    """503: the ``deadline`` policy refused the request: it could no longer be served
+    before its ``deadline`` or its ``slo_class``'s first-token target."""
+
+    def __init__(self):
+        super().__init__(503, "the engine could not serve this request before its deadline (the deadline field, "
+                         "or the first-token target of its slo_class) and refused it; retry with a later deadline "
+                         "or a looser slo_class", "server_error", param="deadline", code="deadline_exceeded")
+
+
 RETRY_AFTER_S = 1
 """The ``Retry-After`` of a 429: requests on this server last seconds, so a slot is
 likely free again within one."""
@@ -98,6 +108,9 @@ RESPONSES = {
           "after Retry-After seconds (code rate_limit_exceeded).",
           "headers": {"Retry-After": {"description": "Seconds to wait before retrying.",
                                       "schema": {"type": "integer"}}}},
+    503: {"model": ErrorBody, "description": "The deadline policy refused the request: it could not be served "
+          "before its deadline or its slo_class's first-token target (code deadline_exceeded); a stream ends with "
+          "this error as an event instead. Also the answer of a draining server."},
     504: {"model": ErrorBody, "description": "The request ran longer than server.request_timeout_s and was "
           "aborted (code request_timeout); a stream ends with this error as an event instead."},
 }

@@ -12,12 +12,14 @@ it cannot admit.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from servelab.core.kv_cache import KVCacheUsage
 from servelab.core.kv_transfer import TransferTicket
 from servelab.core.outputs import RequestOutput
+from servelab.core.policy import SLOClass
+from servelab.core.request_metadata import NO_METADATA, RequestMetadata
 from servelab.core.sampling_params import SamplingParams
 from servelab.core.step_stats import StepStats
 
@@ -25,7 +27,8 @@ from servelab.core.step_stats import StepStats
 @dataclass(frozen=True, slots=True)
 class EngineInfo:
     """What the server knows of its engine without asking: limits, the tokenizer (for
-    /tokenize, /detokenize, echo and chat templates) and which metrics exist."""
+    /tokenize, /detokenize, echo and chat templates) and which metrics exist (the
+    ``slo_classes`` get an attainment counter)."""
 
     max_model_len: int
     vocab_size: int
@@ -33,23 +36,25 @@ class EngineInfo:
     prefix_caching: bool
     speculative: bool
     block_size: int
+    slo_classes: dict[str, SLOClass] = field(default_factory=dict)
 
     @classmethod
     def of(cls, engine: Any) -> "EngineInfo":
         """The info of a built ``LLMEngine``."""
         return cls(engine.max_model_len, engine.vocab_size, engine.tokenizer, engine.cache.prefix_caching,
-                   engine.strategy.num_lookahead_tokens > 0, engine.cache.block_size)
+                   engine.strategy.num_lookahead_tokens > 0, engine.cache.block_size, dict(engine.slo_classes))
 
 
 @dataclass(frozen=True, slots=True)
 class AddRequest:
-    """Validate and queue ``prompt`` (text or token ids) under ``request_id``; its outputs
-    stream back as deltas in ``StepReport``s."""
+    """Validate and queue ``prompt`` (text or token ids) under ``request_id`` with its
+    scheduling ``metadata``; its outputs stream back as deltas in ``StepReport``s."""
 
     request_id: str
     prompt: str | list[int]
     params: SamplingParams
     arrival_time: float
+    metadata: RequestMetadata = NO_METADATA
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,14 +118,14 @@ class RequestAdded:
 class StepReport:
     """What changed since the last report: delta outputs, the steps' statistics, the
     scheduler's gauges, the cache's occupancy (``kv``, None before the first report) and
-    sequences aborted on request."""
+    the sequences aborted on request (``aborted``: their request ids, one per sequence)."""
 
     outputs: tuple[RequestOutput, ...] = ()
     stats: tuple[StepStats, ...] = ()
     num_running: int = 0
     num_waiting: int = 0
     kv: KVCacheUsage | None = None
-    num_aborted: int = 0
+    aborted: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

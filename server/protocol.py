@@ -8,13 +8,16 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt
 from typing_extensions import Annotated
 
 from servelab.core.errors import InvalidRequestError
+from servelab.core.request_metadata import RequestMetadata
 from servelab.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from servelab.core.structured_output import MAX_CHOICE_CHARS, MAX_CHOICES, MAX_SPEC_CHARS, StructuredOutputParams
 
+TENANT_HEADER = "X-Servelab-Tenant"
+"""The header naming the tenant of a request whose body has no ``user``."""
 SCHEMA_LIMIT = f"at most {MAX_SPEC_CHARS} characters as JSON"
 Choice = Annotated[str, Field(min_length=1, max_length=MAX_CHOICE_CHARS)]
 
@@ -113,7 +116,9 @@ class GenerationRequest(StrictModel, StructuredOutputFields):
     ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
     ``include_stop_str_in_output``, ``skip_special_tokens``) and structured output
     (``response_format``, ``guided_*``: ``StructuredOutputFields``). Values are checked
-    by ``SamplingParams``, which names the offending field.
+    by ``SamplingParams``, which names the offending field. Scheduling fields
+    (``RequestMetadata``, read by ``policy=...``): ``priority`` (vLLM's; lower is served
+    first), ``user`` (OpenAI's; the tenant), ``deadline`` (Unix seconds) and ``slo_class``.
     """
 
     model: Optional[str] = None
@@ -136,11 +141,29 @@ class GenerationRequest(StrictModel, StructuredOutputFields):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
+    priority: StrictInt = Field(0, description="vLLM extension: an integer in [-1000, 1000]; lower is served "
+                                               "first (policy=priority).")
+    deadline: Optional[StrictFloat] = Field(None, description="servelab extension: when the whole response is "
+                                                              "due, in seconds since the Unix epoch.")
+    slo_class: Optional[str] = Field(None, description="servelab extension: one of the engine's slo_classes "
+                                                       "(first-token and per-token targets).")
 
     @property
     def include_usage(self) -> bool:
         """True when a streamed response ends with a usage chunk."""
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def metadata(self, header_tenant: str | None = None) -> RequestMetadata:
+        """The request's scheduling metadata; the tenant is ``user``, else the
+        ``X-Servelab-Tenant`` header (``header_tenant``). ``InvalidRequestError`` names the
+        field (``user`` or the header for a bad tenant)."""
+        source, tenant = ("user", self.user) if self.user is not None else (TENANT_HEADER, header_tenant)
+        try:
+            return RequestMetadata(self.priority, tenant, self.deadline, self.slo_class)
+        except InvalidRequestError as exc:
+            if exc.field == "tenant":
+                raise InvalidRequestError(source, exc.message) from None
+            raise
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
                          prompt_logprobs: int | None = None) -> SamplingParams:

@@ -36,7 +36,8 @@ class EngineReplica:
         server = cfg.server
         threads = server.engine_threads or max(1, int(server.replica_cpus))
         process = await asyncio.to_thread(EngineProcess.launch, cfg, threads)
-        metrics = ServerMetrics(process.info.prefix_caching, process.info.speculative)
+        metrics = ServerMetrics(process.info.prefix_caching, process.info.speculative, server.max_tenant_labels,
+                                process.info.slo_classes)
         engine = AsyncEngine(process, metrics, server.max_queued_requests, server.request_timeout_s)
         self.state = ServerState(engine, server, model_name)
         self.replica_id = serve.get_replica_context().replica_id.unique_id

@@ -16,12 +16,13 @@ from server_process import ENGINE_OVERRIDES
 
 from servelab import LLM, SamplingParams
 from servelab.core.errors import ConfigError
+from servelab.core.request_metadata import RequestMetadata
 from servelab.server.async_engine import AsyncEngine
 from servelab.server.config import compose_serve_config
 from servelab.server.engine_loop import EngineLoop
 from servelab.server.engine_process import MAX_NICE, EngineProcess
 from servelab.server.errors import EngineDeadError
-from servelab.server.messages import AddRequest, EngineFailed, RequestAdded, StepReport, StopEngine
+from servelab.server.messages import AbortRequests, AddRequest, EngineFailed, RequestAdded, StepReport, StopEngine
 from servelab.server.metrics import ServerMetrics
 
 
@@ -71,6 +72,26 @@ def test_bad_request_is_refused_by_name_and_loop_keeps_serving(served):
         if any(o.finished for o in report.outputs):
             break
     assert len(tokens) == 2
+    server_end.send(StopEngine())
+    loop.join(timeout=30)
+    assert not loop.is_alive()
+
+
+def test_request_metadata_reaches_the_engine(served):
+    engine = served.engine
+    server_end, engine_end = multiprocessing.Pipe()
+    loop = threading.Thread(target=EngineLoop(engine, engine_end).run)
+    loop.start()
+    params = SamplingParams(max_tokens=400, ignore_eos=True)
+    server_end.send(AddRequest("unknown", "hi", params, time.perf_counter(), RequestMetadata(slo_class="gold")))
+    assert server_end.recv().error.field == "slo_class"
+    metadata = RequestMetadata(priority=-3, tenant="acme", deadline=time.time() + 3600)
+    server_end.send(AddRequest("tagged", "hi", params, time.perf_counter(), metadata))
+    assert server_end.recv() == RequestAdded("tagged", 2)
+    assert engine.outputs.groups["tagged"].children[0].metadata == metadata
+    server_end.send(AbortRequests(("tagged",)))
+    while "tagged" not in server_end.recv().aborted:
+        pass
     server_end.send(StopEngine())
     loop.join(timeout=30)
     assert not loop.is_alive()

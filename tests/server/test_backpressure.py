@@ -173,7 +173,8 @@ def test_timed_out_calls_are_aborted_and_others_complete(limited, greedy):
     assert TIMEOUT_S <= elapsed < TIMEOUT_S + 30
     after = wait_idle(limited)
     assert delta(before, after, "servelab:num_requests_timed_out_total") == 2
-    assert delta(before, after, "servelab:request_success_total", finished_reason="abort") == 2
+    assert delta(before, after, "servelab:request_success_total", finished_reason="abort",
+                 tenant="default") == 2
     assert "Traceback" not in limited.log()
 
 

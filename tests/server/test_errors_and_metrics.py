@@ -96,12 +96,12 @@ def test_metrics_count_what_was_served(server, http):
     def delta(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
 
-    assert delta("servelab:request_success_total{finished_reason=length}") == 3
-    assert delta("servelab:prompt_tokens_total") == len("one") + len("two!") + len("three")
-    assert delta("servelab:generation_tokens_total") == 12
+    assert delta("servelab:request_success_total{finished_reason=length,tenant=default}") == 3
+    assert delta("servelab:prompt_tokens_total{tenant=default}") == len("one") + len("two!") + len("three")
+    assert delta("servelab:generation_tokens_total{tenant=default}") == 12
     for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
-        assert delta(f"servelab:{histogram}_count") == 3
-    assert delta("servelab:inter_token_latency_seconds_count") == 9
-    assert delta("servelab:time_to_first_token_seconds_sum") > 0
+        assert delta(f"servelab:{histogram}_count{{tenant=default}}") == 3
+    assert delta("servelab:inter_token_latency_seconds_count{tenant=default}") == 9
+    assert delta("servelab:time_to_first_token_seconds_sum{tenant=default}") > 0
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions_total"):
         assert f"servelab:{name}" in after

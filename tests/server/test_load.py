@@ -87,7 +87,7 @@ def test_cancelled_requests_free_their_cache(server, http, greedy):
             break
         time.sleep(0.2)
     assert idle == [0, 0, 0]
-    key = ("servelab:request_success_total", (("finished_reason", "abort"),))
+    key = ("servelab:request_success_total", (("finished_reason", "abort"), ("tenant", "default")))
     assert 0 < after.get(key, 0) - before.get(key, 0) <= 200
 
     (text, _, finish), = greedy(["fresh"], 8)
@@ -117,7 +117,7 @@ def test_disconnected_non_streamed_request_is_aborted(server):
     def gauge(samples, name):
         return samples.get((f"servelab:{name}", ()), 0.0)
 
-    abort_key = ("servelab:request_success_total", (("finished_reason", "abort"),))
+    abort_key = ("servelab:request_success_total", (("finished_reason", "abort"), ("tenant", "default")))
     before = scrape(server)
 
     async def run() -> None:
@@ -135,5 +135,6 @@ def test_disconnected_non_streamed_request_is_aborted(server):
         time.sleep(0.05)
     assert gauge(after, "num_requests_running") == 0 and gauge(after, "kv_cache_usage_perc") == 0
     assert after.get(abort_key, 0) - before.get(abort_key, 0) == 1
-    generated = after[("servelab:generation_tokens_total", ())] - before[("servelab:generation_tokens_total", ())]
+    tokens_key = ("servelab:generation_tokens_total", (("tenant", "default"),))
+    generated = after[tokens_key] - before[tokens_key]
     assert generated < 480

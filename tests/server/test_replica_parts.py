@@ -55,9 +55,10 @@ def test_a_replicas_config_error_is_read_from_its_traceback():
 
 def test_replicas_metrics_carry_a_replica_label():
     first, second = ServerMetrics(), ServerMetrics()
-    first.generation_tokens.inc(3)
-    second.generation_tokens.inc(4)
-    second.ttft.observe(0.05)
+    first.generation_tokens.labels(tenant="default").inc(3)
+    second.generation_tokens.labels(tenant="default").inc(4)
+    first.ttft.labels(tenant="default")
+    second.ttft.labels(tenant="default").observe(0.05)
     merged = label_replicas({"a": first.render(), "b": second.render()}).decode()
     families = {f.name: f for f in text_string_to_metric_families(merged)}
     tokens = {s.labels["replica"]: s.value for s in families["servelab:generation_tokens"].samples
