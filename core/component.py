@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 KINDS = ("scheduler", "cache", "attention", "decoding", "model", "eviction", "executor", "cost_model", "router",
-         "kv_transfer")
+         "kv_transfer", "policy")
 """Component kinds; each but ``model`` and ``eviction`` is a Hydra config group of the
 same name."""
 

@@ -220,9 +220,11 @@ class EngineConfig:
     of each component group (filled from the registry: the four contracts, the
     ``executor`` and, for ``executor=simulated``, the ``cost_model``; the ``router`` that
     spreads requests over replicas; the ``kv_transfer`` connector that moves KV caches
-    between instances), the ``hardware`` it is priced on, the ``parallel`` split, on
-    ``device``, in a ``role`` (``mixed``; ``prefill`` or ``decode`` in a disaggregated
-    deployment, which sets it per pool)."""
+    between instances; the scheduling ``policy`` that orders requests), the service levels
+    requests may name (``slo_classes``: name to ``{ttft: seconds, tpot: seconds}``, read
+    by ``SLOClass.parse``), the ``hardware`` it is priced
+    on, the ``parallel`` split, on ``device``, in a ``role`` (``mixed``; ``prefill`` or
+    ``decode`` in a disaggregated deployment, which sets it per pool)."""
 
     model: ModelConfig = MISSING
     cache: Any = MISSING
@@ -233,6 +235,8 @@ class EngineConfig:
     cost_model: Any = MISSING
     router: Any = MISSING
     kv_transfer: Any = MISSING
+    policy: Any = MISSING
+    slo_classes: dict[str, Any] = field(default_factory=dict)
     hardware: HardwareConfig = MISSING
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: str = "auto"

@@ -79,6 +79,12 @@ def servelab_register_kv_transfers() -> list[ComponentSpec]:
 
 
 @hookspec
+def servelab_register_policies() -> list[ComponentSpec]:
+    """Return ``ComponentSpec(kind="policy", ...)`` entries; each class implements
+    ``servelab.core.policy.SchedulingPolicy`` and is built as ``cls(config, PolicyContext)``."""
+
+
+@hookspec
 def servelab_engine_started(engine: Any) -> None:
     """Called once when an engine (the ``LLMEngine``) is built and ready."""
 

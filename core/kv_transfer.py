@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 
 from servelab.core.request import Request, RequestStatus
+from servelab.core.request_metadata import NO_METADATA, RequestMetadata
 from servelab.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -52,7 +53,8 @@ class HandOff:
     monotonic) clock, how it ended when it already did (``finish_reason``: a sibling that
     stopped at its first token travels with the others, with no blocks), and what a delta
     stream has sent of it already (``sent_tokens`` output tokens, ``sent_chars`` characters,
-    ``sent_prompt_logprobs``), so that the decode instance's deltas continue after it."""
+    ``sent_prompt_logprobs``), so that the decode instance's deltas continue after it; and
+    what its scheduling policy knows of it (``metadata``, ``deadline_time``)."""
 
     request_id: str
     token_ids: tuple[int, ...]
@@ -79,6 +81,8 @@ class HandOff:
     sent_tokens: int = 0
     sent_chars: int = 0
     sent_prompt_logprobs: bool = False
+    metadata: RequestMetadata = NO_METADATA
+    deadline_time: float | None = None
 
     @classmethod
     def of(cls, request: Request, num_sequences: int = 1, sent_tokens: int = 0, sent_chars: int = 0,
@@ -100,7 +104,8 @@ class HandOff:
             num_preemptions=request.num_preemptions, finish_reason=request.finish_reason,
             stop_reason=request.stop_reason, stop_text_len=request.stop_text_len,
             finished_time=request.finished_time, sent_tokens=sent_tokens, sent_chars=sent_chars,
-            sent_prompt_logprobs=sent_prompt_logprobs)
+            sent_prompt_logprobs=sent_prompt_logprobs, metadata=request.metadata,
+            deadline_time=request.deadline_time)
 
     @property
     def group(self) -> str:
@@ -117,7 +122,7 @@ class HandOff:
         unknown arrival time); its blocks are the receiver's to allocate."""
         request = Request(self.request_id, list(self.token_ids[:self.num_prompt_tokens]), self.sampling_params,
                           eos_token_id, self.prompt, now if self.arrival_time is None else self.arrival_time,
-                          self.index, self.group_id)
+                          self.index, self.group_id, self.metadata, self.deadline_time)
         request.token_ids.extend(self.token_ids[self.num_prompt_tokens:])
         request.num_computed_tokens = self.num_computed_tokens
         if self.logprobs is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 
+from servelab.core.request_metadata import NO_METADATA, RequestMetadata
 from servelab.core.sampling_params import SamplingParams
 
 
@@ -25,7 +26,9 @@ class Request:
     prompt followed by the generated tokens. ``forks`` are sibling sequences (``n > 1``)
     that share this request's prompt blocks once its prefill is done. ``prompt_logprobs``
     (when asked for) fills, one prefill chunk at a time, with a dict of token id to
-    ``Logprob`` per prompt token; the first token has none (None).
+    ``Logprob`` per prompt token; the first token has none (None). ``metadata`` is what
+    scheduling policies know of it (priority, tenant, deadline, SLO class);
+    ``deadline_time`` its deadline on the engine's clock (None: none).
     """
 
     __slots__ = (
@@ -34,7 +37,7 @@ class Request:
         "finish_reason", "stop_reason", "arrival_time", "first_scheduled_time",
         "token_times", "finished_time", "num_preemptions", "generator", "logprobs",
         "cumulative_logprob", "detokenizer", "stop_text_len", "index", "group_id",
-        "spec_proposed", "spec_accepted", "forks", "prompt_logprobs",
+        "spec_proposed", "spec_accepted", "forks", "prompt_logprobs", "metadata", "deadline_time",
     )
 
     def __init__(
@@ -47,6 +50,8 @@ class Request:
         arrival_time: float = 0.0,
         index: int = 0,
         group_id: str | None = None,
+        metadata: RequestMetadata = NO_METADATA,
+        deadline_time: float | None = None,
     ):
         self.request_id = request_id
         self.prompt = prompt
@@ -75,6 +80,8 @@ class Request:
         self.spec_accepted = 0
         self.forks: list[Request] = []
         self.prompt_logprobs: list | None = [None] if sampling_params.prompt_logprobs is not None else None
+        self.metadata = metadata
+        self.deadline_time = deadline_time
 
     @property
     def num_tokens(self) -> int:

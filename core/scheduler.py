@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Callable
 from servelab.core.request import Request
 
 if TYPE_CHECKING:
+    from servelab.core.policy import SchedulingPolicy
     from servelab.core.clock import Clock
     from servelab.core.decode_result import DecodeResult
     from servelab.core.kv_cache import KVCacheManager
@@ -123,6 +124,8 @@ class SchedulerContext:
     their logprobs and decides when a request stops. ``on_request_finished``: called once
     per finished or aborted request, after its cache is freed (the decoding strategy drops
     its per-request state). ``clock``: the engine's time, for timestamps and timers.
+    ``policy``: the engine's scheduling policy (``policy=...``), which orders the requests
+    (None: first come, first served; ``QueueScheduler`` builds that one).
     """
 
     cache: KVCacheManager
@@ -131,6 +134,7 @@ class SchedulerContext:
     stop_checker: StopChecker
     on_request_finished: Callable[[Request], None]
     clock: Clock
+    policy: SchedulingPolicy | None = None
 
 
 class Scheduler(abc.ABC):
@@ -185,6 +189,11 @@ class Scheduler(abc.ABC):
     def max_num_seqs(self) -> int | None:
         """The most requests one step schedules; None when the policy sets no bound."""
         return None
+
+    def take_refused(self) -> list[Request]:
+        """The requests this scheduler finished on its own since the last call (its policy
+        refused them: finish reason ``deadline``), for the engine to report; none by default."""
+        return []
 
     def next_wakeup(self) -> float | None:
         """For policies that wait on a timer with nothing to run: when to step again (on

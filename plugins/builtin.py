@@ -75,6 +75,14 @@ def servelab_register_routers():
 
 
 @hookimpl
+def servelab_register_policies():
+    """fcfs, priority, vtc (fair share per tenant) and deadline (earliest deadline first) policies."""
+    from servelab.plugins.policy import deadline, fcfs, priority, vtc
+
+    return [fcfs.SPEC, priority.SPEC, vtc.SPEC, deadline.SPEC]
+
+
+@hookimpl
 def servelab_register_kv_transfers():
     """shared_memory (memory-backed files between instances on one host) and
     torch_distributed (send/recv over torch.distributed, on one host or several)."""

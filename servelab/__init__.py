@@ -1,6 +1,7 @@
 """servelab: a plugin-based, modular LLM serving framework.
 
-The public API: ``LLM`` for offline generation, ``SamplingParams`` per request,
+The public API: ``LLM`` for offline generation, ``SamplingParams`` per request
+(``RequestMetadata``: its priority, tenant, deadline and SLO class),
 ``LLMEngine`` for step-by-step control (``BeamSearch`` runs beam search over it), the
 output types, and ``PLUGIN_API_VERSION``, the plugin API plugins declare support for. They are imported on first
 access, so ``import servelab.<module>`` does not load torch by itself (tools and the
@@ -17,6 +18,7 @@ _EXPORTS = {
     "BeamSearch": "servelab.core.entrypoints.beam_search",
     "PLUGIN_API_VERSION": "servelab.core.plugin_api",
     "SamplingParams": "servelab.core.sampling_params",
+    "RequestMetadata": "servelab.core.request_metadata",
     "StructuredOutputParams": "servelab.core.structured_output",
     "RequestOutput": "servelab.core.outputs",
     "CompletionOutput": "servelab.core.outputs",

@@ -5,10 +5,11 @@ from __future__ import annotations
 import itertools
 import math
 import logging
+import time
 from dataclasses import replace
 from typing import Callable, Sequence, TypeVar
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from servelab.core.clock import Clock, VirtualClock, WallClock
 from servelab.core.decoding import DecodingContext
@@ -19,9 +20,11 @@ from servelab.core.kv_transfer import HandOff, KVTransfer, TransferTicket
 from servelab.core.kv_cache import CacheContext
 from servelab.core.engine.output_processor import OUTPUT_KINDS, OutputProcessor
 from servelab.core.outputs import RequestOutput
+from servelab.core.policy import PolicyContext, SLOClass
 from servelab.core.quantization import quantization_problems
 from servelab.core.engine.registry import Registry, get_registry
 from servelab.core.request import Request
+from servelab.core.request_metadata import NO_METADATA, RequestMetadata
 from servelab.core.engine.resolved_model import ResolvedModel
 from servelab.core.sampling_params import SamplingParams
 from servelab.core.scheduler import SchedulerContext, SchedulerUpdate
@@ -38,6 +41,11 @@ def _prefilled(request: Request) -> bool:
     """True for a running sequence whose prefill is done: a token generated, every token
     but the newest cached."""
     return request.num_output_tokens > 0 and request.num_computed_tokens == request.num_tokens - 1
+
+
+def _plain(config: object) -> object:
+    """A config node as plain Python containers (a plain value passes through)."""
+    return OmegaConf.to_container(config) if OmegaConf.is_config(config) else config
 
 
 def build_collecting(problems: list[str], build: Callable[[], T]) -> T | None:
@@ -103,11 +111,16 @@ class LLMEngine:
             registry, self.device, self.dtype, self.vocab_size, self.max_model_len, self.tokenizer, cfg.attention,
             executor_cls.runs_model)))
         self.stop_checker = StopChecker(self.tokenizer, self.max_model_len)
+        self.slo_classes, slo_problems = SLOClass.parse(_plain(cfg.get("slo_classes") or {}))
+        problems += slo_problems
+        policy_cfg = cfg.get("policy")
+        self.policy = build_collecting(problems, lambda: registry.build(
+            "policy", policy_cfg, PolicyContext(self.clock, self.slo_classes))) if policy_cfg is not None else None
         scheduler = None
         if cache is not None and strategy is not None:
             scheduler = build_collecting(problems, lambda: registry.build("scheduler", cfg.scheduler, SchedulerContext(
                 cache, self.max_model_len, strategy.num_lookahead_tokens, self.stop_checker,
-                strategy.on_request_finished, self.clock)))
+                strategy.on_request_finished, self.clock, self.policy)))
         problems += validate(self.max_model_len, shape.max_positions, cache, kv_spec, cfg.get("role", "mixed"))
         if problems:
             for built in (executor, strategy, cache):
@@ -175,21 +188,28 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
                     arrival_time: float | None = None, output_kind: str = "final",
-                    max_tokens_must_fit: bool = False) -> str:
-        """Validate (``check_request``) and queue a prompt; returns its request id.
-        ``output_kind``: final | cumulative | delta (see ``OutputProcessor``)."""
+                    max_tokens_must_fit: bool = False, metadata: RequestMetadata | None = None) -> str:
+        """Validate (``check_request``, ``check_metadata``) and queue a prompt; returns its
+        request id. ``output_kind``: final | cumulative | delta (see ``OutputProcessor``);
+        ``metadata``: its priority, tenant, deadline and SLO class, for the policy."""
         self._ensure_running("add_request")
         params = params or SamplingParams()
+        metadata = metadata or NO_METADATA
         if output_kind not in OUTPUT_KINDS:
             raise InvalidRequestError("output_kind", f"must be one of {', '.join(OUTPUT_KINDS)}")
         token_ids = self.tokenize(prompt)
         self.check_request(token_ids, params, max_tokens_must_fit)
+        seconds_left = self.check_metadata(metadata)
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self.outputs.groups:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         arrival = self.clock.now() if arrival_time is None else arrival_time
+        deadline_time = None if seconds_left is None else self.clock.now() + seconds_left
         text = prompt if isinstance(prompt, str) else None
-        children = [self._child(request_id, i, token_ids, params, arrival, text) for i in range(params.n)]
+        children = [self._child(request_id, i, token_ids, params, arrival, text, metadata, deadline_time)
+                    for i in range(params.n)]
+        if self.policy is not None:
+            self.policy.check_request(children[0])
         self._queue(request_id, children, output_kind)
         self.num_prompt_tokens += len(token_ids) * len(children)
         return request_id
@@ -212,13 +232,30 @@ class LLMEngine:
             if output_kind != "final" or child.sampling_params.stop_strings:
                 self.stop_checker.attach_detokenizer(child)
 
+    def check_metadata(self, metadata: RequestMetadata) -> float | None:
+        """Raise ``InvalidRequestError`` for an SLO class this engine does not define or a
+        deadline already past; returns the seconds left until the deadline (None: none)."""
+        if metadata.slo_class is not None and metadata.slo_class not in self.slo_classes:
+            defined = ", ".join(sorted(self.slo_classes)) or "none (set slo_classes)"
+            raise InvalidRequestError("slo_class", f"unknown SLO class {metadata.slo_class!r}; this engine defines: "
+                                                   f"{defined}")
+        if metadata.deadline is None:
+            return None
+        now = time.time()
+        if metadata.deadline <= now:
+            raise InvalidRequestError("deadline", f"{metadata.deadline} is in the past ({now - metadata.deadline:.3f} s "
+                                                  f"before now, {now:.3f} s since the Unix epoch)")
+        return metadata.deadline - now
+
     def _child(self, request_id: str, index: int, token_ids: list[int], params: SamplingParams,
-               arrival: float, text: str | None) -> Request:
+               arrival: float, text: str | None, metadata: RequestMetadata = NO_METADATA,
+               deadline_time: float | None = None) -> Request:
         child_params = params
         if params.n > 1:
             child_params = replace(params, n=1, seed=None if params.seed is None else params.seed + index)
         child_id = request_id if params.n == 1 else f"{request_id}#{index}"
-        return Request(child_id, token_ids, child_params, self._eos_token_id(), text, arrival, index, request_id)
+        return Request(child_id, token_ids, child_params, self._eos_token_id(), text, arrival, index, request_id,
+                       metadata, deadline_time)
 
     def _eos_token_id(self) -> int | None:
         return getattr(self.tokenizer, "eos_token_id", None)
@@ -373,7 +410,8 @@ class LLMEngine:
 
     def _finish_step(self, started: float, executed: ExecutedStep, update: SchedulerUpdate) -> list[RequestOutput]:
         """Render the step's outputs and tell observers what it did."""
-        outputs = self.outputs.process(update.changed)
+        refused = self.scheduler.take_refused()
+        outputs = self.outputs.process((*update.changed, *refused) if refused else update.changed)
         self.num_steps += 1
         self.num_generated_tokens += update.num_generated_tokens
         output, result = executed.output, executed.result

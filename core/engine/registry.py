@@ -34,8 +34,10 @@ REGISTER_HOOKS = {
     "cost_model": "servelab_register_cost_models",
     "router": "servelab_register_routers",
     "kv_transfer": "servelab_register_kv_transfers",
+    "policy": "servelab_register_policies",
 }
-CONFIG_GROUPS = ("cache", "attention", "scheduler", "decoding", "executor", "cost_model", "router", "kv_transfer")
+CONFIG_GROUPS = ("cache", "attention", "scheduler", "decoding", "executor", "cost_model", "router", "kv_transfer",
+                 "policy")
 """Kinds that are Hydra config groups (models are picked from ``config.json``; eviction
 policies by name with ``cache.eviction``)."""
 

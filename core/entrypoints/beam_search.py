@@ -10,6 +10,7 @@ from typing import Any
 
 from servelab.core.errors import InvalidRequestError
 from servelab.core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from servelab.core.request_metadata import NO_METADATA, RequestMetadata
 from servelab.core.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class BeamGroup:
     finished: list[Hypothesis] = field(default_factory=list)
     first_scheduled_time: float | None = None
     token_times: list[float] = field(default_factory=list)
+    metadata: RequestMetadata = NO_METADATA
 
     @property
     def width(self) -> int:
@@ -139,12 +141,18 @@ class BeamSearch:
         self.engine.check_request(token_ids, self._step_params(params))
 
     def add(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-            arrival_time: float | None = None) -> str:
+            arrival_time: float | None = None, metadata: RequestMetadata = NO_METADATA) -> str:
         """Validate and start a beam search (``request_id`` default: ``beam<k>``); returns
-        its id. Its ``RequestOutput`` comes out of ``process`` when it finishes."""
+        its id. Its ``RequestOutput`` comes out of ``process`` when it finishes. Each step's
+        requests carry ``metadata``'s priority and tenant; a deadline or SLO class is
+        refused (a beam search is many one-token requests, which a policy cannot hold to
+        one target)."""
         request_id = f"beam{next(self._ids)}" if request_id is None else request_id
         if request_id in self.groups:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
+        for field_name in ("deadline", "slo_class"):
+            if getattr(metadata, field_name) is not None:
+                raise InvalidRequestError(field_name, f"beam search takes no {field_name} (priority and tenant only)")
         token_ids = self.engine.tokenize(prompt)
         self.check_request(token_ids, params)
         if not self.engine.cache.prefix_caching and not self._warned:
@@ -153,7 +161,8 @@ class BeamSearch:
                         "at every step")
         eos = None if params.ignore_eos else getattr(self.engine.tokenizer, "eos_token_id", None)
         group = BeamGroup(request_id, prompt if isinstance(prompt, str) else None, token_ids, params, eos,
-                          self.engine.clock.now() if arrival_time is None else arrival_time, live=[Beam((), 0.0)])
+                          self.engine.clock.now() if arrival_time is None else arrival_time, live=[Beam((), 0.0)],
+                          metadata=metadata)
         self.groups[request_id] = group
         self._submit(group)
         return request_id
@@ -203,7 +212,7 @@ class BeamSearch:
         for beam in group.live:
             sub_id = f"{group.request_id}#{next(self._ids)}"
             self.engine.add_request(group.prompt_token_ids + list(beam.token_ids), params, sub_id,
-                                    arrival_time=group.arrival_time)
+                                    arrival_time=group.arrival_time, metadata=group.metadata)
             group.pending[sub_id] = beam
             self._owner[sub_id] = group.request_id
 

@@ -13,6 +13,7 @@ from servelab.core.entrypoints.compose import compose_config
 from servelab.core.engine.llm_engine import LLMEngine
 from servelab.core.errors import EngineShutdownError
 from servelab.core.outputs import RequestOutput
+from servelab.core.request_metadata import NO_METADATA, RequestMetadata
 from servelab.core.sampling_params import SamplingParams
 
 
@@ -83,8 +84,11 @@ class LLM:
 
     def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 metadata: RequestMetadata | Sequence[RequestMetadata] | None = None) -> list[RequestOutput]:
         """Complete every prompt (text or token ids); one ``RequestOutput`` per prompt, in order.
+        ``metadata`` (one for all prompts, or one per prompt) gives each its priority,
+        tenant, deadline and SLO class for the engine's ``policy``.
 
         Each prompt is tokenized and validated once, as it enters the engine; a bad one
         raises ``InvalidRequestError`` and nothing runs (the prompts added before it are
@@ -97,11 +101,15 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
+        metadatas = metadata if isinstance(metadata, (list, tuple)) else [metadata or NO_METADATA] * len(prompts)
+        if len(metadatas) != len(prompts):
+            raise ValueError(f"metadata: got {len(metadatas)} for {len(prompts)} prompts")
         engine, beams = self.engine, self.beam_search
         ids: list[str] = []
         try:
-            for prompt, p in zip(prompts, params):
-                ids.append(beams.add(prompt, p) if p.use_beam_search else engine.add_request(prompt, p))
+            for prompt, p, m in zip(prompts, params, metadatas):
+                ids.append(beams.add(prompt, p, metadata=m) if p.use_beam_search
+                           else engine.add_request(prompt, p, metadata=m))
         except BaseException:
             beams.abort(ids)
             raise

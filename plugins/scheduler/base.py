@@ -8,9 +8,11 @@ from typing import Any
 from servelab.core.decoding import DecodeResult
 from servelab.core.errors import ConfigError
 from servelab.core.kv_cache import Allocation
+from servelab.core.policy import PolicyContext, SchedulingPolicy
 from servelab.core.request import Request, RequestStatus
 from servelab.core.scheduler import (PreemptionMode, ScheduledRequest, Scheduler, SchedulerContext,
                                      SchedulerOutput, SchedulerUpdate)
+from servelab.plugins.policy.fcfs import FirstComeFirstServed
 
 
 class QueueScheduler(Scheduler):
@@ -44,6 +46,10 @@ class QueueScheduler(Scheduler):
         self._copies: list[tuple[int, int]] = []
         self._prefix_hits = 0
         self._in_flight: set[str] = set()
+        self._granted: set[str] = set()
+        self._admission_preempted: list[str] = []
+        self.refused: list[Request] = []
+        self.policy: SchedulingPolicy = context.policy or FirstComeFirstServed(None, PolicyContext(context.clock))
 
     @classmethod
     def config_problems(cls, config: Any, context: SchedulerContext) -> list[str]:
@@ -73,6 +79,7 @@ class QueueScheduler(Scheduler):
         """Queue a request at the back."""
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
+        self.policy.on_queued(request, self.waiting)
 
     def has_unfinished(self) -> bool:
         """True while any request waits, runs or is swapped out."""
@@ -105,6 +112,7 @@ class QueueScheduler(Scheduler):
         request.status = RequestStatus.FINISHED
         request.finished_time = self.context.clock.now()
         self.cache.free(request)
+        self.policy.on_finished(request)
         self.context.on_request_finished(request)
 
     def _preempt(self, request: Request) -> None:
@@ -143,6 +151,7 @@ class QueueScheduler(Scheduler):
         if request.first_scheduled_time is None:
             request.first_scheduled_time = self.context.clock.now()
         request.status = RequestStatus.RUNNING
+        self._granted.add(request.request_id)
         samples = request.num_computed_tokens + num_new_tokens >= request.num_tokens
         return ScheduledRequest.of(request, num_new_tokens, self.cache, samples)
 
@@ -151,13 +160,13 @@ class QueueScheduler(Scheduler):
         return self.context.num_lookahead_tokens if request.num_tokens - request.num_computed_tokens == num_new_tokens == 1 else 0
 
     def _schedule_running(self, budget: int, max_new_tokens: int | None = None) -> tuple[list[ScheduledRequest], int, list[str]]:
-        """Give each running request (oldest first) its remaining tokens, up to
-        ``max_new_tokens`` each and ``budget`` in all; preempt the newest when the cache
-        is full. Returns (grants, tokens used, preempted ids)."""
+        """Give each running request (in the policy's ranking: oldest first under FCFS)
+        its remaining tokens, up to ``max_new_tokens`` each and ``budget`` in all; preempt
+        the last-ranked when the cache is full. Returns (grants, tokens used, preempted ids)."""
         grants: list[ScheduledRequest] = []
         preempted: list[str] = []
         kept: list[Request] = [r for r in self.running if r.request_id in self._in_flight]
-        queue = deque(r for r in self.running if r.request_id not in self._in_flight)
+        queue = deque(self.policy.order_running([r for r in self.running if r.request_id not in self._in_flight]))
         used = 0
         while queue:
             request = queue.popleft()
@@ -181,13 +190,20 @@ class QueueScheduler(Scheduler):
         return grants, used, preempted
 
     def _admit(self, budget: int, max_running: int, chunk: bool = False) -> tuple[list[ScheduledRequest], int]:
-        """Admit waiting requests in arrival order while ``max_running``, ``budget`` and the
-        cache allow. Whole prompts only, unless ``chunk`` lets the last one take part of
-        its prompt. Returns (grants, tokens used)."""
+        """Admit waiting requests in the policy's order (``pick``) while ``max_running``,
+        ``budget`` and the cache allow, after refusing those the policy finds hopeless.
+        Whole prompts only, unless ``chunk`` lets the last one take part of its prompt.
+        When the next request does not fit, the policy may preempt a running request for
+        it (``preemption_victim``). Returns (grants, tokens used)."""
         grants: list[ScheduledRequest] = []
         used = 0
-        while self.waiting and len(self.running) + self.waiting[0].num_sequences <= max_running:
-            request = self.waiting[0]
+        self._refuse_hopeless()
+        policy = self.policy
+        while self.waiting:
+            request = policy.pick(self.waiting)
+            while len(self.running) + request.num_sequences > max_running:
+                if not self._preempt_for(request):
+                    return grants, used
             if request.num_computed_tokens == 0 and not request.needs_prompt_logprobs:
                 hit = self.cache.lookup_prefix(request)
                 request.num_computed_tokens = hit
@@ -196,16 +212,49 @@ class QueueScheduler(Scheduler):
             num_new = min(remaining, budget - used) if chunk else remaining
             if num_new <= 0 or num_new > budget - used:
                 break
-            if not self._allocate(request, num_new):
-                break
-            self.waiting.popleft()
+            while not self._allocate(request, num_new):
+                if not self._preempt_for(request):
+                    return grants, used
+            self.waiting.remove(request)
             self.running.append(request)
+            policy.on_admitted(request)
             grants.append(self._grant(request, num_new))
             used += num_new
         return grants, used
 
+    def _preempt_for(self, request: Request) -> bool:
+        """Preempt the running request the policy gives up for waiting ``request`` (never
+        one granted in this step or a step in flight); False when it names none."""
+        granted = self._in_flight | self._granted
+        candidates = [r for r in self.running if r.request_id not in granted]
+        victim = self.policy.preemption_victim(request, candidates) if candidates else None
+        if victim is None:
+            return False
+        self.running.remove(victim)
+        self._preempt(victim)
+        self._admission_preempted.append(victim.request_id)
+        return True
+
+    def take_refused(self) -> list[Request]:
+        """The requests the policy refused since the last call."""
+        refused, self.refused = self.refused, []
+        return refused
+
+    def _refuse_hopeless(self) -> None:
+        """Finish, with reason ``deadline``, the waiting requests the policy finds hopeless
+        (and the sibling sequences that would have forked from them)."""
+        hopeless = self.policy.hopeless(self.waiting) if self.waiting else ()
+        for request in hopeless:
+            self.waiting.remove(request)
+            sequences, request.forks = (request, *request.forks), []
+            for sequence in sequences:
+                sequence.finish_reason = "deadline"
+                self._finish(sequence)
+            self.refused += sequences
+
     def _output(self, grants: list[ScheduledRequest], preempted: list[str] = ()) -> SchedulerOutput:
         self.step_index += 1
+        preempted = [*preempted, *self._admission_preempted]
         prefill = sum(g.num_new_tokens for g in grants if g.request.num_tokens - g.num_computed_tokens > 1)
         decode = sum(g.num_new_tokens for g in grants) - prefill
         output = SchedulerOutput(tuple(grants), num_prefill_tokens=prefill, num_decode_tokens=decode,
@@ -215,6 +264,8 @@ class QueueScheduler(Scheduler):
                                  num_prefix_hit_tokens=self._prefix_hits, step_index=self.step_index)
         self._swap_out, self._swap_in, self._copies = [], [], []
         self._prefix_hits = 0
+        self._admission_preempted = []
+        self._granted = set()
         self._in_flight.update(g.request.request_id for g in grants)
         return output
 
@@ -227,6 +278,7 @@ class QueueScheduler(Scheduler):
         generated = 0
         index = -1
         stop_checker = self.context.stop_checker
+        policy = self.policy
         speculative = self.context.num_lookahead_tokens > 0
         in_flight = self._in_flight
         for grant in output.scheduled:
@@ -244,6 +296,7 @@ class QueueScheduler(Scheduler):
             kept = stop_checker.append(request, result.token_ids[index], logprobs, now)
             request.num_computed_tokens += kept - 1
             generated += kept
+            policy.on_tokens(request, kept)
             changed.append(request)
             if result.num_draft_tokens is not None:
                 request.spec_proposed += result.num_draft_tokens[index]

@@ -154,9 +154,10 @@ _reference_cache: dict[tuple, list[list[int]]] = {}
 
 
 def assert_engine_matches_transformers(folder: str, overrides: Sequence[str] = (), prompts: Sequence[list[int]] | None = None,
-                                       max_tokens: int = 12, llm: Any = None) -> Any:
-    """Build an engine on ``folder`` with ``overrides``, generate greedily, and assert the
-    tokens equal transformers' and that every cache block is free afterwards. Returns the LLM."""
+                                       max_tokens: int = 12, llm: Any = None, metadata: Any = None) -> Any:
+    """Build an engine on ``folder`` with ``overrides``, generate greedily (each prompt with
+    its ``metadata``, when given), and assert the tokens equal transformers' and that every
+    cache block is free afterwards. Returns the LLM."""
     from servelab import LLM, SamplingParams
 
     llm = llm or LLM(folder, overrides=["model.dtype=float32", "device=cpu", *overrides])
@@ -165,7 +166,8 @@ def assert_engine_matches_transformers(folder: str, overrides: Sequence[str] = (
     if key not in _reference_cache:
         _reference_cache[key] = transformers_greedy(folder, prompts, max_tokens)
     expected = _reference_cache[key]
-    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False,
+                           metadata=metadata)
     got = [o.outputs[0].token_ids for o in outputs]
     for i, (g, e) in enumerate(zip(got, expected)):
         assert g == e, f"prompt {i} (len {len(prompts[i])}) with {list(overrides)}: servelab {g} != transformers {e}"

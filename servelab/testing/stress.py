@@ -4,11 +4,13 @@ preempt often, checked for exceptions, unfinished requests and held blocks."""
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import pytest
 
+from servelab.core.request_metadata import RequestMetadata
 from servelab.core.sampling_params import SamplingParams
 from servelab.testing.engine_kit import EngineKit
 
@@ -54,20 +56,33 @@ def random_params(rng: random.Random) -> SamplingParams:
         repetition_penalty=1.2 if rng.random() < 0.1 else 1.0, ignore_eos=rng.random() < 0.3)
 
 
+def random_metadata(rng: random.Random, slo_classes: Sequence[str], beam_search: bool) -> RequestMetadata:
+    """One request's metadata from the mix: a priority in [-3, 3], one of three tenants or
+    none and, except for beam search, often one of ``slo_classes`` and sometimes a
+    deadline up to 5 seconds away."""
+    return RequestMetadata(
+        priority=rng.randint(-3, 3), tenant=rng.choice((None, "alice", "bob", "carol")),
+        slo_class=rng.choice(slo_classes) if slo_classes and not beam_search and rng.random() < 0.7 else None,
+        deadline=time.time() + rng.uniform(0.05, 5.0) if not beam_search and rng.random() < 0.2 else None)
+
+
 def run_stress(overrides: Sequence[str], num_requests: int = 150, seed: int = 0, abort_rate: float = 0.05,
                progress: Any = None) -> StressReport:
     """Feed ``num_requests`` random requests (a few per step, a fifth of them sharing one
-    of three prompt prefixes) to an ``LLM`` built with ``overrides`` and abort a random
-    one with probability ``abort_rate`` per step. Asserts that nothing raises, that every
-    request not aborted finishes within its limits, and that afterwards no request is
-    left and no block is held."""
+    of three prompt prefixes; each with random ``RequestMetadata`` over the engine's SLO
+    classes) to an ``LLM`` built with ``overrides`` and abort a random one with
+    probability ``abort_rate`` per step. Asserts that nothing raises, that every request
+    not aborted finishes within its limits (or is refused by its policy with no tokens),
+    and that afterwards no request is left and no block is held."""
     from servelab import LLM
 
     rng = random.Random(seed)
+    metadata_rng = random.Random(seed + 1)
     llm = LLM(overrides=list(overrides))
     engine, beams = llm.engine, llm.beam_search
     vocab = engine.vocab_size - 1
     prefixes = [[rng.randrange(vocab) for _ in range(20)] for _ in range(3)]
+    slo_classes = sorted(engine.slo_classes)
     params: dict[str, SamplingParams] = {}
     in_flight: list[str] = []
     finished, aborted = 0, 0
@@ -88,8 +103,9 @@ def run_stress(overrides: Sequence[str], num_requests: int = 150, seed: int = 0,
             if rng.random() < 0.2:
                 prompt = rng.choice(prefixes) + prompt[:30]
             request_params = random_params(rng)
-            request_id = (beams.add(prompt, request_params) if request_params.use_beam_search
-                          else engine.add_request(prompt, request_params))
+            metadata = random_metadata(metadata_rng, slo_classes, request_params.use_beam_search)
+            request_id = (beams.add(prompt, request_params, metadata=metadata) if request_params.use_beam_search
+                          else engine.add_request(prompt, request_params, metadata=metadata))
             params[request_id] = request_params
             in_flight.append(request_id)
         if in_flight and rng.random() < abort_rate:
@@ -118,9 +134,13 @@ def run_stress(overrides: Sequence[str], num_requests: int = 150, seed: int = 0,
 
 
 def check_finished(output: Any, params: SamplingParams) -> None:
-    """A finished output has ``n`` completions, each within ``max_tokens`` and with a reason."""
+    """A finished output has ``n`` completions, each within ``max_tokens`` and with a
+    reason, or refused by the policy (reason ``deadline``) with no tokens."""
     assert len(output.outputs) == params.n, (output.request_id, len(output.outputs), params)
     for completion in output.outputs:
+        if completion.finish_reason == "deadline":
+            assert not completion.token_ids, completion
+            continue
         assert completion.finish_reason in ("stop", "length"), completion
         assert 1 <= len(completion.token_ids) <= params.max_tokens, (len(completion.token_ids), params)
         if params.logprobs is not None and not params.use_beam_search:

@@ -36,7 +36,7 @@ def public_members(cls: type) -> set[str]:
 def test_every_contract_is_documented():
     assert {name for name, _, _ in CONTRACTS} == {"Scheduler", "KVCacheManager", "AttentionBackend",
                                                  "DecodingStrategy", "CausalLM", "EvictionPolicy", "Executor",
-                                                 "CostModel", "Router", "KVTransfer"}
+                                                 "CostModel", "Router", "KVTransfer", "SchedulingPolicy"}
 
 
 @pytest.mark.parametrize("name,path,body", CONTRACTS, ids=[c[0] for c in CONTRACTS])
@@ -65,7 +65,8 @@ def test_plugin_api_version_is_documented():
 CONTEXTS = {"SchedulerContext": "servelab.core.scheduler", "CacheContext": "servelab.core.kv_cache",
             "AttentionSpec": "servelab.core.attention", "DecodingContext": "servelab.core.decoding",
             "ExecutorContext": "servelab.core.executor", "CostModelContext": "servelab.core.cost_model",
-            "RouterContext": "servelab.core.router", "KVTransferContext": "servelab.core.kv_transfer"}
+            "RouterContext": "servelab.core.router", "KVTransferContext": "servelab.core.kv_transfer",
+            "PolicyContext": "servelab.core.policy"}
 
 
 def documented_signature(name: str) -> list[str]:
