@@ -88,7 +88,7 @@ class WorkloadConfig:
     trace_rate: Optional[float] = None
     temperature: float = 0.0
     ignore_eos: bool = True
-    tenants: dict[str, TenantConfig] = field(default_factory=dict)
+    tenants: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

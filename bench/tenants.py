@@ -3,10 +3,12 @@ lengths, priority and SLO class, merged into one stream of requests."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from omegaconf import OmegaConf
 
+from servelab.bench.config import TenantConfig
 from servelab.core.errors import ConfigError, InvalidRequestError
 from servelab.core.request_metadata import RequestMetadata
 
@@ -29,26 +31,45 @@ def _problems(name: str, tenant: Any) -> list[str]:
     return problems
 
 
+def tenants_of(cfg: Any) -> dict[str, TenantConfig]:
+    """The workload's ``tenants`` (each a mapping of ``TenantConfig`` fields, as
+    ``+workload.tenants.<name>={rate:2,priority:1}`` gives it, or a ``TenantConfig``).
+    Raises ``ConfigError`` naming every bad tenant field."""
+    known = {f.name for f in dataclasses.fields(TenantConfig)}
+    parsed: dict[str, TenantConfig] = {}
+    problems: list[str] = []
+    for name, node in cfg.tenants.items():
+        fields = (dataclasses.asdict(node) if dataclasses.is_dataclass(node)
+                  else OmegaConf.to_container(node) if OmegaConf.is_config(node) else node)
+        if not isinstance(fields, dict) or set(fields) - known:
+            problems.append(f"workload.tenants.{name} must map fields of {', '.join(sorted(known))} to values, "
+                            f"got {fields!r}")
+            continue
+        tenant = TenantConfig(**fields)
+        problems += _problems(name, tenant)
+        parsed[name] = tenant
+    if problems:
+        raise ConfigError(problems)
+    return parsed
+
+
 def tenant_rates(cfg: Any, rate: float | None = None) -> dict[str, float]:
     """Each tenant's request rate; ``rate`` (when given) scales them all so that they add
     up to it (a capacity search's total rate). Raises ``ConfigError`` naming every bad
     tenant field."""
-    tenants = cfg.tenants
-    problems = [problem for name, tenant in tenants.items() for problem in _problems(name, tenant)]
-    if problems:
-        raise ConfigError(problems)
+    tenants = tenants_of(cfg)
     total = sum(tenant.rate for tenant in tenants.values())
     scale = 1.0 if rate is None else rate / total
     return {name: tenant.rate * scale for name, tenant in tenants.items()}
 
 
-def tenant_client(cfg: Any, name: str, rate: float) -> Any:
-    """The single-client workload of tenant ``name``: the workload's fields, its own
-    where set, at ``rate``; by default its share of ``num_requests`` by rate."""
-    tenant = cfg.tenants[name]
+def tenant_client(cfg: Any, tenants: dict[str, TenantConfig], name: str, rate: float) -> Any:
+    """The single-client workload of tenant ``name`` (one of ``tenants``): the workload's
+    fields, its own where set, at ``rate``; by default its share of ``num_requests`` by rate."""
+    tenant = tenants[name]
     fields = OmegaConf.to_container(OmegaConf.structured(cfg))
     fields.pop("tenants")
-    total = sum(t.rate for t in cfg.tenants.values())
+    total = sum(t.rate for t in tenants.values())
     fields["num_requests"] = max(1, round(cfg.num_requests * tenant.rate / total))
     fields.update({key: getattr(tenant, key) for key in CLIENT_FIELDS if getattr(tenant, key) is not None})
     fields["rate"] = rate
@@ -61,9 +82,10 @@ def build_tenant_workload(cfg: Any, space: Any, rate: float | None = None, prefi
     from servelab.bench.workload import client_requests
 
     requests = []
+    tenants = tenants_of(cfg)
     for name, tenant_rate in tenant_rates(cfg, rate).items():
-        tenant = cfg.tenants[name]
+        tenant = tenants[name]
         metadata = RequestMetadata(priority=tenant.priority, tenant=name, slo_class=tenant.slo_class)
-        requests += client_requests(tenant_client(cfg, name, tenant_rate), space, None, f"{prefix}{name}-",
+        requests += client_requests(tenant_client(cfg, tenants, name, tenant_rate), space, None, f"{prefix}{name}-",
                                     f"{cfg.seed}:{name}", metadata)
     return sorted(requests, key=lambda r: r.arrival_offset_s)

@@ -13,6 +13,9 @@ from omegaconf import DictConfig
 from servelab.bench.metrics import RequestRecord
 from servelab.bench.system import System
 from servelab.bench.targets.sse import sse_data
+
+DEADLINE_EXCEEDED = "deadline_exceeded"
+"""The error code of a request the server's deadline policy refused."""
 from servelab.bench.workload import BenchRequest, model_token_space
 from servelab.core.errors import ConfigError
 
@@ -75,9 +78,15 @@ class HttpSystem(System):
         return models[0]["id"]
 
     def _payload(self, model: str, request: BenchRequest) -> dict[str, Any]:
-        return {"model": model, "prompt": list(request.prompt_token_ids), "max_tokens": request.max_tokens,
-                "temperature": self.workload.temperature, "ignore_eos": self.workload.ignore_eos,
-                "stream": True, "stream_options": {"include_usage": True}}
+        """The streamed completion request; a tenant's request also carries its ``user``,
+        ``priority`` and ``slo_class`` (servelab's scheduling fields)."""
+        payload = {"model": model, "prompt": list(request.prompt_token_ids), "max_tokens": request.max_tokens,
+                   "temperature": self.workload.temperature, "ignore_eos": self.workload.ignore_eos,
+                   "stream": True, "stream_options": {"include_usage": True}}
+        metadata = request.metadata
+        if metadata is not None:
+            payload.update({"user": metadata.tenant, "priority": metadata.priority, "slo_class": metadata.slo_class})
+        return payload
 
     async def _send(self, client: Any, model: str, request: BenchRequest) -> RequestRecord:
         import httpx
@@ -88,13 +97,17 @@ class HttpSystem(System):
         try:
             async with client.stream("POST", self.url + self.target.endpoint, json=self._payload(model, request)) as response:
                 if response.status_code != 200:
-                    body = (await response.aread()).decode(errors="replace")[:200]
-                    return self._failed(request, sent, f"HTTP {response.status_code}: {body}")
+                    body = (await response.aread()).decode(errors="replace")
+                    return self._failed(request, sent, f"HTTP {response.status_code}: {body[:200]}",
+                                        refused=DEADLINE_EXCEEDED in body)
                 async for data in sse_data(response.aiter_lines()):
                     if data.strip() == "[DONE]":
                         break
                     now = time.perf_counter()
                     chunk = json.loads(data)
+                    if "error" in chunk:
+                        return self._failed(request, sent, f"stream error: {json.dumps(chunk['error'])[:200]}",
+                                            refused=chunk["error"].get("code") == DEADLINE_EXCEEDED)
                     for choice in chunk.get("choices") or []:
                         if choice.get("text") or choice.get("finish_reason") is None:
                             times.append(now)
@@ -109,5 +122,8 @@ class HttpSystem(System):
                              completion_tokens if completion_tokens is not None else len(times))
 
     @staticmethod
-    def _failed(request: BenchRequest, sent: float, error: str) -> RequestRecord:
-        return RequestRecord(request.request_id, sent, (), len(request.prompt_token_ids), 0, error=error)
+    def _failed(request: BenchRequest, sent: float, error: str, refused: bool = False) -> RequestRecord:
+        """A request that got no tokens; ``refused``: the server's deadline policy refused it
+        (finish reason ``deadline``, counted as a missed SLO rather than a failure)."""
+        return RequestRecord(request.request_id, sent, (), len(request.prompt_token_ids), 0, error=error,
+                             finish_reason="deadline" if refused else None)

@@ -19,7 +19,8 @@ GAP_S = 0.02
 
 class FakeCompletions(BaseHTTPRequestHandler):
     """Streams ``max_tokens`` one-token chunks: the first after 50 ms, then every 20 ms,
-    then a finish chunk, a usage chunk and ``[DONE]``."""
+    then a finish chunk, a usage chunk and ``[DONE]``; a request of ``slo_class: tight``
+    gets the error event of a deadline refusal instead."""
 
     requests: list[dict] = []
 
@@ -51,6 +52,11 @@ class FakeCompletions(BaseHTTPRequestHandler):
             self.wfile.write(f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n".encode())
             self.wfile.flush()
 
+        if body.get("slo_class") == "tight":
+            event({"error": {"message": "refused", "type": "server_error", "param": "deadline",
+                             "code": "deadline_exceeded"}})
+            event("[DONE]")
+            return
         for i in range(body["max_tokens"]):
             time.sleep(FIRST_TOKEN_S if i == 0 else GAP_S)
             event({"choices": [{"index": 0, "text": "x", "finish_reason": None}]})
@@ -107,3 +113,16 @@ def test_sse_parser_joins_data_lines_and_skips_comments():
         return [d async for d in sse_data(lines())]
 
     assert asyncio.run(collect()) == ['{"a":\n1}', "[DONE]", "tail"]
+
+
+def test_http_target_sends_tenant_fields_and_counts_refusals(bench_config, server_url, tmp_path):
+    FakeCompletions.requests.clear()
+    cfg = bench_config("target=http", f"target.url={server_url}", "workload.num_requests=8",
+                       "workload.output_range=[2,3]", "workload.arrival=poisson", "warmup_requests=0",
+                       "+workload.tenants.alice={rate:40,priority:-1}", "+workload.tenants.bob={rate:40,slo_class:tight}")
+    metrics = measure(open_system(cfg, str(tmp_path)), cfg)
+    sent = {(body["user"], body["priority"], body["slo_class"]) for body in FakeCompletions.requests}
+    assert sent == {("alice", -1, None), ("bob", 0, "tight")}
+    tenants = metrics["tenants"]
+    assert tenants["bob"]["refused"] == tenants["bob"]["requests"] > 0
+    assert tenants["alice"]["refused"] == 0
