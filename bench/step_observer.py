@@ -36,6 +36,7 @@ class StepObserver:
         self.spec_proposed = 0
         self.spec_accepted = 0
         self.stage_busy_s: list[float] = []
+        self._evicted_blocks: dict[int, int] = {}
 
     @hookimpl
     def servelab_step_end(self, engine: Any, stats: Any) -> None:
@@ -55,6 +56,8 @@ class StepObserver:
         self.prefill_tokens += stats.num_prefill_tokens
         self.preempted += stats.num_preempted
         self.prefix_hit_tokens += stats.prefix_hit_tokens
+        if engine is not None:
+            self._evicted_blocks[id(engine)] = engine.cache.prefix_evicted_blocks
         self.spec_proposed += stats.spec_proposed
         self.spec_accepted += stats.spec_accepted
         if len(self.stage_busy_s) < len(stats.stage_busy_s):
@@ -78,6 +81,7 @@ class StepObserver:
             "prefill_token_share": self.prefill_tokens / self.batched_tokens if self.batched_tokens else None,
             "step_preemptions": self.preempted,
             "step_prefix_hit_tokens": self.prefix_hit_tokens,
+            "prefix_evicted_blocks": sum(self._evicted_blocks.values()),
             "step_spec_acceptance_rate": self.spec_accepted / self.spec_proposed if self.spec_proposed else None,
             "stage_busy_s": list(self.stage_busy_s),
             "stage_bubble_fraction": [1 - busy / self.busy_s if self.busy_s else None for busy in self.stage_busy_s],

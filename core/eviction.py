@@ -9,7 +9,10 @@ class EvictionPolicy(abc.ABC):
     """Tracks blocks that hold cached prefix content but no live request.
 
     The paged cache calls ``add`` when a cached block's last holder frees it, ``remove``
-    when a prefix hit takes it back, and ``evict`` when it needs a free block.
+    when a prefix hit takes it back, and ``evict`` when it needs a free block. A policy
+    that learns from content (ARC's ghost lists) also hears ``on_cached`` when content is
+    cached in a block and ``on_evicted`` after a block's content was evicted; ``key``
+    identifies the content (equal keys, equal tokens after an equal prefix).
     """
 
     def __init__(self, config: object = None):
@@ -30,3 +33,9 @@ class EvictionPolicy(abc.ABC):
     @abc.abstractmethod
     def __len__(self) -> int:
         """Number of evictable blocks."""
+
+    def on_cached(self, block: int, key: object) -> None:
+        """Content ``key`` was cached in ``block`` (a block just filled); nothing by default."""
+
+    def on_evicted(self, block: int, key: object) -> None:
+        """``evict`` returned ``block``, whose content ``key`` is forgotten; nothing by default."""

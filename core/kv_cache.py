@@ -222,6 +222,11 @@ class KVCacheManager(abc.ABC):
         """Tokens looked up in the prefix cache so far."""
         return 0
 
+    @property
+    def prefix_evicted_blocks(self) -> int:
+        """Cached blocks whose content was evicted so far (0 without prefix caching)."""
+        return 0
+
     def lookup_prefix(self, request: Request) -> int:
         """Attach cached blocks matching the request's prompt; return the number of tokens
         found (a multiple of ``block_size``). Caches without prefix caching return 0."""

@@ -52,10 +52,10 @@ def servelab_register_models():
 
 @hookimpl
 def servelab_register_eviction_policies():
-    """LRU eviction for the prefix cache."""
-    from servelab.plugins.cache import lru
+    """LRU, LFU and ARC eviction for the prefix cache."""
+    from servelab.plugins.cache import arc, lfu, lru
 
-    return [lru.SPEC]
+    return [lru.SPEC, lfu.SPEC, arc.SPEC]
 
 
 @hookimpl

@@ -346,6 +346,11 @@ class PagedKVCacheManager(KVCacheManager):
         return self.prefix.queried_tokens if self.prefix else 0
 
     @property
+    def prefix_evicted_blocks(self) -> int:
+        """Cached blocks the eviction policy gave up so far."""
+        return self.prefix.evictions if self.prefix else 0
+
+    @property
     def supports_fork(self) -> bool:
         """Blocks can be shared between sequences."""
         return True

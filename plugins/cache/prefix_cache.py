@@ -15,7 +15,10 @@ class PrefixCache:
     equal prefixes; every hit also compares the stored token ids and parent hash, so a
     hash collision can never return wrong content. The groups of a cache hold the same
     tokens in different blocks, so a block is found by (group, hash). Unreferenced cached
-    blocks of every group wait in one eviction policy until reused or evicted.
+    blocks of every group wait in one eviction policy until reused or evicted; the policy
+    hears each block's content key, (group, hash), as it is cached and evicted.
+    ``hit_tokens`` / ``queried_tokens`` count prompt tokens found / looked up, ``evictions``
+    the blocks whose content was evicted.
     """
 
     def __init__(self, block_size: int, eviction: EvictionPolicy):
@@ -25,6 +28,7 @@ class PrefixCache:
         self._entry: dict[int, tuple[int, int, int | None, tuple[int, ...]]] = {}
         self.hit_tokens = 0
         self.queried_tokens = 0
+        self.evictions = 0
 
     @staticmethod
     def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
@@ -72,6 +76,7 @@ class PrefixCache:
         if (group, digest) not in self._block_of and block not in self._entry:
             self._block_of[group, digest] = block
             self._entry[block] = (group, digest, parent, tokens)
+            self.eviction.on_cached(block, (group, digest))
         return digest
 
     def is_cached(self, block: int) -> bool:
@@ -91,6 +96,8 @@ class PrefixCache:
         block = self.eviction.evict()
         group, digest = self._entry.pop(block)[:2]
         del self._block_of[group, digest]
+        self.evictions += 1
+        self.eviction.on_evicted(block, (group, digest))
         return block
 
     @property
