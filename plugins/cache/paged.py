@@ -8,15 +8,19 @@ from dataclasses import dataclass
 from typing import Optional
 
 from servelab.core.component import ComponentSpec
+from servelab.core.errors import ConfigError
 from servelab.core.kv_cache import (Allocation, CacheContext, KVCacheGroup, KVCacheManager, KVCacheUsage,
                                      single_group)
 from servelab.core.request import Request
 from servelab.plugins.cache.block_pool import BlockPool
 from servelab.plugins.cache.prefix_cache import PrefixCache
+from servelab.plugins.cache.radix_cache import RadixPrefixCache
 from servelab.plugins.cache.sizing import num_blocks_for
 
 # What allocate returns when the request's blocks already have room (shared: immutable).
 NOTHING_NEW = Allocation()
+PREFIX_INDEXES = {"hash": PrefixCache, "radix": RadixPrefixCache}
+"""``cache.prefix_index``: how cached prefixes are found."""
 
 
 @dataclass
@@ -24,7 +28,11 @@ class PagedCacheConfig:
     """``cache=paged``: ``block_size`` tokens per block; ``num_blocks`` blocks, or as many
     as fit ``memory_bytes`` when null, or, when that is null too, the executor's budget
     (512 MiB on the CPU; the device memory left after the weights in simulation). ``enable_prefix_caching`` reuses full blocks across
-    requests, evicting with the registered policy ``eviction``. ``swap_space_bytes`` sizes
+    requests, evicting with the registered policy ``eviction``; ``prefix_index``: ``hash``
+    (whole blocks by their chained hash) or ``radix`` (also the leading tokens of a cached
+    block a prompt diverges from, when no request holds that block, copied into a block of
+    its own: ``RadixPrefixCache``; a model with several KV cache groups matches whole
+    blocks). ``swap_space_bytes`` sizes
     the host pool used by ``scheduler.preemption=swap``. ``kv_dtype``: auto (the model's
     dtype) | int8 | fp8_e4m3, the stored element type (docs/quantization.md); sizes from
     memory count its smaller blocks. ``groups``: one block table per KV cache group
@@ -36,6 +44,7 @@ class PagedCacheConfig:
     memory_bytes: Optional[int] = None
     enable_prefix_caching: bool = False
     eviction: str = "lru"
+    prefix_index: str = "hash"
     swap_space_bytes: int = 0
     kv_dtype: str = "auto"
     groups: bool = True
@@ -80,9 +89,13 @@ class PagedKVCacheManager(KVCacheManager):
         self._hashes: dict[str, list[int]] = {}
         self._looked_up: set[str] = set()
         self.prefix: PrefixCache | None = None
+        self._pending_copies: dict[str, tuple[int, int]] = {}
         if getattr(config, "enable_prefix_caching", False):
+            index = getattr(config, "prefix_index", "hash")
+            if index not in PREFIX_INDEXES:
+                raise ConfigError([f"cache.prefix_index must be one of {', '.join(PREFIX_INDEXES)}, got {index!r}"])
             policy = context.registry.get("eviction", config.eviction).cls()
-            self.prefix = PrefixCache(block_size, policy)
+            self.prefix = PREFIX_INDEXES[index](block_size, policy)
         swap_bytes = getattr(config, "swap_space_bytes", 0)
         self.num_host_blocks = swap_bytes // spec.block_bytes(block_size, groups)
         self.host_pool = BlockPool(self.num_host_blocks)
@@ -142,10 +155,11 @@ class PagedKVCacheManager(KVCacheManager):
         taken = self._take(count) if count else []  # most decode steps: the last block has room
         if taken is None:
             return None
-        copies = []
+        pending = self._pending_copies.pop(rid, None)
+        copies = [pending] if pending else []
         for index, fresh in zip(shared, taken):
             table = tables[index]
-            copies.append((table[write_index], fresh))
+            copies.append((table[write_index], fresh))  # copy-on-write
             self._release([table[write_index]])
             table[write_index] = fresh
         added = taken[len(shared):]
@@ -157,9 +171,11 @@ class PagedKVCacheManager(KVCacheManager):
         self._set_used(rid, used)
         if self.prefix is not None:
             self._register_full_blocks(request, tables, used)
-        if not count:
+        if pending:  # the copy runs before this step writes; the source may go after it
+            self._release([pending[0]])
+        if not count and not pending:
             return NOTHING_NEW
-        return Allocation(tuple(added) + tuple(d for _, d in copies), tuple(copies))
+        return Allocation(tuple(added) + tuple(d for _, d in copies[bool(pending):]), tuple(copies))
 
     def _leave_window(self, rid: str, tables: list[list[int]], computed: int) -> None:
         """Point each windowed group's entries wholly before the first key the token at
@@ -202,6 +218,9 @@ class PagedKVCacheManager(KVCacheManager):
         self._looked_up.discard(rid)
         for table in tables or ():
             self._release(self._live(table))
+        pending = self._pending_copies.pop(rid, None)
+        if pending:
+            self._release([pending[0]])
         host = self._host_tables.pop(rid, None)
         if host:
             self.host_pool.put_free(self.host_pool.release([b for table in host for b in table if b is not None]))
@@ -284,7 +303,8 @@ class PagedKVCacheManager(KVCacheManager):
     def lookup_prefix(self, request: Request) -> int:
         """Attach the cached full blocks that start the request's tokens (leaving at least
         its last token to compute): every block in each full group, the blocks the next
-        token's window reads in each windowed group; returns the number of tokens found."""
+        token's window reads in each windowed group; with the radix index also the leading
+        tokens of the next cached block (``_copy_partial``); returns the number of tokens found."""
         rid = request.request_id
         if self.prefix is None or rid in self._tables or rid in self._looked_up:
             return 0
@@ -292,23 +312,50 @@ class PagedKVCacheManager(KVCacheManager):
         self.prefix.queried_tokens += request.num_tokens
         limit = (request.num_tokens - 1) // self.block_size
         found = self._cached_tables(request, limit)
-        if found is None:
+        tables, hashes = found if found is not None else ([[] for _ in self.groups], [])
+        self._hold(block for table in tables for block in self._live(table))
+        hit = len(hashes) * self.block_size + self._copy_partial(request, tables, hashes)
+        if not hit:
             return 0
-        tables, hashes = found
-        held = [block for table in tables for block in self._live(table)]
-        for block in held:
-            if self.pool.ref_counts[block] == 0:
-                self.prefix.unpark(block)
-        self.pool.share(held)
         self._tables[rid] = tables
         self._hashes[rid] = hashes
-        hit = len(hashes) * self.block_size
         if self._windowed:
             self._window_starts[rid] = [table.count(self.null_block) if self._windows[index] else 0
                                         for index, table in enumerate(tables)]
         self.prefix.hit_tokens += hit
         request.num_cached_prompt_tokens = min(hit, request.num_prompt_tokens)
         return hit
+
+    def _hold(self, blocks) -> None:
+        """Add a holder to each cached block (taking it out of the eviction pool if parked)."""
+        blocks = list(blocks)
+        for block in blocks:
+            if self.pool.ref_counts[block] == 0:
+                self.prefix.unpark(block)
+        self.pool.share(blocks)
+
+    def _copy_partial(self, request: Request, tables: list[list[int]], hashes: list[int]) -> int:
+        """With the radix index (one KV cache group): the leading tokens after the matched
+        whole blocks that a parked cached block holds too (a block some request holds may
+        be written by the step being scheduled, after the copy would read it). A fresh
+        block joins the table and the cached one is held until the request's next
+        ``allocate`` hands out the copy; returns the tokens reused (0: none, nothing changed)."""
+        if not isinstance(self.prefix, RadixPrefixCache) or len(tables) > 1:
+            return 0
+        start = len(hashes) * self.block_size
+        source, length = self.prefix.partial(request.token_ids[start:], hashes[-1] if hashes else None,
+                                             request.num_tokens - 1 - start, lambda b: self.pool.ref_counts[b] == 0)
+        if source is None:
+            return 0
+        self._hold([source])
+        fresh = self._take(1)
+        if fresh is None:
+            self._release([source])
+            return 0
+        tables[0].append(fresh[0])
+        self._pending_copies[request.request_id] = (source, fresh[0])
+        self.prefix.partial_hit_tokens += length
+        return length
 
     def _cached_tables(self, request: Request, limit: int) -> tuple[list[list[int]], list[int]] | None:
         """The longest run of at most ``limit`` blocks that every group holds (a windowed

@@ -94,11 +94,16 @@ class PrefixCache:
     def evict(self) -> int:
         """Forget the content of the block the policy picks and return the block."""
         block = self.eviction.evict()
+        key = self._forget(block)
+        self.evictions += 1
+        self.eviction.on_evicted(block, key)
+        return block
+
+    def _forget(self, block: int) -> tuple[int, int]:
+        """Drop a block's content from the index; returns its key, (group, hash)."""
         group, digest = self._entry.pop(block)[:2]
         del self._block_of[group, digest]
-        self.evictions += 1
-        self.eviction.on_evicted(block, (group, digest))
-        return block
+        return group, digest
 
     @property
     def num_evictable(self) -> int:
