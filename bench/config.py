@@ -50,6 +50,40 @@ class TenantConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    """``workload.multi_turn``: ``conversations`` chats starting by the workload's
+    ``arrival`` at ``rate`` conversations/s, each of a number of turns uniform over the
+    inclusive ``turns`` range. Every turn's new user message and output lengths are drawn
+    from the workload's ``lengths`` (e.g. sharegpt); turn k+1 resends the history (turn k's
+    prompt and actual output) plus its message, ``think_time`` (exponential | fixed) of mean
+    ``think_time_s`` seconds after turn k's last token (bench/multi_turn.py)."""
+
+    conversations: int = 16
+    turns: list[int] = field(default_factory=lambda: [2, 6])
+    think_time: str = "exponential"
+    think_time_s: float = 2.0
+
+
+@dataclass
+class AgenticConfig:
+    """``workload.agentic``: ``sessions`` agent loops starting by the workload's ``arrival``
+    at ``rate`` sessions/s, each of a number of model calls uniform over the inclusive
+    ``steps`` range. The first call's prompt is the shared preamble (``prefix_len``) and a
+    per-session document of ``document_len`` tokens; every call outputs ``call_output_len``
+    tokens (the tool call), and the next call resends the context, that output and a tool
+    result of ``tool_result_len`` tokens (inclusive ranges), sent ``tool_latency`` (exponential
+    | fixed) of mean ``tool_latency_s`` seconds after the call's last token (bench/agentic.py)."""
+
+    sessions: int = 8
+    steps: list[int] = field(default_factory=lambda: [4, 8])
+    document_len: list[int] = field(default_factory=lambda: [128, 512])
+    call_output_len: list[int] = field(default_factory=lambda: [8, 32])
+    tool_result_len: list[int] = field(default_factory=lambda: [16, 128])
+    tool_latency: str = "exponential"
+    tool_latency_s: float = 0.5
+
+
+@dataclass
 class WorkloadConfig:
     """The requests of one run, deterministic under ``seed``.
 
@@ -66,6 +100,9 @@ class WorkloadConfig:
     Lengths are clamped to the model's context: outputs to half of it, prompts to the rest.
     ``tenants`` (name to ``TenantConfig``): several clients, each with its own arrivals,
     lengths, priority and SLO class (bench/tenants.py); empty = one anonymous client.
+    ``multi_turn`` or ``agentic`` (null = neither): closed-loop sessions whose next request
+    resends the context with the previous output (bench/sessions.py); ``num_requests`` is
+    then unused, and the shared prefixes start every session.
     """
 
     num_requests: int = 32
@@ -89,6 +126,8 @@ class WorkloadConfig:
     temperature: float = 0.0
     ignore_eos: bool = True
     tenants: dict[str, Any] = field(default_factory=dict)
+    multi_turn: Optional[MultiTurnConfig] = None
+    agentic: Optional[AgenticConfig] = None
 
 
 @dataclass

@@ -10,11 +10,20 @@ from servelab.core.errors import ConfigError
 LENGTHS = ("fixed", "uniform", "sharegpt", "long_prompt", "trace")
 
 
-def _uniform(bounds, name: str, rng: random.Random) -> int:
-    low, high = (int(b) for b in bounds)
-    if not 1 <= low <= high:
-        raise ConfigError([f"workload.{name} must be [low, high] with 1 <= low <= high, got {list(bounds)}"])
-    return rng.randint(low, high)
+def check_range(bounds, name: str) -> list[str]:
+    """Problems of the inclusive ``[low, high]`` range ``workload.<name>`` (1 <= low <= high)."""
+    if len(bounds) != 2 or not 1 <= int(bounds[0]) <= int(bounds[1]):
+        return [f"workload.{name} must be [low, high] with 1 <= low <= high, got {list(bounds)}"]
+    return []
+
+
+def uniform_length(bounds, name: str, rng: random.Random) -> int:
+    """A length uniform over the inclusive range ``bounds`` of the field ``workload.<name>``;
+    ``ConfigError`` naming it unless 1 <= low <= high."""
+    problems = check_range(bounds, name)
+    if problems:
+        raise ConfigError(problems)
+    return rng.randint(int(bounds[0]), int(bounds[1]))
 
 
 def lognormal_length(mean: float, sigma: float, rng: random.Random) -> int:
@@ -22,9 +31,9 @@ def lognormal_length(mean: float, sigma: float, rng: random.Random) -> int:
     return max(1, round(rng.lognormvariate(math.log(mean) - sigma * sigma / 2, sigma)))
 
 
-def sample_lengths(cfg, max_model_len: int, rng: random.Random) -> list[tuple[int, int]]:
-    """``cfg.num_requests`` (prompt tokens, output tokens) pairs drawn from ``cfg.lengths``,
-    before the shared prefix is added and before clamping."""
+def sample_lengths(cfg, max_model_len: int, rng: random.Random, count: int | None = None) -> list[tuple[int, int]]:
+    """``count`` (default ``cfg.num_requests``) (prompt tokens, output tokens) pairs drawn
+    from ``cfg.lengths``, before the shared prefix is added and before clamping."""
     kind = cfg.lengths
     if kind not in LENGTHS or kind == "trace":
         raise ConfigError([f"workload.lengths must be one of {', '.join(LENGTHS)}, got {kind!r}"])
@@ -34,17 +43,17 @@ def sample_lengths(cfg, max_model_len: int, rng: random.Random) -> list[tuple[in
         raise ConfigError([f"workload.long_prompt_fraction must be [low, high] in (0, 1], "
                            f"got {list(cfg.long_prompt_fraction)}"])
     pairs = []
-    for _ in range(cfg.num_requests):
+    for _ in range(cfg.num_requests if count is None else count):
         if kind == "fixed":
             pair = (cfg.input_len, cfg.output_len)
         elif kind == "uniform":
-            pair = (_uniform(cfg.input_range, "input_range", rng), _uniform(cfg.output_range, "output_range", rng))
+            pair = (uniform_length(cfg.input_range, "input_range", rng), uniform_length(cfg.output_range, "output_range", rng))
         elif kind == "sharegpt":
             pair = (lognormal_length(cfg.sharegpt.input_mean, cfg.sharegpt.sigma, rng),
                     lognormal_length(cfg.sharegpt.output_mean, cfg.sharegpt.sigma, rng))
         else:
             low, high = cfg.long_prompt_fraction
-            pair = (max(1, int(rng.uniform(low, high) * max_model_len)), _uniform(cfg.output_range, "output_range", rng))
+            pair = (max(1, int(rng.uniform(low, high) * max_model_len)), uniform_length(cfg.output_range, "output_range", rng))
         pairs.append(pair)
     return pairs
 

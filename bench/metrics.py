@@ -26,7 +26,8 @@ class RequestRecord:
     ``scheduled_time`` is when the system first scheduled the request (same clock).
     ``tenant``, ``priority`` and ``slo_class`` are the request's metadata (None without
     tenants); ``finish_reason`` is the system's (``length``, ``stop``, ``deadline``: refused
-    by ``policy=deadline``; None when not reported).
+    by ``policy=deadline``; None when not reported). ``output_token_ids``: the generated
+    tokens, which closed-loop workloads feed back (None when not reported).
     """
 
     request_id: str
@@ -44,6 +45,7 @@ class RequestRecord:
     priority: int | None = None
     slo_class: str | None = None
     finish_reason: str | None = None
+    output_token_ids: tuple[int, ...] | None = None
 
     @property
     def ok(self) -> bool:
@@ -110,6 +112,13 @@ def _ratio(numerator: int | None, denominator: int | None) -> float | None:
     return numerator / denominator if numerator is not None and denominator else None
 
 
+def prefix_cache_hit_rate(records: Sequence[RequestRecord]) -> float | None:
+    """Prompt tokens found in the prefix cache over all prompt tokens of the completed
+    ``records``; None when no record reports cached tokens."""
+    done = [r for r in records if r.ok]
+    return _ratio(_total([r.num_cached_prompt_tokens for r in done]), sum(r.num_prompt_tokens for r in done))
+
+
 def meets_slo(record: RequestRecord, ttft_ms: float | None, tpot_ms: float | None) -> bool:
     """True when the request met the TTFT and TPOT objectives that are set."""
     if ttft_ms is not None and 1000 * record.ttft > ttft_ms:
@@ -156,6 +165,6 @@ def summarize(records: Sequence[RequestRecord], slo: Any) -> dict[str, Any]:
         "goodput": rate(good),
         "slo_attainment": good / len(done) if done else None,
         "preemptions": _total([r.num_preemptions for r in done]),
-        "prefix_cache_hit_rate": _ratio(_total([r.num_cached_prompt_tokens for r in done]), prompt_tokens),
+        "prefix_cache_hit_rate": prefix_cache_hit_rate(done),
         "spec_acceptance_rate": _ratio(_total([r.spec_accepted for r in done]), _total([r.spec_proposed for r in done])),
     }

@@ -10,6 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 from servelab.bench.config import (HttpTargetConfig, InprocTargetConfig, NoBaselineConfig,
                                    TransformersBaselineConfig, VllmBaselineConfig)
 from servelab.bench.metrics import RequestRecord, summarize
+from servelab.bench.sessions import build_sessions, is_closed_loop
 from servelab.bench.system import System
 from servelab.bench.tenant_metrics import slo_class_summary, tenant_summary
 from servelab.bench.tenants import tenant_rates
@@ -80,16 +81,25 @@ def with_metadata(records: list[RequestRecord], requests: list[BenchRequest]) ->
 def measure(system: System, cfg: DictConfig, rate: float | None = None, desc: str = "requests") -> dict[str, Any]:
     """Warm up, then run the workload (at ``rate`` requests/s when given) and return its
     metrics: the client-side summary, the system's statistics under ``system``, the
-    workload's description, and ``samples`` (per-request TTFT/TPOT/E2E and every gap, ms)."""
+    workload's description, ``sessions`` for a closed-loop workload (first vs later
+    requests: ``Sessions.summary``), and ``samples`` (per-request TTFT/TPOT/E2E and every gap, ms)."""
     from tqdm.auto import tqdm
 
-    requests = build_workload(cfg.workload, system.space, rate=rate)
+    workload = cfg.workload
+    sessions = build_sessions(workload, system.space, rate) if is_closed_loop(workload) else None
+    if sessions is not None and not system.closed_loop:
+        raise ConfigError([f"workload.{sessions.kind} is closed-loop: run it on target=inproc with one replica, "
+                           f"target=http or a baseline (system {system.name} sends open loop only)"])
+    requests = sessions.requests if sessions is not None else build_workload(workload, system.space, rate=rate)
     if cfg.warmup_requests > 0:
         system.run(warmup_workload(system.space, cfg.warmup_requests))
-    with tqdm(total=len(requests), desc=desc, unit="req", disable=not cfg.use_tqdm, dynamic_ncols=True) as bar:
-        records, stats = system.run(requests, bar)
-    workload = cfg.workload
+    with tqdm(total=None if sessions else len(requests), desc=desc, unit="req", disable=not cfg.use_tqdm,
+              dynamic_ncols=True) as bar:
+        records, stats = (system.run(requests, bar, follow_up=sessions.follow_up) if sessions is not None
+                          else system.run(requests, bar))
     metrics = summarize(records, cfg.slo)
+    if sessions is not None:
+        metrics["sessions"] = sessions.summary(records)
     if workload.tenants:
         records = with_metadata(records, requests)
         metrics.update(tenant_summary(records))

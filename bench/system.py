@@ -3,22 +3,29 @@
 from __future__ import annotations
 
 import abc
-from collections import deque
-from typing import Any, Sequence
+import heapq
+import itertools
+from typing import Any, Callable, Sequence
 
 from servelab.bench.metrics import RequestRecord
 from servelab.bench.workload import BenchRequest, TokenSpace
 from servelab.core.clock import Clock, WallClock
 
+FollowUp = Callable[[RequestRecord], "BenchRequest | None"]
+"""A closed-loop workload's next request after one finished (``Sessions.follow_up``);
+its ``arrival_offset_s`` counts from the run's start like every request's."""
+
 
 class System(abc.ABC):
     """A serving system the harness measures: servelab in process, an HTTP server, or a
     baseline engine. ``space`` describes its model for building the workload;
-    ``simulated`` is True when its times are virtual (``executor=simulated``)."""
+    ``simulated`` is True when its times are virtual (``executor=simulated``);
+    ``closed_loop`` is True when ``run`` takes a ``follow_up`` (multi-turn, agentic)."""
 
     name: str
     space: TokenSpace
     simulated: bool = False
+    closed_loop: bool = False
 
     @abc.abstractmethod
     def run(self, requests: Sequence[BenchRequest], progress: Any = None) -> tuple[list[RequestRecord], dict[str, Any]]:
@@ -31,7 +38,7 @@ class System(abc.ABC):
 
 
 class SteppedSystem(System):
-    """An engine driven step by step in this process (open loop).
+    """An engine driven step by step in this process (open loop, or closed with ``follow_up``).
 
     The driver adds every request whose arrival time has come, with that scheduled time
     as its arrival (so time spent waiting for a running step counts as queueing), steps
@@ -40,6 +47,7 @@ class SteppedSystem(System):
     """
 
     clock: Clock = WallClock()
+    closed_loop = True
 
     @abc.abstractmethod
     def add(self, request: BenchRequest, arrival_time: float) -> RequestRecord | None:
@@ -61,31 +69,37 @@ class SteppedSystem(System):
         """Called after them; the statistics collected since ``begin``."""
         return {}
 
-    def run(self, requests: Sequence[BenchRequest], progress: Any = None) -> tuple[list[RequestRecord], dict[str, Any]]:
-        """Drive the engine through ``requests`` (see the class docstring)."""
-        pending = deque(sorted(requests, key=lambda r: r.arrival_offset_s))
+    def run(self, requests: Sequence[BenchRequest], progress: Any = None,
+            follow_up: FollowUp | None = None) -> tuple[list[RequestRecord], dict[str, Any]]:
+        """Drive the engine through ``requests`` (see the class docstring), and through the
+        request ``follow_up`` returns for each finished one (closed loop)."""
+        pending = [(r.arrival_offset_s, i, r) for i, r in enumerate(sorted(requests, key=lambda r: r.arrival_offset_s))]
+        order = itertools.count(len(pending))
         records: list[RequestRecord] = []
+
+        def collect(finished: list[RequestRecord]) -> None:
+            records.extend(finished)
+            if progress is not None and finished:
+                progress.update(len(finished))
+            for record in finished if follow_up is not None else ():
+                if (request := follow_up(record)) is not None:
+                    heapq.heappush(pending, (request.arrival_offset_s, next(order), request))
+
         self.begin()
         clock = self.clock
         try:
             start = clock.now()
             while pending or self.has_work():
                 now = clock.now()
-                while pending and start + pending[0].arrival_offset_s <= now:
-                    request = pending.popleft()
+                while pending and start + pending[0][0] <= now:
+                    request = heapq.heappop(pending)[2]
                     rejected = self.add(request, start + request.arrival_offset_s)
                     if rejected is not None:
-                        self._collect(records, [rejected], progress)
+                        collect([rejected])
                 if self.has_work():
-                    self._collect(records, self.step(), progress)
+                    collect(self.step())
                 elif pending:
-                    clock.advance_to(start + pending[0].arrival_offset_s)
+                    clock.advance_to(start + pending[0][0])
         finally:
             stats = self.end()
         return records, stats
-
-    @staticmethod
-    def _collect(records: list[RequestRecord], finished: list[RequestRecord], progress: Any) -> None:
-        records += finished
-        if progress is not None and finished:
-            progress.update(len(finished))

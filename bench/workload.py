@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from servelab.bench.arrivals import arrival_offsets
 from servelab.bench.lengths import clamp_lengths, sample_lengths
@@ -66,7 +66,12 @@ def build_workload(cfg: Any, space: TokenSpace, rate: float | None = None, prefi
     """The requests of ``cfg`` (a ``WorkloadConfig``), sorted by arrival; ``rate``
     overrides ``cfg.rate`` (capacity search; with tenants, their total rate). Independent
     random streams for arrivals, lengths and prompts, so changing one leaves the others
-    unchanged."""
+    unchanged. Closed-loop workloads (``multi_turn``, ``agentic``) are built by
+    ``bench.sessions.build_sessions`` instead."""
+    closed = [name for name in ("multi_turn", "agentic") if getattr(cfg, name, None) is not None]
+    if closed:
+        raise ConfigError([f"workload.{closed[0]} is closed-loop (each request waits for the previous output): "
+                           f"build it with servelab.bench.sessions.build_sessions"])
     if getattr(cfg, "tenants", None):
         from servelab.bench.tenants import build_tenant_workload
 
@@ -78,11 +83,8 @@ def client_requests(cfg: Any, space: TokenSpace, rate: float | None, prefix: str
                     metadata: RequestMetadata | None = None) -> list[BenchRequest]:
     """The requests of one client's ``cfg`` (``tenants`` ignored), ids ``<prefix><i>``,
     drawn from random streams named by ``seed``, each carrying ``metadata``."""
-    problems = [f"workload.{name} must be >= {low}, got {value}" for name, value, low in
-                (("num_requests", cfg.num_requests, 1), ("prefix_len", cfg.prefix_len, 0),
-                 ("num_prefixes", cfg.num_prefixes, 1)) if value < low]
-    if problems:
-        raise ConfigError(problems)
+    if cfg.num_requests < 1:
+        raise ConfigError([f"workload.num_requests must be >= 1, got {cfg.num_requests}"])
     rows = read_trace(cfg.path, cfg.num_requests) if "trace" in (cfg.arrival, cfg.lengths) else []
     if cfg.arrival == "trace":
         offsets = trace_offsets(rows, cfg.trace_rate if rate is None else rate)
@@ -94,16 +96,28 @@ def client_requests(cfg: Any, space: TokenSpace, rate: float | None, prefix: str
     else:
         pairs = sample_lengths(cfg, space.max_model_len, random.Random(f"{seed}:lengths"))
     source = PromptSource(cfg.prompts, space.vocab_size, space.tokenizer, cfg.corpus_file, random.Random(f"{seed}:prompts"))
-    prefixes = [source.draw(cfg.prefix_len) for _ in range(cfg.num_prefixes)] if cfg.prefix_len > 0 else [[]]
-    pick = random.Random(f"{seed}:prefixes")
+    shared_prefix = shared_prefixes(cfg, source, seed)
     requests = []
     for i, (offset, (unique_len, output_len)) in enumerate(zip(offsets, pairs)):
-        shared = prefixes[pick.randrange(len(prefixes))]
+        shared = shared_prefix()
         prompt_len, output_len = clamp_lengths(len(shared) + unique_len, output_len, space.max_model_len)
         head = shared[:prompt_len]
         prompt = head + source.draw(prompt_len - len(head))
         requests.append(BenchRequest(f"{prefix}{i}", tuple(prompt), output_len, offset, metadata))
     return requests
+
+
+def shared_prefixes(cfg: Any, source: PromptSource, seed: str) -> Callable[[], list[int]]:
+    """The workload's ``num_prefixes`` shared prefixes of ``prefix_len`` tokens (the system
+    prompts), drawn from ``source``; returns a function that picks one at random (from the
+    stream ``<seed>:prefixes``) per call, ``[]`` when ``prefix_len`` is 0."""
+    problems = [f"workload.{name} must be >= {low}, got {value}" for name, value, low in
+                (("prefix_len", cfg.prefix_len, 0), ("num_prefixes", cfg.num_prefixes, 1)) if value < low]
+    if problems:
+        raise ConfigError(problems)
+    prefixes = [source.draw(cfg.prefix_len) for _ in range(cfg.num_prefixes)] if cfg.prefix_len > 0 else [[]]
+    pick = random.Random(f"{seed}:prefixes")
+    return lambda: prefixes[pick.randrange(len(prefixes))]
 
 
 def warmup_workload(space: TokenSpace, num_requests: int) -> list[BenchRequest]:

@@ -88,4 +88,5 @@ class TransformersSystem(SteppedSystem):
         count = min(request.max_tokens, len(tokens), len(times))
         if not self.workload.ignore_eos and self.eos in tokens[:count]:
             count = tokens.index(self.eos) + 1
-        return RequestRecord(request.request_id, arrival, tuple(times[:count]), len(request.prompt_token_ids), count)
+        return RequestRecord(request.request_id, arrival, tuple(times[:count]), len(request.prompt_token_ids), count,
+                             output_token_ids=tuple(tokens[:count]))

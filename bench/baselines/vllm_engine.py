@@ -56,14 +56,14 @@ class VllmSystem(SteppedSystem):
         self.sampling_params = vllm.SamplingParams
         self.delta = RequestOutputKind.DELTA
         self.workload = cfg.workload
-        self.live: dict[str, tuple[float, int, list[float]]] = {}
+        self.live: dict[str, tuple[float, int, list[float], list[int]]] = {}
 
     def add(self, request: BenchRequest, arrival_time: float) -> RequestRecord | None:
         """Submit a token-id prompt to vLLM."""
         params = self.sampling_params(temperature=self.workload.temperature, max_tokens=request.max_tokens,
                                       ignore_eos=self.workload.ignore_eos, output_kind=self.delta)
         self.engine.add_request(request.request_id, {"prompt_token_ids": list(request.prompt_token_ids)}, params)
-        self.live[request.request_id] = (arrival_time, len(request.prompt_token_ids), [])
+        self.live[request.request_id] = (arrival_time, len(request.prompt_token_ids), [], [])
         return None
 
     def step(self) -> list[RequestRecord]:
@@ -72,12 +72,14 @@ class VllmSystem(SteppedSystem):
         now = time.perf_counter()
         finished = []
         for output in outputs:
-            arrival, prompt_len, times = self.live[output.request_id]
+            arrival, prompt_len, times, tokens = self.live[output.request_id]
             times += [now] * len(output.outputs[0].token_ids)
+            tokens += output.outputs[0].token_ids
             if output.finished:
                 del self.live[output.request_id]
                 finished.append(RequestRecord(output.request_id, arrival, tuple(times), prompt_len, len(times),
-                                              num_cached_prompt_tokens=getattr(output, "num_cached_tokens", 0) or 0))
+                                              num_cached_prompt_tokens=getattr(output, "num_cached_tokens", 0) or 0,
+                                              output_token_ids=tuple(tokens)))
         return finished
 
     def has_work(self) -> bool:

@@ -11,7 +11,7 @@ from typing import Any, Sequence
 from omegaconf import DictConfig
 
 from servelab.bench.metrics import RequestRecord
-from servelab.bench.system import System
+from servelab.bench.system import FollowUp, System
 from servelab.bench.targets.sse import sse_data
 
 DEADLINE_EXCEEDED = "deadline_exceeded"
@@ -27,10 +27,14 @@ class HttpSystem(System):
 
     TTFT and gaps come from chunk arrival times; a chunk that only carries
     ``finish_reason`` is not a token. The output length is the server's
-    ``usage.completion_tokens`` when reported, else the number of chunks.
+    ``usage.completion_tokens`` when reported, else the number of chunks. The output
+    token ids (``RequestRecord.output_token_ids``, which closed-loop workloads feed back)
+    are the streamed text re-tokenized: an OpenAI stream carries text, not ids, so they can
+    differ from the server's where the tokenizer would split the text otherwise.
     """
 
     name = "http"
+    closed_loop = True
 
     def __init__(self, cfg: DictConfig):
         self.target = cfg.target
@@ -39,11 +43,14 @@ class HttpSystem(System):
         self.url = self.target.url.rstrip("/")
         self.headers = {"Authorization": f"Bearer {self.target.api_key}"} if self.target.api_key else {}
 
-    def run(self, requests: Sequence[BenchRequest], progress: Any = None) -> tuple[list[RequestRecord], dict[str, Any]]:
-        """Send every request open loop and wait for all; no server-side statistics."""
-        return asyncio.run(self._run_all(requests, progress)), {}
+    def run(self, requests: Sequence[BenchRequest], progress: Any = None,
+            follow_up: FollowUp | None = None) -> tuple[list[RequestRecord], dict[str, Any]]:
+        """Send every request at its offset and wait for all; with ``follow_up`` (closed
+        loop), each finished stream's next request too. No server-side statistics."""
+        return asyncio.run(self._run_all(requests, progress, follow_up)), {}
 
-    async def _run_all(self, requests: Sequence[BenchRequest], progress: Any) -> list[RequestRecord]:
+    async def _run_all(self, requests: Sequence[BenchRequest], progress: Any,
+                       follow_up: FollowUp | None) -> list[RequestRecord]:
         import httpx
 
         logging.getLogger("httpx").setLevel(logging.WARNING)  # no log line per request
@@ -54,14 +61,17 @@ class HttpSystem(System):
             model = self.target.model or await self._first_model(client)
             start = time.perf_counter()
 
-            async def one(request: BenchRequest) -> RequestRecord:
-                await asyncio.sleep(max(0.0, start + request.arrival_offset_s - time.perf_counter()))
-                record = await self._send(client, model, request)
-                if progress is not None:
-                    progress.update(1)
-                return record
+            async def chain(request: BenchRequest | None) -> list[RequestRecord]:
+                records = []
+                while request is not None:
+                    await asyncio.sleep(max(0.0, start + request.arrival_offset_s - time.perf_counter()))
+                    records.append(await self._send(client, model, request))
+                    if progress is not None:
+                        progress.update(1)
+                    request = follow_up(records[-1]) if follow_up is not None else None
+                return records
 
-            return list(await asyncio.gather(*(one(r) for r in requests)))
+            return [record for records in await asyncio.gather(*(chain(r) for r in requests)) for record in records]
 
     async def _first_model(self, client: Any) -> str:
         import httpx
@@ -92,6 +102,7 @@ class HttpSystem(System):
         import httpx
 
         times: list[float] = []
+        text: list[str] = []
         completion_tokens = None
         sent = time.perf_counter()
         try:
@@ -111,6 +122,7 @@ class HttpSystem(System):
                     for choice in chunk.get("choices") or []:
                         if choice.get("text") or choice.get("finish_reason") is None:
                             times.append(now)
+                        text.append(choice.get("text") or "")
                     usage = chunk.get("usage")
                     if usage and usage.get("completion_tokens") is not None:
                         completion_tokens = usage["completion_tokens"]
@@ -118,8 +130,11 @@ class HttpSystem(System):
             return self._failed(request, sent, f"{type(exc).__name__}: {exc}")
         if not times:
             return self._failed(request, sent, "the stream carried no tokens")
+        tokenizer = self.space.tokenizer
+        output_ids = None if tokenizer is None else tuple(tokenizer.encode("".join(text), add_special_tokens=False))
         return RequestRecord(request.request_id, sent, tuple(times), len(request.prompt_token_ids),
-                             completion_tokens if completion_tokens is not None else len(times))
+                             completion_tokens if completion_tokens is not None else len(times),
+                             output_token_ids=output_ids)
 
     @staticmethod
     def _failed(request: BenchRequest, sent: float, error: str, refused: bool = False) -> RequestRecord:

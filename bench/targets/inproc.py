@@ -21,7 +21,8 @@ def record_from_output(output: Any) -> RequestRecord:
         num_prompt_tokens=len(output.prompt_token_ids), num_output_tokens=len(output.outputs[0].token_ids),
         num_cached_prompt_tokens=metrics.num_cached_prompt_tokens, num_preemptions=metrics.num_preemptions,
         spec_proposed=metrics.spec_proposed_tokens, spec_accepted=metrics.spec_accepted_tokens,
-        scheduled_time=metrics.first_scheduled_time, finish_reason=output.outputs[0].finish_reason)
+        scheduled_time=metrics.first_scheduled_time, finish_reason=output.outputs[0].finish_reason,
+        output_token_ids=tuple(output.outputs[0].token_ids))
 
 
 class ServelabSystem(SteppedSystem):

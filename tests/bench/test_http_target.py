@@ -12,6 +12,7 @@ import pytest
 
 from servelab.bench.runner import measure, open_system
 from servelab.bench.targets.sse import sse_data
+from servelab.checkpoints.toy import byte_level_tokenizer
 
 FIRST_TOKEN_S = 0.05
 GAP_S = 0.02
@@ -126,3 +127,24 @@ def test_http_target_sends_tenant_fields_and_counts_refusals(bench_config, serve
     tenants = metrics["tenants"]
     assert tenants["bob"]["refused"] == tenants["bob"]["requests"] > 0
     assert tenants["alice"]["refused"] == 0
+
+
+def test_http_target_runs_conversations_closed_loop(bench_config, server_url, tmp_path):
+    """Each next turn is sent after the previous stream ended, with its text (re-tokenized)."""
+    FakeCompletions.requests.clear()
+    cfg = bench_config("target=http", f"target.url={server_url}", "workload=multi_turn", "warmup_requests=0",
+                       "workload.multi_turn.conversations=2", "workload.multi_turn.turns=[3,3]",
+                       "workload.multi_turn.think_time=fixed", "workload.multi_turn.think_time_s=0.05",
+                       "workload.lengths=uniform", "workload.input_range=[4,8]", "workload.output_range=[2,3]",
+                       "workload.rate=50")
+    metrics = measure(open_system(cfg, str(tmp_path)), cfg)
+    assert metrics["num_completed"] == 6 and metrics["sessions"]["later_turns"]["num_requests"] == 4
+    prompts = [body["prompt"] for body in FakeCompletions.requests]
+    x = byte_level_tokenizer().encode("x", add_special_tokens=False)
+    for prompt in prompts:
+        shorter = [p for p in prompts if len(p) < len(prompt) and prompt[:len(p)] == p]
+        if shorter:  # a later turn: the previous prompt, its answer ("x" per token), a new message
+            previous = max(shorter, key=len)
+            answer = FakeCompletions.requests[prompts.index(previous)]["max_tokens"]
+            assert prompt[len(previous):len(previous) + answer] == x * answer
+    assert sum(1 for prompt in prompts if any(len(p) < len(prompt) and prompt[:len(p)] == p for p in prompts)) == 4
