@@ -112,6 +112,36 @@ class Allocation:
     blocks_to_copy: tuple[tuple[int, int], ...] = ()
 
 
+ROOT_HASH = 0x5E2E1AB
+"""What a first block's hash chains from (a fixed number, so every process agrees)."""
+
+
+def block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
+    """The hash of a block of ``tokens`` after the block hashed ``parent`` (None: the
+    first block); equal in every process, so a router can compute what a cache reports."""
+    return hash((ROOT_HASH if parent is None else parent, tokens))
+
+
+def block_hashes(token_ids: list[int] | tuple[int, ...], block_size: int, num_blocks: int) -> list[int]:
+    """The chained hashes of the first ``num_blocks`` full blocks of ``token_ids``."""
+    hashes: list[int] = []
+    for index in range(num_blocks):
+        hashes.append(block_hash(hashes[-1] if hashes else None,
+                                 tuple(token_ids[index * block_size:(index + 1) * block_size])))
+    return hashes
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheEvent:
+    """A change of what a cache can serve from its prefix cache: ``kind`` ``stored``
+    (blocks whose content became findable), ``evicted`` (blocks whose content it gave
+    up) or ``held`` (every block it holds now, replacing what was known: a snapshot),
+    each block by its chained ``block_hash`` (of the first KV cache group)."""
+
+    kind: str
+    hashes: tuple[int, ...]
+
+
 @dataclass(frozen=True, slots=True)
 class KVCacheUsage:
     """A snapshot of cache occupancy, in token slots and blocks.
@@ -260,6 +290,14 @@ class KVCacheManager(abc.ABC):
     def can_swap_in(self, request: Request) -> bool:
         """True when ``swap_in`` would succeed now."""
         return False
+
+    def start_events(self) -> None:
+        """Begin recording ``KVCacheEvent``s for ``take_events`` (a KV-aware router reads
+        them); a cache without a prefix cache records none."""
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events recorded since the last call, oldest first (none by default)."""
+        return []
 
     def shutdown(self) -> None:
         """Drop every block still held or cached, and release what the manager holds

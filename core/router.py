@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
+
+if TYPE_CHECKING:
+    from servelab.core.kv_cache import KVCacheEvent
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,11 +42,20 @@ class RouterContext:
 
 class Router(abc.ABC):
     """Picks a replica for each request. Built as ``cls(config, RouterContext)``; a
-    constructor raises ``ConfigError`` listing every problem of its config."""
+    constructor raises ``ConfigError`` listing every problem of its config. A router with
+    ``uses_cache_events`` hears what each replica's prefix cache stored and evicted
+    (``on_cache_events``), as the replicas step."""
+
+    uses_cache_events: bool = False
+    """True when the router wants each replica's ``KVCacheEvent``s."""
 
     def __init__(self, config: Any, context: RouterContext):
         self.config = config
         self.context = context
+
+    def on_cache_events(self, replica: int, events: Sequence[KVCacheEvent]) -> None:
+        """What replica ``replica``'s cache stored and evicted since its last events, in
+        order (only called when ``uses_cache_events``); nothing by default."""
 
     @abc.abstractmethod
     def route(self, prompt_token_ids: Sequence[int], replicas: Sequence[ReplicaState]) -> int:

@@ -68,10 +68,10 @@ def servelab_register_executors():
 
 @hookimpl
 def servelab_register_routers():
-    """round_robin, least_loaded and prefix_affinity replica routing."""
-    from servelab.plugins.router import least_loaded, prefix_affinity, round_robin
+    """round_robin, least_loaded, prefix_affinity and kv_aware replica routing."""
+    from servelab.plugins.router import kv_aware, least_loaded, prefix_affinity, round_robin
 
-    return [round_robin.SPEC, least_loaded.SPEC, prefix_affinity.SPEC]
+    return [round_robin.SPEC, least_loaded.SPEC, prefix_affinity.SPEC, kv_aware.SPEC]
 
 
 @hookimpl

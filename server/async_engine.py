@@ -62,16 +62,21 @@ class EngineInstance:
         self.num_running = 0
         self.num_waiting = 0
         self.kv: KVCacheUsage | None = None
+        self.cached_blocks: set[int] = set()
+        """The prefix cache's blocks (chained hashes), from its cache events."""
 
     def send(self, message: Any) -> None:
         """Send a command down the pipe (``OSError`` once the process is gone)."""
         self.process.conn.send(message)
 
     def observe(self, report: StepReport) -> None:
-        """Keep the gauges of a step report."""
+        """Keep the gauges of a step report and the blocks its cache events leave cached."""
         self.num_running, self.num_waiting = report.num_running, report.num_waiting
         if report.kv is not None:
             self.kv = report.kv
+        for event in report.cache_events:
+            (self.cached_blocks.difference_update if event.kind == "evicted" else self.cached_blocks.update)(
+                event.hashes)
 
     def state(self, index: int) -> ReplicaState:
         """What a router sees of this instance as replica ``index`` of its pool: the
@@ -350,13 +355,15 @@ class AsyncEngine:
         for stats in report.stats:
             metrics.observe_step(stats)
         instances = self.instances
+        instance.observe(report)
         if len(instances) == 1:
             metrics.set_gauges(report.num_running, report.num_waiting, report.kv)
         else:
-            instance.observe(report)
             metrics.set_gauges(sum(i.num_running for i in instances), sum(i.num_waiting for i in instances),
                                combined_usage(instances))
         metrics.record_aborted(report.aborted)
+        if report.cache_events:
+            self._route_cache_events(instance, report.cache_events)
         for output in report.outputs:
             metrics.record_output(output)
             stream = self._streams.get(output.request_id)
@@ -368,6 +375,13 @@ class AsyncEngine:
                 stream.fail(DeadlineRefusedError())
             else:
                 stream.put(output)
+
+    def _route_cache_events(self, instance: EngineInstance, events: tuple) -> None:
+        """Hand an instance's cache events to its pool's router (indexed within the pool)."""
+        name, pool = ("prefill", self.entry) if instance in self.entry else ("decode", self.decode)
+        router = self.routers.get(name)
+        if router is not None and router.uses_cache_events:
+            router.on_cache_events(pool.index(instance), events)
 
     def _on_failed(self, reason: str) -> None:
         """The engine loop failed or its process died: fail every request, then tell

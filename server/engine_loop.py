@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 class EngineLoop:
     """Runs commands from the connection between engine steps; blocks on the connection
     while the engine is idle, so an idle server costs nothing. ``connector`` moves KV
-    caches for an engine whose ``role`` is prefill or decode."""
+    caches for an engine whose ``role`` is prefill or decode. Under a router that reads
+    cache events (``router=kv_aware``) each report carries the prefix cache's."""
 
     def __init__(self, engine: Any, conn: Any, connector: KVTransfer | None = None):
         self.engine = engine
@@ -46,6 +47,9 @@ class EngineLoop:
         self._stats: list[StepStats] = []
         self._aborted: list[str] = []
         self._observer = _StepCollector(engine, self._stats)
+        router = engine.cfg.get("router")
+        if router is not None and engine.registry.spec_for_config("router", router).cls.uses_cache_events:
+            engine.cache.start_events()
 
     def run(self) -> None:
         """Serve until the stop command or the server's end of the pipe closes. A failing
@@ -175,7 +179,7 @@ class EngineLoop:
                                                  else str(logprob.token_id))
         scheduler = self.engine.scheduler
         report = StepReport(tuple(outputs), tuple(self._stats), scheduler.num_running, scheduler.num_waiting,
-                            self.engine.cache.usage, tuple(self._aborted))
+                            self.engine.cache.usage, tuple(self._aborted), tuple(self.engine.cache.take_events()))
         self._stats.clear()
         self._aborted.clear()
         self.conn.send(report)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from servelab.core.kv_cache import KVCacheUsage
+from servelab.core.kv_cache import KVCacheEvent, KVCacheUsage
 from servelab.core.kv_transfer import TransferTicket
 from servelab.core.outputs import RequestOutput
 from servelab.core.policy import SLOClass
@@ -117,8 +117,9 @@ class RequestAdded:
 @dataclass(frozen=True, slots=True)
 class StepReport:
     """What changed since the last report: delta outputs, the steps' statistics, the
-    scheduler's gauges, the cache's occupancy (``kv``, None before the first report) and
-    the sequences aborted on request (``aborted``: their request ids, one per sequence)."""
+    scheduler's gauges, the cache's occupancy (``kv``, None before the first report),
+    the sequences aborted on request (``aborted``: their request ids, one per sequence)
+    and, for a KV-aware router, what the prefix cache stored and evicted (``cache_events``)."""
 
     outputs: tuple[RequestOutput, ...] = ()
     stats: tuple[StepStats, ...] = ()
@@ -126,6 +127,7 @@ class StepReport:
     num_waiting: int = 0
     kv: KVCacheUsage | None = None
     aborted: tuple[str, ...] = ()
+    cache_events: tuple[KVCacheEvent, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

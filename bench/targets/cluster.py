@@ -5,7 +5,8 @@ clock (``executor=simulated``). The driver is a discrete-event loop on one timel
 the next event is either the next arrival, which the router sends to a replica (an idle
 replica's clock catches up to it), or a step of the busy replica whose clock is the
 earliest. Routing sees each replica's running and queued requests and KV usage as of
-its last step.
+its last step, and a router that reads cache events (``router=kv_aware``) hears each
+replica's after each of its steps.
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ class ClusterSystem(System):
         self.space = first.space
         registry = first.engine.registry
         self.router = registry.build("router", cfg.router, RouterContext(count, first.engine.cache.block_size))
+        if self.router.uses_cache_events:
+            for replica in self.replicas:
+                replica.engine.cache.start_events()
         self.observer: StepObserver | None = None
 
     def states(self) -> list[ReplicaState]:
@@ -76,6 +80,8 @@ class ClusterSystem(System):
                     finished = [] if (rejected := replica.add(request, arrival)) is None else [rejected]
                 else:
                     finished = earliest.step()
+                    if self.router.uses_cache_events:
+                        self.router.on_cache_events(replicas.index(earliest), earliest.engine.cache.take_events())
                 records += finished
                 if progress is not None and finished:
                     progress.update(len(finished))

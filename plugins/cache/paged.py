@@ -9,8 +9,8 @@ from typing import Optional
 
 from servelab.core.component import ComponentSpec
 from servelab.core.errors import ConfigError
-from servelab.core.kv_cache import (Allocation, CacheContext, KVCacheGroup, KVCacheManager, KVCacheUsage,
-                                     single_group)
+from servelab.core.kv_cache import (Allocation, CacheContext, KVCacheEvent, KVCacheGroup, KVCacheManager,
+                                     KVCacheUsage, single_group)
 from servelab.core.request import Request
 from servelab.plugins.cache.block_pool import BlockPool
 from servelab.plugins.cache.prefix_cache import PrefixCache
@@ -396,6 +396,18 @@ class PagedKVCacheManager(KVCacheManager):
     def prefix_evicted_blocks(self) -> int:
         """Cached blocks the eviction policy gave up so far."""
         return self.prefix.evictions if self.prefix else 0
+
+    def start_events(self) -> None:
+        """Record the prefix cache's stored and evicted blocks (with prefix caching)."""
+        if self.prefix is not None and self.prefix.events is None:
+            self.prefix.events = []
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The stored and evicted blocks since the last call."""
+        if self.prefix is None or not self.prefix.events:
+            return []
+        events, self.prefix.events = self.prefix.events, []
+        return events
 
     @property
     def supports_fork(self) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from servelab.core.eviction import EvictionPolicy
+from servelab.core.kv_cache import KVCacheEvent, block_hash, block_hashes
 
 
 class PrefixCache:
@@ -18,7 +19,8 @@ class PrefixCache:
     blocks of every group wait in one eviction policy until reused or evicted; the policy
     hears each block's content key, (group, hash), as it is cached and evicted.
     ``hit_tokens`` / ``queried_tokens`` count prompt tokens found / looked up, ``evictions``
-    the blocks whose content was evicted.
+    the blocks whose content was evicted; ``events`` (None: not recorded) the first
+    group's stored and evicted blocks as ``KVCacheEvent``s.
     """
 
     def __init__(self, block_size: int, eviction: EvictionPolicy):
@@ -29,11 +31,12 @@ class PrefixCache:
         self.hit_tokens = 0
         self.queried_tokens = 0
         self.evictions = 0
+        self.events: list[KVCacheEvent] | None = None
 
     @staticmethod
     def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
-        """The hash of a block given its parent's hash and its token ids."""
-        return hash((parent, tokens))
+        """The hash of a block given its parent's hash and its token ids (``block_hash``)."""
+        return block_hash(parent, tokens)
 
     def match(self, token_ids: Sequence[int], max_blocks: int, group: int = 0) -> tuple[list[int], list[int]]:
         """The longest run of ``group``'s cached full blocks at the start of ``token_ids``
@@ -55,12 +58,7 @@ class PrefixCache:
 
     def chain(self, token_ids: Sequence[int], num_blocks: int) -> list[int]:
         """The hashes of the first ``num_blocks`` full blocks of ``token_ids``."""
-        hashes: list[int] = []
-        size = self.block_size
-        for index in range(num_blocks):
-            hashes.append(self.chain_hash(hashes[-1] if hashes else None,
-                                          tuple(token_ids[index * size:(index + 1) * size])))
-        return hashes
+        return block_hashes(token_ids, self.block_size, num_blocks)
 
     def find(self, group: int, digest: int, parent: int | None, tokens: tuple[int, ...]) -> int | None:
         """``group``'s block holding ``tokens`` after the block hashed ``parent``, or None."""
@@ -77,6 +75,7 @@ class PrefixCache:
             self._block_of[group, digest] = block
             self._entry[block] = (group, digest, parent, tokens)
             self.eviction.on_cached(block, (group, digest))
+            self._record("stored", group, digest)
         return digest
 
     def is_cached(self, block: int) -> bool:
@@ -103,7 +102,18 @@ class PrefixCache:
         """Drop a block's content from the index; returns its key, (group, hash)."""
         group, digest = self._entry.pop(block)[:2]
         del self._block_of[group, digest]
+        self._record("evicted", group, digest)
         return group, digest
+
+    def _record(self, kind: str, group: int, digest: int) -> None:
+        """Note a first-group block stored or evicted, while events are recorded."""
+        events = self.events
+        if events is None or group:
+            return
+        if events and events[-1].kind == kind:
+            events[-1] = KVCacheEvent(kind, (*events[-1].hashes, digest))
+        else:
+            events.append(KVCacheEvent(kind, (digest,)))
 
     @property
     def num_evictable(self) -> int:

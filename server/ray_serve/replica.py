@@ -60,11 +60,14 @@ class EngineReplica:
 
     def record_routing_stats(self) -> dict[str, Any]:
         """What a servelab router sees of this replica (Ray Serve polls it): sequences
-        running and waiting, and KV cache usage, after the engine's latest step."""
-        registry = self.state.engine.metrics.registry
+        running and waiting, and KV cache usage, after the engine's latest step; under
+        ``router=kv_aware`` also the chained hashes of the blocks its prefix cache holds."""
+        engine = self.state.engine
+        registry = engine.metrics.registry
         return {"num_running": int(registry.get_sample_value("servelab:num_requests_running") or 0),
                 "num_waiting": int(registry.get_sample_value("servelab:num_requests_waiting") or 0),
-                "kv_usage": registry.get_sample_value("servelab:kv_cache_usage_perc") or 0.0}
+                "kv_usage": registry.get_sample_value("servelab:kv_cache_usage_perc") or 0.0,
+                "cached_blocks": sorted(engine.instances[0].cached_blocks)}
 
     def check_health(self) -> None:
         """Ray Serve's health check: fails once the engine loop failed or its process

@@ -4,7 +4,8 @@ With ``server.routing=router`` the engine deployment routes with this class: the
 ``router=`` plugin the simulator uses (``round_robin``, ``least_loaded``,
 ``prefix_affinity``, a third party's) picks the replica of each request, from the
 prompt tokens the ingress put in the ``ForwardedRequest`` and what each replica last
-reported of itself (``EngineReplica.record_routing_stats``). Replicas are indexed in
+reported of itself (``EngineReplica.record_routing_stats``; for ``router=kv_aware`` the
+blocks its prefix cache holds, handed to the plugin as a ``held`` cache event). Replicas are indexed in
 the order of their ids, so a prefix keeps its replica while the set of replicas does.
 """
 
@@ -14,6 +15,7 @@ from typing import Any, List, Optional
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
+from servelab.core.kv_cache import KVCacheEvent
 from servelab.core.router import ReplicaState, RouterContext
 
 
@@ -43,5 +45,9 @@ class PluginRequestRouter(RequestRouter):
             return [replicas]
         states = [ReplicaState(i, r.routing_stats.get("num_running", 0), r.routing_stats.get("num_waiting", 0),
                                r.routing_stats.get("kv_usage", 0.0)) for i, r in enumerate(replicas)]
+        if self.plugin.uses_cache_events:  # each replica's latest snapshot of its prefix cache
+            for i, replica in enumerate(replicas):
+                held = tuple(replica.routing_stats.get("cached_blocks", ()))
+                self.plugin.on_cache_events(i, [KVCacheEvent("held", held)])
         chosen = replicas[self.plugin.route(prompt, states)]
         return [[chosen], [r for r in replicas if r is not chosen]]

@@ -151,3 +151,24 @@ def test_sse_events_survive_line_separators_in_text():
     event = sse({"text": "a\u2028b\x85c\u2029d\x1ce\r\nf é"})
     assert event.endswith("\n\n") and len(event[:-2].splitlines()) == 1
     assert json.loads(event[len("data: "):]) == {"text": "a\u2028b\x85c\u2029d\x1ce\r\nf é"}
+
+
+def test_step_reports_carry_cache_events_for_a_kv_aware_router():
+    from servelab.core.kv_cache import block_hashes
+
+    llm = LLM("toy", overrides=[*ENGINE_OVERRIDES[1:], "router=kv_aware", "cache.enable_prefix_caching=true",
+                                "cache.block_size=4"])
+    server_end, engine_end = multiprocessing.Pipe()
+    loop = threading.Thread(target=EngineLoop(llm.engine, engine_end).run)
+    loop.start()
+    prompt = list(range(3, 15))
+    server_end.send(AddRequest("r", prompt, SamplingParams(temperature=0.0, max_tokens=3), time.perf_counter()))
+    stored, finished = set(), False
+    while not finished:
+        message = server_end.recv()
+        if isinstance(message, StepReport):
+            stored.update(h for event in message.cache_events if event.kind == "stored" for h in event.hashes)
+            finished = any(output.finished for output in message.outputs)
+    server_end.send(StopEngine())
+    loop.join(timeout=30)
+    assert set(block_hashes(prompt, 4, 3)) <= stored

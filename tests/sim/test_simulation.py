@@ -199,6 +199,16 @@ def test_replicas_behind_a_prefix_affinity_router_share_prefixes(tmp_path):
     assert affinity["prefix_cache_hit_rate"] > spread["prefix_cache_hit_rate"]
 
 
+def test_kv_aware_router_follows_the_cache_events(tmp_path):
+    common = [*LLAMA_7B, "workload=shared_prefix", "workload.num_requests=48", "workload.arrival=poisson",
+              "workload.rate=16", "cache.enable_prefix_caching=true", "target.replicas=3"]
+    aware = bench(tmp_path / "aware", *common, "router=kv_aware")
+    spread = bench(tmp_path / "spread", *common, "router=round_robin")
+    assert aware["num_completed"] == 48
+    assert aware["prefix_cache_hit_rate"] > spread["prefix_cache_hit_rate"]
+    assert min(r["routed"] for r in aware["system"]["replicas"]) > 0  # load still spreads requests
+
+
 def test_replicas_need_simulation():
     from servelab.bench.config import store_bench_schemas
     from servelab.bench.runner import open_system
