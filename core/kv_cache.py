@@ -291,6 +291,14 @@ class KVCacheManager(abc.ABC):
         """True when ``swap_in`` would succeed now."""
         return False
 
+    def take_tier_moves(self) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
+        """The block moves of a cache with tiers below the device since the last call: the
+        (device, host) offloads of evicted cached blocks and the (host, device) loads of
+        prefix hits in a lower tier. The engine calls it after each ``schedule`` and adds
+        them to that step (``SchedulerOutput.blocks_to_offload``, ``blocks_to_swap_in``);
+        none by default."""
+        return (), ()
+
     def start_events(self) -> None:
         """Begin recording ``KVCacheEvent``s for ``take_events`` (a KV-aware router reads
         them); a cache without a prefix cache records none."""

@@ -73,6 +73,11 @@ class SchedulingPolicy(abc.ABC):
     when: greedy outputs are the same under every policy.
     """
 
+    passive: bool = False
+    """True for a policy that admits in the scheduler's queue order, ranks running
+    requests in it, keeps no accounting and refuses nothing (``fcfs``): the engine and
+    the schedulers skip asking it."""
+
     def __init__(self, config: object, context: PolicyContext):
         self.config = config
         self.context = context

@@ -63,9 +63,13 @@ class SchedulerOutput:
     ``num_decode_tokens``: the step's tokens split by kind (a decode grant is one token of
     a request with nothing else left to compute). ``blocks_to_swap_out`` /
     ``blocks_to_swap_in``: (device, host) / (host, device) block pairs to move before the
-    step; ``blocks_to_copy``: (source, destination) device blocks (copy-on-write). An
-    executor applies them swap-ins first, then swap-outs, then copies: a host block a
-    swap-in frees may be taken by a swap-out of the same step.
+    step; ``blocks_to_copy``: (source, destination) device blocks (copy-on-write);
+    ``blocks_to_offload``: (device, host) blocks whose cached content moves down to the
+    cache's host tier as the device block is reused (``blocks_to_swap_in`` also carries the
+    host tier's blocks loaded back on a prefix hit). An executor applies them offloads
+    first (they read device blocks this step may overwrite), then swap-ins, then
+    swap-outs, then copies: a host block a swap-in frees may be taken by a swap-out of the
+    same step.
     ``preempted``: ids preempted while building this step. ``num_lookahead_tokens``:
     speculative slots reserved after each decode grant. ``num_prefix_hit_tokens``: prompt
     tokens of the requests admitted this step that the prefix cache already held.
@@ -82,6 +86,7 @@ class SchedulerOutput:
     num_lookahead_tokens: int = 0
     num_prefix_hit_tokens: int = 0
     step_index: int = 0
+    blocks_to_offload: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -90,8 +95,8 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        """True when nothing runs this step."""
-        return not self.scheduled and not self.blocks_to_swap_out
+        """True when nothing runs this step and no block moves."""
+        return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_offload)
 
     @property
     def sampling_requests(self) -> tuple[Request, ...]:

@@ -9,7 +9,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 
 from servelab.core.config import EngineConfig
-from servelab.server.tenant_labels import DEFAULT_MAX_TENANT_LABELS
+from servelab.server.metrics import DEFAULT_MAX_TENANT_LABELS
 
 
 @dataclass

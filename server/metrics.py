@@ -11,11 +11,38 @@ from servelab.core.kv_cache import KVCacheUsage
 from servelab.core.outputs import RequestOutput
 from servelab.core.policy import SLOClass
 from servelab.core.request_metadata import DEFAULT_TENANT, RequestMetadata
-from servelab.server.tenant_labels import DEFAULT_MAX_TENANT_LABELS, TenantLabels
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 """Seconds; from sub-millisecond CPU decode steps to long queued requests."""
+
+
+DEFAULT_MAX_TENANT_LABELS = 16
+"""``server.max_tenant_labels``: how many tenants get a label value of their own."""
+OTHER_TENANT = "other"
+"""The label value of the tenants seen after the first ``limit``."""
+
+
+class TenantLabels:
+    """Maps tenant names to label values: themselves for the first ``limit`` distinct
+    tenants (in the order first seen, for the server's life), ``other`` after. Clients
+    name tenants (``user``, ``X-Servelab-Tenant``), so a label per tenant would let them
+    create time series without end."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._named: set[str] = set()
+
+    def label(self, tenant: str | None) -> str:
+        """The label value of ``tenant`` (None: the default tenant, which takes no slot)."""
+        if tenant is None or tenant == DEFAULT_TENANT:
+            return DEFAULT_TENANT
+        if tenant in self._named:
+            return tenant
+        if len(self._named) < self.limit:
+            self._named.add(tenant)
+            return tenant
+        return OTHER_TENANT
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +124,7 @@ class ServerMetrics:
     def track(self, request_id: str, metadata: RequestMetadata) -> str:
         """Label the metrics of the engine request ``request_id`` (being added) by its
         tenant and SLO class; returns its tenant label value."""
-        labels = RequestLabels(self.tenants.label(metadata.tenant_name), metadata.slo_class)
+        labels = RequestLabels(self.tenants.label(metadata.tenant), metadata.slo_class)
         self._tracked[request_id] = labels
         return labels.tenant
 

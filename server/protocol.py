@@ -8,11 +8,11 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, field_validator
 from typing_extensions import Annotated
 
 from servelab.core.errors import InvalidRequestError
-from servelab.core.request_metadata import RequestMetadata
+from servelab.core.request_metadata import NO_METADATA, RequestMetadata
 from servelab.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from servelab.core.structured_output import MAX_CHOICE_CHARS, MAX_CHOICES, MAX_SPEC_CHARS, StructuredOutputParams
 
@@ -148,6 +148,12 @@ class GenerationRequest(StrictModel, StructuredOutputFields):
     slo_class: Optional[str] = Field(None, description="servelab extension: one of the engine's slo_classes "
                                                        "(first-token and per-token targets).")
 
+    @field_validator("deadline", mode="before")
+    @classmethod
+    def _whole_seconds(cls, value: Any) -> Any:
+        """A deadline in whole seconds (a JSON integer) is a number of seconds too."""
+        return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
     @property
     def include_usage(self) -> bool:
         """True when a streamed response ends with a usage chunk."""
@@ -158,6 +164,8 @@ class GenerationRequest(StrictModel, StructuredOutputFields):
         ``X-Servelab-Tenant`` header (``header_tenant``). ``InvalidRequestError`` names the
         field (``user`` or the header for a bad tenant)."""
         source, tenant = ("user", self.user) if self.user is not None else (TENANT_HEADER, header_tenant)
+        if tenant is None and self.priority == 0 and self.deadline is None and self.slo_class is None:
+            return NO_METADATA
         try:
             return RequestMetadata(self.priority, tenant, self.deadline, self.slo_class)
         except InvalidRequestError as exc:

@@ -27,7 +27,7 @@ from servelab.core.request import Request
 from servelab.core.request_metadata import NO_METADATA, RequestMetadata
 from servelab.core.engine.resolved_model import ResolvedModel
 from servelab.core.sampling_params import SamplingParams
-from servelab.core.scheduler import SchedulerContext, SchedulerUpdate
+from servelab.core.scheduler import SchedulerContext, SchedulerOutput, SchedulerUpdate
 from servelab.core.step_stats import StepStats
 from servelab.core.stop_checker import StopChecker
 from servelab.core.engine.validate import validate
@@ -208,7 +208,7 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         children = [self._child(request_id, i, token_ids, params, arrival, text, metadata, deadline_time)
                     for i in range(params.n)]
-        if self.policy is not None:
+        if self.policy is not None and not self.policy.passive:
             self.policy.check_request(children[0])
         self._queue(request_id, children, output_kind)
         self.num_prompt_tokens += len(token_ids) * len(children)
@@ -394,7 +394,7 @@ class LLMEngine:
         executor, scheduler = self.executor, self.scheduler
         output = None
         while executor.num_in_flight < executor.max_steps_in_flight:
-            output = scheduler.schedule()
+            output = self._with_tier_moves(scheduler.schedule())
             if output.is_empty:
                 break
             executor.submit(output)
@@ -407,6 +407,14 @@ class LLMEngine:
             computed.request.add_prompt_logprobs(computed.first, computed.entries)
         update = scheduler.update_from_output(executed.output, executed.result)
         return self._finish_step(started, executed, update)
+
+    def _with_tier_moves(self, output: SchedulerOutput) -> SchedulerOutput:
+        """The step with the cache's host-tier offloads and loads of its scheduling added."""
+        offloads, loads = self.cache.take_tier_moves()
+        if not offloads and not loads:
+            return output
+        return replace(output, blocks_to_offload=output.blocks_to_offload + offloads,
+                       blocks_to_swap_in=output.blocks_to_swap_in + loads)
 
     def _finish_step(self, started: float, executed: ExecutedStep, update: SchedulerUpdate) -> list[RequestOutput]:
         """Render the step's outputs and tell observers what it did."""

@@ -13,6 +13,7 @@ from servelab.core.kv_cache import (Allocation, CacheContext, KVCacheEvent, KVCa
                                      KVCacheUsage, single_group)
 from servelab.core.request import Request
 from servelab.plugins.cache.block_pool import BlockPool
+from servelab.plugins.cache.host_tier import HostTier
 from servelab.plugins.cache.prefix_cache import PrefixCache
 from servelab.plugins.cache.radix_cache import RadixPrefixCache
 from servelab.plugins.cache.sizing import num_blocks_for
@@ -33,7 +34,10 @@ class PagedCacheConfig:
     block a prompt diverges from, when no request holds that block, copied into a block of
     its own: ``RadixPrefixCache``; a model with several KV cache groups matches whole
     blocks). ``swap_space_bytes`` sizes
-    the host pool used by ``scheduler.preemption=swap``. ``kv_dtype``: auto (the model's
+    the host pool used by ``scheduler.preemption=swap``; ``host_cache_bytes`` adds a tier
+    of cached prefix blocks to it (``HostTier``): a cached block evicted from the device
+    moves there instead of vanishing, and a prefix hit there loads it back instead of
+    recomputing it (needs prefix caching and one KV cache group). ``kv_dtype``: auto (the model's
     dtype) | int8 | fp8_e4m3, the stored element type (docs/quantization.md); sizes from
     memory count its smaller blocks. ``groups``: one block table per KV cache group
     (``KVCacheSpec.groups``), windowed groups giving back the blocks that left their
@@ -46,6 +50,7 @@ class PagedCacheConfig:
     eviction: str = "lru"
     prefix_index: str = "hash"
     swap_space_bytes: int = 0
+    host_cache_bytes: int = 0
     kv_dtype: str = "auto"
     groups: bool = True
 
@@ -96,10 +101,35 @@ class PagedKVCacheManager(KVCacheManager):
                 raise ConfigError([f"cache.prefix_index must be one of {', '.join(PREFIX_INDEXES)}, got {index!r}"])
             policy = context.registry.get("eviction", config.eviction).cls()
             self.prefix = PREFIX_INDEXES[index](block_size, policy)
-        swap_bytes = getattr(config, "swap_space_bytes", 0)
-        self.num_host_blocks = swap_bytes // spec.block_bytes(block_size, groups)
+        block_bytes = spec.block_bytes(block_size, groups)
+        swap_blocks = getattr(config, "swap_space_bytes", 0) // block_bytes
+        tier_blocks = getattr(config, "host_cache_bytes", 0) // block_bytes
+        self.host_tier = self._host_tier(config, tier_blocks, block_bytes, len(groups))
+        self.num_host_blocks = swap_blocks + tier_blocks
         self.host_pool = BlockPool(self.num_host_blocks)
         self._host_tables: dict[str, list[list[int | None]]] = {}
+        self._offloads: list[tuple[int, int]] = []
+        self._loads: list[tuple[int, int]] = []
+        self._host_freed: list[int] = []
+
+    def _host_tier(self, config, tier_blocks: int, block_bytes: int, num_groups: int) -> HostTier | None:
+        """The host tier ``host_cache_bytes`` asks for (None: none); ``ConfigError`` naming
+        the field when it cannot work."""
+        wanted = getattr(config, "host_cache_bytes", 0)
+        if not wanted:
+            return None
+        problems = []
+        if self.prefix is None:
+            problems.append("cache.host_cache_bytes keeps evicted prefix blocks: set cache.enable_prefix_caching=true")
+        if num_groups > 1:
+            problems.append(f"cache.host_cache_bytes needs one KV cache group; this model's layers form {num_groups} "
+                            f"(set cache.groups=false)")
+        if tier_blocks < 1:
+            problems.append(f"cache.host_cache_bytes={wanted} holds no block of {block_bytes} bytes")
+        if problems:
+            raise ConfigError(problems)
+        self.prefix.spill = self._offload
+        return HostTier(tier_blocks)
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -124,6 +154,55 @@ class PagedKVCacheManager(KVCacheManager):
                 return None
             self.pool.put_free([self.prefix.evict() for _ in range(shortfall)])
         return self.pool.take(count)
+
+    def _take_host(self, count: int) -> list[int] | None:
+        """``count`` host blocks, evicting the host tier's least recently used when the pool
+        has too few free (None when that is not enough)."""
+        while self.host_pool.num_free < count and self.host_tier is not None:
+            block = self.host_tier.evict()
+            if block is None:
+                break
+            self.host_pool.put_free(self.host_pool.release([block]))
+        return self.host_pool.take(count)
+
+    def _free_host(self, blocks: list[int]) -> None:
+        """Give host blocks back; with a host tier only after this step's moves are taken
+        (an offload of this step must not overwrite a block a swap-in still reads)."""
+        unheld = self.host_pool.release(blocks)
+        if self.host_tier is None:
+            self.host_pool.put_free(unheld)
+        else:
+            self._host_freed += unheld
+
+    def _offload(self, block: int, digest: int, parent: int | None, tokens: tuple[int, ...]) -> None:
+        """Keep an evicted device block's content in the host tier (a copy before the step)."""
+        tier = self.host_tier
+        if digest in tier:
+            tier.touch(digest)
+            return
+        if tier.full:
+            host = tier.evict()
+            if host is None:
+                return
+        else:
+            taken = self._take_host(1)
+            if taken is None:
+                return
+            host = taken[0]
+        tier.store(digest, parent, tokens, host)
+        self._offloads.append((block, host))
+
+    def take_tier_moves(self) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
+        """The offloads and host-tier loads since the last call; host blocks freed since
+        become free and loaded ones evictable."""
+        moves = tuple(self._offloads), tuple(self._loads)
+        self._offloads, self._loads = [], []
+        if self._host_freed:
+            self.host_pool.put_free(self._host_freed)
+            self._host_freed = []
+        if self.host_tier is not None:
+            self.host_tier.unpin_all()
+        return moves
 
     def _release(self, blocks: list[int]) -> None:
         unheld = self.pool.release(blocks)
@@ -223,7 +302,7 @@ class PagedKVCacheManager(KVCacheManager):
             self._release([pending[0]])
         host = self._host_tables.pop(rid, None)
         if host:
-            self.host_pool.put_free(self.host_pool.release([b for table in host for b in table if b is not None]))
+            self._free_host([b for table in host for b in table if b is not None])
 
     def truncate(self, request: Request, num_tokens: int) -> None:
         """Release the blocks beyond ``num_tokens`` tokens."""
@@ -314,6 +393,8 @@ class PagedKVCacheManager(KVCacheManager):
         found = self._cached_tables(request, limit)
         tables, hashes = found if found is not None else ([[] for _ in self.groups], [])
         self._hold(block for table in tables for block in self._live(table))
+        if self.host_tier is not None:
+            self._load_from_host(request, tables, hashes, limit)
         hit = len(hashes) * self.block_size + self._copy_partial(request, tables, hashes)
         if not hit:
             return 0
@@ -333,6 +414,26 @@ class PagedKVCacheManager(KVCacheManager):
             if self.pool.ref_counts[block] == 0:
                 self.prefix.unpark(block)
         self.pool.share(blocks)
+
+    def _load_from_host(self, request: Request, tables: list[list[int]], hashes: list[int], limit: int) -> None:
+        """Extend the device match with the host tier's blocks: each into a fresh device
+        block (loaded before the step, registered as cached at once), up to ``limit`` blocks."""
+        size, tokens, tier = self.block_size, request.token_ids, self.host_tier
+        while len(hashes) < limit:
+            parent = hashes[-1] if hashes else None
+            block_tokens = tuple(tokens[len(hashes) * size:(len(hashes) + 1) * size])
+            digest = PrefixCache.chain_hash(parent, block_tokens)
+            host = tier.find(digest, parent, block_tokens)
+            if host is None:
+                return
+            device = self._take(1)
+            if device is None:
+                return
+            self.prefix.register(device[0], parent, block_tokens)
+            tables[0].append(device[0])
+            hashes.append(digest)
+            self._loads.append((host, device[0]))
+            tier.hit_tokens += size
 
     def _copy_partial(self, request: Request, tables: list[list[int]], hashes: list[int]) -> int:
         """With the radix index (one KV cache group): the leading tokens after the matched
@@ -442,7 +543,7 @@ class PagedKVCacheManager(KVCacheManager):
         rid = request.request_id
         tables = self._tables.get(rid) or []
         device = [block for table in tables for block in self._live(table)]
-        host = self.host_pool.take(len(device))
+        host = self._take_host(len(device))
         if host is None:
             return None
         spare = iter(host)
@@ -470,7 +571,7 @@ class PagedKVCacheManager(KVCacheManager):
         if device is None:
             return None
         del self._host_tables[rid]
-        self.host_pool.put_free(self.host_pool.release(host))
+        self._free_host(host)
         spare = iter(device)
         self._tables[rid] = [[self.null_block if block is None else next(spare) for block in table]
                              for table in host_tables]
@@ -482,7 +583,11 @@ class PagedKVCacheManager(KVCacheManager):
         for rid in {*self._tables, *self._host_tables}:
             self._free_id(rid)
         if self.prefix is not None:
+            self.prefix.spill = None
             self.pool.put_free([self.prefix.evict() for _ in range(self.prefix.num_evictable)])
+        if self.host_tier is not None:
+            self.host_pool.put_free(self.host_pool.release(self.host_tier.clear()))
+            self.take_tier_moves()
 
 
 SPEC = ComponentSpec("cache", "paged", PagedKVCacheManager, PagedCacheConfig,

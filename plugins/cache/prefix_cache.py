@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 from servelab.core.eviction import EvictionPolicy
 from servelab.core.kv_cache import KVCacheEvent, block_hash, block_hashes
@@ -20,7 +20,9 @@ class PrefixCache:
     hears each block's content key, (group, hash), as it is cached and evicted.
     ``hit_tokens`` / ``queried_tokens`` count prompt tokens found / looked up, ``evictions``
     the blocks whose content was evicted; ``events`` (None: not recorded) the first
-    group's stored and evicted blocks as ``KVCacheEvent``s.
+    group's stored and evicted blocks as ``KVCacheEvent``s; ``spill`` (None: nothing) is
+    called with each evicted block, its hash, parent hash and tokens before the content is
+    forgotten (a host tier keeps it).
     """
 
     def __init__(self, block_size: int, eviction: EvictionPolicy):
@@ -32,6 +34,7 @@ class PrefixCache:
         self.queried_tokens = 0
         self.evictions = 0
         self.events: list[KVCacheEvent] | None = None
+        self.spill: Callable[[int, int, int | None, tuple[int, ...]], None] | None = None
 
     @staticmethod
     def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
@@ -93,6 +96,9 @@ class PrefixCache:
     def evict(self) -> int:
         """Forget the content of the block the policy picks and return the block."""
         block = self.eviction.evict()
+        if self.spill is not None:
+            _, digest, parent, tokens = self._entry[block]
+            self.spill(block, digest, parent, tokens)
         key = self._forget(block)
         self.evictions += 1
         self.eviction.on_evicted(block, key)

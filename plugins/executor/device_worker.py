@@ -91,11 +91,13 @@ class DeviceWorker:
             self.attention.use_groups(groups)
 
     def move_blocks(self, moves: tuple) -> None:
-        """Swap in, swap out, then copy-on-write. Swapping in first reads every host block
-        before a swap-out of the same step may reuse it (the cache frees a swapped-in
-        request's host blocks at once); a swap-in's device blocks were taken before any
-        swap-out of the step released its own, and copies write fresh blocks last."""
-        swap_out, copy, swap_in = moves
+        """Offload, swap in, swap out, then copy-on-write. Offloads first read the cached
+        device blocks the step reuses (a swap-in may land in one); swapping in then reads
+        every host block before a swap-out of the same step may reuse it (the cache frees a
+        swapped-in request's host blocks at once); a swap-in's device blocks were taken
+        before any swap-out of the step released its own, and copies write fresh blocks last."""
+        offload, swap_in, swap_out, copy = moves
+        copy_blocks(self.attention, self.block_tensors, self.host_tensors, offload)
         copy_blocks(self.attention, self.host_tensors, self.block_tensors, swap_in)
         copy_blocks(self.attention, self.block_tensors, self.host_tensors, swap_out)
         copy_blocks(self.attention, self.block_tensors, self.block_tensors, copy)

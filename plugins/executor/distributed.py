@@ -165,15 +165,15 @@ def unpack_step(header: torch.Tensor, payload: torch.Tensor, device: torch.devic
 
 
 def pack_moves(moves: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-    """The header and payload of a step's block moves (swap out, copy, swap in pairs)."""
+    """The header and payload of a step's block moves (offload, swap in, swap out, copy pairs)."""
     header = torch.zeros(HEADER_SIZE, dtype=torch.int64)
-    header[:4] = torch.tensor([MOVES, *(len(p) for p in moves)])
+    header[:1 + len(moves)] = torch.tensor([MOVES, *(len(p) for p in moves)])
     return header, torch.tensor([x for pairs in moves for pair in pairs for x in pair], dtype=torch.int64)
 
 
 def unpack_moves(header: torch.Tensor, payload: torch.Tensor) -> tuple:
     """The worker's side of ``pack_moves``."""
-    counts = header[1:4].tolist()
+    counts = header[1:5].tolist()
     return tuple(tuple(map(tuple, part.reshape(-1, 2).tolist())) for part in payload.split([2 * c for c in counts]))
 
 

@@ -196,7 +196,7 @@ class ModelExecutor(Executor):
     def submit(self, output: SchedulerOutput) -> None:
         """Move blocks, draft, build the flat batch, send it to the workers and run this
         rank's stage; the step's tokens come from ``collect``."""
-        moves = (output.blocks_to_swap_out, output.blocks_to_copy, output.blocks_to_swap_in)
+        moves = (output.blocks_to_offload, output.blocks_to_swap_in, output.blocks_to_swap_out, output.blocks_to_copy)
         if any(moves):
             self._broadcast(*pack_moves(moves))
             self.worker.move_blocks(moves)

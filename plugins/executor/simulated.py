@@ -206,8 +206,9 @@ class SimulatedExecutor(Executor):
         return tokens
 
     def _block_moves_time(self, output: SchedulerOutput) -> float:
-        """Swapping over the host link, copy-on-write within device memory."""
-        swapped = len(output.blocks_to_swap_out) + len(output.blocks_to_swap_in)
+        """Swapping and host-tier offloads and loads over the host link, copy-on-write
+        within device memory."""
+        swapped = len(output.blocks_to_swap_out) + len(output.blocks_to_swap_in) + len(output.blocks_to_offload)
         if not swapped and not output.blocks_to_copy:
             return 0.0
         return (swapped * self._block_bytes / self.hardware.host_bandwidth

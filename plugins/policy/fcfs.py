@@ -17,7 +17,10 @@ class FirstComeFirstServedConfig:
 
 class FirstComeFirstServed(SchedulingPolicy):
     """Admits in the scheduler's queue order (arrival; preempted requests first) and
-    preempts the newest running request when blocks run out."""
+    preempts the newest running request when blocks run out: a passive policy, which a
+    scheduler need not ask."""
+
+    passive = True
 
     def pick(self, waiting: Sequence[Request]) -> Request:
         """The head of the queue."""

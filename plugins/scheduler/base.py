@@ -8,11 +8,10 @@ from typing import Any
 from servelab.core.decoding import DecodeResult
 from servelab.core.errors import ConfigError
 from servelab.core.kv_cache import Allocation
-from servelab.core.policy import PolicyContext, SchedulingPolicy
+from servelab.core.policy import SchedulingPolicy
 from servelab.core.request import Request, RequestStatus
 from servelab.core.scheduler import (PreemptionMode, ScheduledRequest, Scheduler, SchedulerContext,
                                      SchedulerOutput, SchedulerUpdate)
-from servelab.plugins.policy.fcfs import FirstComeFirstServed
 
 
 class QueueScheduler(Scheduler):
@@ -49,7 +48,10 @@ class QueueScheduler(Scheduler):
         self._granted: set[str] = set()
         self._admission_preempted: list[str] = []
         self.refused: list[Request] = []
-        self.policy: SchedulingPolicy = context.policy or FirstComeFirstServed(None, PolicyContext(context.clock))
+        passive = context.policy is None or context.policy.passive
+        self.policy: SchedulingPolicy | None = None if passive else context.policy
+        """The policy asked at every decision; None for a passive one (first come, first
+        served), whose order is the queue's own."""
 
     @classmethod
     def config_problems(cls, config: Any, context: SchedulerContext) -> list[str]:
@@ -79,7 +81,8 @@ class QueueScheduler(Scheduler):
         """Queue a request at the back."""
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
-        self.policy.on_queued(request, self.waiting)
+        if self.policy is not None:
+            self.policy.on_queued(request, self.waiting)
 
     def has_unfinished(self) -> bool:
         """True while any request waits, runs or is swapped out."""
@@ -112,7 +115,8 @@ class QueueScheduler(Scheduler):
         request.status = RequestStatus.FINISHED
         request.finished_time = self.context.clock.now()
         self.cache.free(request)
-        self.policy.on_finished(request)
+        if self.policy is not None:
+            self.policy.on_finished(request)
         self.context.on_request_finished(request)
 
     def _preempt(self, request: Request) -> None:
@@ -166,7 +170,8 @@ class QueueScheduler(Scheduler):
         grants: list[ScheduledRequest] = []
         preempted: list[str] = []
         kept: list[Request] = [r for r in self.running if r.request_id in self._in_flight]
-        queue = deque(self.policy.order_running([r for r in self.running if r.request_id not in self._in_flight]))
+        ready = [r for r in self.running if r.request_id not in self._in_flight]
+        queue = deque(self.policy.order_running(ready) if self.policy is not None else ready)
         used = 0
         while queue:
             request = queue.popleft()
@@ -200,7 +205,7 @@ class QueueScheduler(Scheduler):
         self._refuse_hopeless()
         policy = self.policy
         while self.waiting:
-            request = policy.pick(self.waiting)
+            request = policy.pick(self.waiting) if policy is not None else self.waiting[0]
             while len(self.running) + request.num_sequences > max_running:
                 if not self._preempt_for(request):
                     return grants, used
@@ -217,7 +222,8 @@ class QueueScheduler(Scheduler):
                     return grants, used
             self.waiting.remove(request)
             self.running.append(request)
-            policy.on_admitted(request)
+            if policy is not None:
+                policy.on_admitted(request)
             grants.append(self._grant(request, num_new))
             used += num_new
         return grants, used
@@ -227,7 +233,7 @@ class QueueScheduler(Scheduler):
         one granted in this step or a step in flight); False when it names none."""
         granted = self._in_flight | self._granted
         candidates = [r for r in self.running if r.request_id not in granted]
-        victim = self.policy.preemption_victim(request, candidates) if candidates else None
+        victim = self.policy.preemption_victim(request, candidates) if candidates and self.policy else None
         if victim is None:
             return False
         self.running.remove(victim)
@@ -243,7 +249,7 @@ class QueueScheduler(Scheduler):
     def _refuse_hopeless(self) -> None:
         """Finish, with reason ``deadline``, the waiting requests the policy finds hopeless
         (and the sibling sequences that would have forked from them)."""
-        hopeless = self.policy.hopeless(self.waiting) if self.waiting else ()
+        hopeless = self.policy.hopeless(self.waiting) if self.waiting and self.policy is not None else ()
         for request in hopeless:
             self.waiting.remove(request)
             sequences, request.forks = (request, *request.forks), []
@@ -296,7 +302,8 @@ class QueueScheduler(Scheduler):
             kept = stop_checker.append(request, result.token_ids[index], logprobs, now)
             request.num_computed_tokens += kept - 1
             generated += kept
-            policy.on_tokens(request, kept)
+            if policy is not None:
+                policy.on_tokens(request, kept)
             changed.append(request)
             if result.num_draft_tokens is not None:
                 request.spec_proposed += result.num_draft_tokens[index]
