@@ -29,6 +29,7 @@ _EXPORTS = {
     "tiny_config": "servelab.testing.oracle",
     "tiny_checkpoint": "servelab.testing.oracle",
     "mixed_prompts": "servelab.testing.oracle",
+    "hot_prefix_prompts": "servelab.testing.oracle",
     "transformers_greedy": "servelab.testing.oracle",
     "assert_engine_matches_transformers": "servelab.testing.oracle",
     "assert_no_leaked_blocks": "servelab.testing.oracle",

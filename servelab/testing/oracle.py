@@ -134,6 +134,20 @@ def mixed_prompts(vocab_size: int, lengths: Sequence[int] = (3, 17, 40, 9, 64), 
     return [[rng.randrange(vocab_size - 1) for _ in range(n)] for n in lengths]
 
 
+def hot_prefix_prompts(rounds: int = 4, seed: int = 0) -> list[list[int]]:
+    """Prompts that reuse context between bursts that flush a small cache: per round,
+    twice a hot 32-token prefix with 4 tokens of its own, then three one-off 60-token
+    prompts (tokens in [3, 200)). On a 40-block cache of 4-token blocks, run one at a
+    time, the one-off prompts evict the hot prefix unless a cache keeps it."""
+    rng = random.Random(seed)
+    hot = [rng.randrange(3, 200) for _ in range(32)]
+    prompts = []
+    for _ in range(rounds):
+        prompts += [hot + [rng.randrange(3, 200) for _ in range(4)] for _ in range(2)]
+        prompts += [[rng.randrange(3, 200) for _ in range(60)] for _ in range(3)]
+    return prompts
+
+
 def transformers_greedy(folder: str, prompts: Sequence[list[int]], max_new_tokens: int) -> list[list[int]]:
     """Generated token ids of transformers' greedy ``generate`` in float32, per prompt."""
     import torch

@@ -3,13 +3,12 @@ engines whose output does not depend on the policy."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from servelab import LLM, SamplingParams
 from servelab.plugins.cache.arc import ARCEviction
 from servelab.plugins.cache.lfu import LFUEviction
+from servelab.testing.oracle import hot_prefix_prompts
 
 
 def cached(policy, *blocks):
@@ -80,15 +79,9 @@ def test_arc_learns_from_ghost_hits():
 
 
 def shared_prefix_run(eviction: str) -> tuple[list[list[int]], int, int]:
-    """Requests one at a time on a 40-block cache: twice a hot 32-token prefix with varied
-    suffixes, then three one-off 60-token prompts that flush the cache, six times over;
-    the tokens generated, the prefix tokens found and the blocks evicted."""
-    rng = random.Random(0)
-    hot = [rng.randrange(1, 200) for _ in range(32)]
-    prompts = []
-    for _ in range(6):
-        prompts += [hot + [rng.randrange(1, 200) for _ in range(4)] for _ in range(2)]
-        prompts += [[rng.randrange(1, 200) for _ in range(60)] for _ in range(3)]
+    """``hot_prefix_prompts`` (six rounds) one at a time on a 40-block cache: the tokens
+    generated, the prefix tokens found and the blocks evicted."""
+    prompts = hot_prefix_prompts(rounds=6)
     overrides = ["cache.block_size=4", "cache.num_blocks=40", "scheduler.max_num_seqs=1", "model.max_model_len=128"]
     if eviction:
         overrides += ["cache.enable_prefix_caching=true", f"cache.eviction={eviction}"]

@@ -3,13 +3,11 @@ tier and come back on a hit, with greedy output unchanged and nothing leaked."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from servelab import LLM, ConfigError, SamplingParams
 from servelab.testing import run_stress, tiny_checkpoint
-from servelab.testing.oracle import assert_no_leaked_blocks, transformers_greedy
+from servelab.testing.oracle import assert_no_leaked_blocks, hot_prefix_prompts, transformers_greedy
 from servelab.testing.stress import STRESS_CACHE
 
 ENGINE = ["model.dtype=float32", "device=cpu", "model.max_model_len=128", "cache.block_size=4",
@@ -22,18 +20,6 @@ def checkpoint(tmp_path_factory):
     return tiny_checkpoint(tmp_path_factory.mktemp("tier") / "llama", "llama")
 
 
-def flushing_prompts() -> list[list[int]]:
-    """Twice a hot 32-token prefix, then three one-off 60-token prompts that flush a
-    40-block device cache, four times over."""
-    rng = random.Random(0)
-    hot = [rng.randrange(3, 200) for _ in range(32)]
-    prompts = []
-    for _ in range(4):
-        prompts += [hot + [rng.randrange(3, 200) for _ in range(4)] for _ in range(2)]
-        prompts += [[rng.randrange(3, 200) for _ in range(60)] for _ in range(3)]
-    return prompts
-
-
 def host_pool_is_whole(llm: LLM) -> bool:
     """Every host block is free or kept by the host tier."""
     cache = llm.engine.cache
@@ -42,7 +28,7 @@ def host_pool_is_whole(llm: LLM) -> bool:
 
 
 def test_evicted_prefixes_come_back_from_the_host_tier(checkpoint):
-    prompts = flushing_prompts()
+    prompts = hot_prefix_prompts()
     expected = transformers_greedy(checkpoint, prompts, 4)
     found = {}
     for name, extra in (("device", []), ("host", [TIER])):
@@ -66,7 +52,7 @@ def test_host_tier_stress_with_aborts_holds_no_block(checkpoint, mode):
 
 
 def test_batched_steps_with_the_host_tier_match_transformers(checkpoint):
-    prompts = flushing_prompts()
+    prompts = hot_prefix_prompts()
     expected = transformers_greedy(checkpoint, prompts, 6)
     llm = LLM(checkpoint, overrides=[*ENGINE, "cache.num_blocks=48", "scheduler.max_num_seqs=4", TIER])
     for start in range(0, len(prompts), 4):
@@ -89,7 +75,7 @@ def test_bad_host_tier_settings_name_the_field(overrides, problem):
 
 @pytest.mark.parametrize("index", ["hash", "radix"])
 def test_speculative_decoding_over_the_host_tier_keeps_greedy_output(checkpoint, index):
-    prompts = flushing_prompts()
+    prompts = hot_prefix_prompts()
     expected = transformers_greedy(checkpoint, prompts, 8)
     llm = LLM(checkpoint, overrides=[*ENGINE, "cache.num_blocks=40", "scheduler.max_num_seqs=1", TIER,
                                      f"cache.prefix_index={index}", "decoding=ngram"])

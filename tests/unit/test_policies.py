@@ -143,15 +143,23 @@ def deadline_engine(on_hopeless: str):
                                  "+slo_classes.tight={ttft:0.05,tpot:1}", "+slo_classes.loose={ttft:600,tpot:1}"]).engine
 
 
-def test_deadline_refuses_hopeless_requests_and_never_admits_them():
-    engine = deadline_engine("reject")
+def with_a_late_request(on_hopeless: str, max_tokens: int):
+    """A deadline engine (one request at a time) running "first" (class loose) with "late"
+    (class tight) queued behind it until its first-token deadline has passed; the engine,
+    every request handed to its scheduler and the sampling parameters used."""
+    engine = deadline_engine(on_hopeless)
     requests = captured_requests(engine)
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     engine.add_request([1, 2, 3], params, request_id="first", metadata=RequestMetadata(slo_class="loose"))
     engine.step()
     engine.add_request([4, 5, 6], params, request_id="late", metadata=RequestMetadata(slo_class="tight"))
-    engine.add_request([7, 8, 9], params, request_id="fine", metadata=RequestMetadata(slo_class="loose"))
     time.sleep(0.1)
+    return engine, requests, params
+
+
+def test_deadline_refuses_hopeless_requests_and_never_admits_them():
+    engine, requests, params = with_a_late_request("reject", 40)
+    engine.add_request([7, 8, 9], params, request_id="fine", metadata=RequestMetadata(slo_class="loose"))
     outputs = {}
     while engine.has_unfinished_requests():
         outputs.update((o.request_id, o) for o in engine.step() if o.finished)
@@ -163,13 +171,7 @@ def test_deadline_refuses_hopeless_requests_and_never_admits_them():
 
 
 def test_deadline_deprioritizes_hopeless_requests_behind_every_other():
-    engine = deadline_engine("deprioritize")
-    requests = captured_requests(engine)
-    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    engine.add_request([1, 2, 3], params, request_id="first", metadata=RequestMetadata(slo_class="loose"))
-    engine.step()
-    engine.add_request([4, 5, 6], params, request_id="late", metadata=RequestMetadata(slo_class="tight"))
-    time.sleep(0.1)
+    engine, requests, params = with_a_late_request("deprioritize", 20)
     for i in range(3):
         engine.add_request([7, 8, 9 + i], params, request_id=f"fine{i}", metadata=RequestMetadata(slo_class="loose"))
     while engine.has_unfinished_requests():
