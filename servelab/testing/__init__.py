@@ -14,7 +14,7 @@ one line per kit in its tests::
     class TestMyScheduler(SchedulerConformance): names = ("my_scheduler",)
 
 ``KVCacheConformance``, ``AttentionConformance``, ``SchedulerConformance``,
-``DecodingConformance``, ``ExecutorConformance``, ``KVTransferConformance``, ``PolicyConformance``,
+``DecodingConformance``, ``ExecutorConformance``, ``KVTransferConformance``, ``PolicyConformance``, ``EvictionConformance``,
 ``EntryPointConformance`` and
 ``StressConformance``; see docs/plugins.md for what each checks. ``ProcessResources``
 and ``assert_released`` check that an engine left nothing in the process.
@@ -41,6 +41,7 @@ _EXPORTS = {
     "ExecutorConformance": "servelab.testing.executor_kit",
     "KVTransferConformance": "servelab.testing.kv_transfer_kit",
     "PolicyConformance": "servelab.testing.policy_kit",
+    "EvictionConformance": "servelab.testing.eviction_kit",
     "ProcessResources": "servelab.testing.lifecycle",
     "assert_released": "servelab.testing.lifecycle",
     "EntryPointConformance": "servelab.testing.entry_point_kit",

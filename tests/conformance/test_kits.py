@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from servelab.platform import free_port
 from servelab.testing import (AttentionConformance, DecodingConformance, EntryPointConformance,
-                              ExecutorConformance, KVCacheConformance, KVTransferConformance, PolicyConformance,
-                              SchedulerConformance, StressConformance)
+                              EvictionConformance, ExecutorConformance, KVCacheConformance, KVTransferConformance,
+                              PolicyConformance, SchedulerConformance, StressConformance)
 
 
 class TestKVCaches(KVCacheConformance):
@@ -33,6 +33,10 @@ class TestKVTransfers(KVTransferConformance):
     """Every KV transfer connector, within a process and across two."""
 
     configs = {"torch_distributed": {"port": free_port()}}  # not the default port another run may use
+
+
+class TestEvictionPolicies(EvictionConformance):
+    """Every prefix-cache eviction policy."""
 
 
 class TestPolicies(PolicyConformance):
