@@ -1,0 +1,141 @@
+"""Decode against the memory-bandwidth roofline: how close each decode step comes to the
+bytes it must read divided by this machine's read bandwidth.
+
+A decode step reads every weight the forward pass multiplies by once, at its stored
+width (``servelab.bench.random_llama.matmul_parameters``: every linear layer and the LM
+head; int8 as one byte, int4 as half of one, bfloat16 two, float32 four; scales left
+out), the embedding rows of its tokens, and the KV cache each request attends over, at
+the cache's dtype. The read bandwidth is measured in the same run with the engine's
+threads: the best of several passes of a 1 GiB float32 matrix-vector product and sum,
+the reads a decode step is made of. For each batch size, ``batch`` requests with
+16-token prompts decode 128 tokens together; the step time is the median of the steps
+that only decode. The fraction is (bytes per step / step time) / bandwidth.
+
+    python benchmarks/decode_roofline.py --models 26m 05b --modes float32 bfloat16 int8 w8a8 --batches 1 4 16
+
+Models are ``servelab.bench.random_llama``'s (random weights, written once under
+``--folder``); ``--modes`` are a dtype (``float32``, ``bfloat16``) or a weight
+quantization (``int8``, ``w8a8`` with the LM head quantized too; ``int4`` with a float32
+head).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from servelab.bench.random_llama import MODELS, VOCAB, make_checkpoint, matmul_parameters
+
+PROMPT_TOKENS = 16
+DECODE_TOKENS = 128
+QUANTIZATIONS = ("int8", "w8a8", "int4")
+
+
+def read_bandwidth(threads: int, gib: float = 1.0, repeats: int = 5) -> float:
+    """Bytes per second of the best of ``repeats`` passes of a matrix-vector product and
+    of a sum over a ``gib`` GiB float32 matrix."""
+    torch.set_num_threads(threads)
+    matrix = torch.ones(int(gib * 2**30) // 4 // 4096, 4096)
+    vector = torch.ones(4096)
+    best = 0.0
+    for read in (lambda: torch.mv(matrix, vector), matrix.sum):
+        for _ in range(repeats):
+            started = time.perf_counter()
+            read()
+            best = max(best, matrix.numel() * 4 / (time.perf_counter() - started))
+    return best
+
+
+def overrides_for(mode: str) -> list[str]:
+    """The engine overrides of a mode: a dtype, or a weight quantization (int8 and w8a8
+    with the LM head in int8 too; int4 keeps a float32 head)."""
+    if mode == "int4":
+        return ["model.dtype=float32", "model.quantization=int4"]
+    if mode in QUANTIZATIONS:
+        return ["model.dtype=float32", f"model.quantization={mode}", "model.quantization_lm_head=true"]
+    return [f"model.dtype={mode}"]
+
+
+WIDTH = {"float32": 4.0, "bfloat16": 2.0, "int8": 1.0, "w8a8": 1.0, "int4": 0.5}
+"""Bytes per stored weight of each mode."""
+
+
+def weight_bytes(name: str, mode: str, batch: int) -> float:
+    """Bytes one decode step reads of the weights: the matmul weights at their stored
+    width (int4's LM head in float32) and the ``batch`` embedding rows (float32 in the
+    quantized modes)."""
+    shape = MODELS[name]
+    hidden = shape["hidden_size"]
+    row = WIDTH[mode] if mode not in QUANTIZATIONS else 4.0
+    head = hidden * shape.get("vocab_size", VOCAB)
+    if mode == "int4":
+        return (matmul_parameters(name) - head) * WIDTH[mode] + head * 4.0 + batch * hidden * row
+    return matmul_parameters(name) * WIDTH[mode] + batch * hidden * row
+
+
+def decode_step_seconds(llm: Any, batch: int) -> tuple[float, float]:
+    """Median seconds of the decode-only steps of ``batch`` requests decoding
+    ``DECODE_TOKENS`` tokens together, and their mean context length."""
+    from servelab import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=DECODE_TOKENS, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request([2 + (i * 7 + j) % 1000 for j in range(PROMPT_TOKENS)], params)
+    times: list[float] = []
+    while engine.has_unfinished_requests():
+        started = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[1:]), PROMPT_TOKENS + DECODE_TOKENS / 2  # the first step prefills them all
+
+
+def measure(name: str, folder: str, mode: str, batches: list[int], threads: int,
+            bandwidth: float) -> list[dict[str, Any]]:
+    """One row per batch size for model ``name`` (written in ``folder``) in ``mode``."""
+    from servelab import LLM
+
+    llm = LLM(folder, overrides=["device=cpu", "model.max_model_len=512", f"parallel.threads={threads}",
+                                 *overrides_for(mode)])
+    llm.warm_up()
+    rows = []
+    for batch in batches:
+        seconds, context = decode_step_seconds(llm, batch)
+        read = weight_bytes(name, mode, batch) + batch * context * llm.engine.cache.spec.bytes_per_token
+        rows.append({"mode": mode, "batch": batch, "step_ms": seconds * 1e3, "tokens_per_s": batch / seconds,
+                     "mb_per_step": read / 1e6, "gb_per_s": read / seconds / 1e9,
+                     "fraction": read / seconds / bandwidth})
+    llm.shutdown()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["26m"])
+    parser.add_argument("--modes", nargs="+", default=["float32"])
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16])
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--folder", default=os.path.join(tempfile.gettempdir(), "servelab-random-llama"))
+    args = parser.parse_args()
+    bandwidth = read_bandwidth(args.threads)
+    print(f"read bandwidth: {bandwidth / 1e9:.1f} GB/s ({args.threads} threads, best of 5 matrix-vector products "
+          f"and sums over 1 GiB)")
+    print("| model | mode | batch | step ms | tok/s | MB read/step | GB/s | of bandwidth |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for name in args.models:
+        folder = make_checkpoint(os.path.join(args.folder, name), name)
+        for mode in args.modes:
+            for row in measure(name, folder, mode, args.batches, args.threads, bandwidth):
+                print(f"| {name} | {row['mode']} | {row['batch']} | {row['step_ms']:.2f} | {row['tokens_per_s']:.0f} "
+                      f"| {row['mb_per_step']:.1f} | {row['gb_per_s']:.1f} | {row['fraction']:.0%} |", flush=True)
+    print(f"re-measured read bandwidth: {read_bandwidth(args.threads) / 1e9:.1f} GB/s")
+
+
+if __name__ == "__main__":
+    main()
