@@ -209,6 +209,7 @@ class QueueScheduler(Scheduler):
             while len(self.running) + request.num_sequences > max_running:
                 if not self._preempt_for(request):
                     return grants, used
+            hit = 0
             if request.num_computed_tokens == 0 and not request.needs_prompt_logprobs:
                 hit = self.cache.lookup_prefix(request)
                 request.num_computed_tokens = hit
@@ -219,6 +220,7 @@ class QueueScheduler(Scheduler):
                 break
             while not self._allocate(request, num_new):
                 if not self._preempt_for(request):
+                    self._give_back_prefix(request, hit)
                     return grants, used
             self.waiting.remove(request)
             self.running.append(request)
@@ -227,6 +229,17 @@ class QueueScheduler(Scheduler):
             grants.append(self._grant(request, num_new))
             used += num_new
         return grants, used
+
+    def _give_back_prefix(self, request: Request, hit: int) -> None:
+        """A waiting request the cache has no room for gives back the cached blocks its
+        prefix lookup attached (``hit`` tokens of them in this step), so that requests
+        waiting for memory never hold it: otherwise requests preempted in turn, each
+        holding its own prefix, could fill the cache while nothing runs. It looks its
+        prefix up again when next picked."""
+        if request.num_computed_tokens:
+            self._prefix_hits -= hit
+            self.cache.free(request)
+            request.num_computed_tokens = 0
 
     def _preempt_for(self, request: Request) -> bool:
         """Preempt the running request the policy gives up for waiting ``request`` (never
