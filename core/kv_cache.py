@@ -5,7 +5,7 @@ from __future__ import annotations
 import abc
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -140,6 +140,14 @@ class KVCacheEvent:
 
     kind: str
     hashes: tuple[int, ...]
+
+
+def apply_cache_events(held: set[int], events: Sequence[KVCacheEvent]) -> None:
+    """Bring ``held``, the blocks a cache is known to hold, up to date with its ``events``."""
+    for event in events:
+        if event.kind == "held":
+            held.clear()
+        (held.difference_update if event.kind == "evicted" else held.update)(event.hashes)
 
 
 @dataclass(frozen=True, slots=True)

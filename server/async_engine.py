@@ -32,7 +32,7 @@ from servelab.core.errors import InvalidRequestError
 from servelab.core.outputs import RequestOutput
 from servelab.core.request_metadata import NO_METADATA, RequestMetadata
 from servelab.core.sampling_params import SamplingParams
-from servelab.core.kv_cache import KVCacheUsage
+from servelab.core.kv_cache import KVCacheUsage, apply_cache_events
 from servelab.core.router import ReplicaState, Router
 from servelab.server.messages import (AbortRequests, AbortTransfers, AddRequest, AdmitHandedOff, EngineFailed,
                                       EngineInfo, HandedOff, RequestAdded, RequestFailed, StepReport, StopEngine)
@@ -74,9 +74,8 @@ class EngineInstance:
         self.num_running, self.num_waiting = report.num_running, report.num_waiting
         if report.kv is not None:
             self.kv = report.kv
-        for event in report.cache_events:
-            (self.cached_blocks.difference_update if event.kind == "evicted" else self.cached_blocks.update)(
-                event.hashes)
+        if report.cache_events:
+            apply_cache_events(self.cached_blocks, report.cache_events)
 
     def state(self, index: int) -> ReplicaState:
         """What a router sees of this instance as replica ``index`` of its pool: the

@@ -195,13 +195,14 @@ class PagedKVCacheManager(KVCacheManager):
     def take_tier_moves(self) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
         """The offloads and host-tier loads since the last call; host blocks freed since
         become free and loaded ones evictable."""
+        if self.host_tier is None:
+            return (), ()
         moves = tuple(self._offloads), tuple(self._loads)
         self._offloads, self._loads = [], []
         if self._host_freed:
             self.host_pool.put_free(self._host_freed)
             self._host_freed = []
-        if self.host_tier is not None:
-            self.host_tier.unpin_all()
+        self.host_tier.unpin_all()
         return moves
 
     def _release(self, blocks: list[int]) -> None:

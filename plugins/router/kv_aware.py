@@ -7,7 +7,7 @@ from typing import Sequence
 
 from servelab.core.component import ComponentSpec
 from servelab.core.errors import ConfigError
-from servelab.core.kv_cache import KVCacheEvent, block_hashes
+from servelab.core.kv_cache import KVCacheEvent, apply_cache_events, block_hashes
 from servelab.core.router import ReplicaState, Router, RouterContext
 
 
@@ -37,11 +37,7 @@ class KVAwareRouter(Router):
 
     def on_cache_events(self, replica: int, events: Sequence[KVCacheEvent]) -> None:
         """Add stored blocks to the replica's set, drop evicted ones; a snapshot replaces it."""
-        held = self.cached[replica]
-        for event in events:
-            if event.kind == "held":
-                held.clear()
-            (held.difference_update if event.kind == "evicted" else held.update)(event.hashes)
+        apply_cache_events(self.cached[replica], events)
 
     def matched_tokens(self, prompt_token_ids: Sequence[int], replica: int) -> int:
         """Prompt tokens in the replica's cache: its leading full blocks, up to the first

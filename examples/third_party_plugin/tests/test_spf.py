@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from servelab import LLM, SamplingParams
-from servelab.testing import (EntryPointConformance, SchedulerConformance, StressConformance, assert_engine_matches_transformers,
-                              tiny_checkpoint)
+from servelab.testing import (EntryPointConformance, PolicyConformance, SchedulerConformance, StressConformance,
+                              assert_engine_matches_transformers, tiny_checkpoint)
 
 
 class TestSchedulerContract(SchedulerConformance): names = ("shortest_prompt_first",)
@@ -14,6 +14,9 @@ class TestStress(StressConformance): names = ("shortest_prompt_first",)
 
 
 class TestEntryPoints(EntryPointConformance): names = ("scheduler=shortest_prompt_first",)
+
+
+class TestPolicies(PolicyConformance): schedulers = ("shortest_prompt_first",)  # every policy over this scheduler
 
 
 def test_matches_transformers(tmp_path):
