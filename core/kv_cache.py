@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import abc
+import functools
+import hashlib
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
@@ -122,11 +124,24 @@ def block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
     return hash((ROOT_HASH if parent is None else parent, tokens))
 
 
-def block_hashes(token_ids: list[int] | tuple[int, ...], block_size: int, num_blocks: int) -> list[int]:
-    """The chained hashes of the first ``num_blocks`` full blocks of ``token_ids``."""
+@functools.lru_cache(maxsize=1024)
+def prefix_root(cache_salt: str | None) -> int | None:
+    """What the first block of a request with ``cache_salt`` chains from: None (the
+    shared ``ROOT_HASH``) without a salt, else a number derived from the salt alone (the
+    same in every process), so prefixes cached under one salt are never found under
+    another."""
+    if cache_salt is None:
+        return None
+    return int.from_bytes(hashlib.blake2b(cache_salt.encode(), digest_size=8).digest(), "big") >> 1
+
+
+def block_hashes(token_ids: list[int] | tuple[int, ...], block_size: int, num_blocks: int,
+                 root: int | None = None) -> list[int]:
+    """The chained hashes of the first ``num_blocks`` full blocks of ``token_ids`` (the
+    first chained from ``root``, a ``prefix_root``)."""
     hashes: list[int] = []
     for index in range(num_blocks):
-        hashes.append(block_hash(hashes[-1] if hashes else None,
+        hashes.append(block_hash(hashes[-1] if hashes else root,
                                  tuple(token_ids[index * block_size:(index + 1) * block_size])))
     return hashes
 

@@ -28,7 +28,8 @@ class Request:
     (when asked for) fills, one prefill chunk at a time, with a dict of token id to
     ``Logprob`` per prompt token; the first token has none (None). ``metadata`` is what
     scheduling policies know of it (priority, tenant, deadline, SLO class);
-    ``deadline_time`` its deadline on the engine's clock (None: none).
+    ``deadline_time`` its deadline on the engine's clock (None: none); ``cache_salt``
+    (None: none) keeps its cached prefix apart from other salts' (``prefix_root``).
     """
 
     __slots__ = (
@@ -38,6 +39,7 @@ class Request:
         "token_times", "finished_time", "num_preemptions", "generator", "logprobs",
         "cumulative_logprob", "detokenizer", "stop_text_len", "index", "group_id",
         "spec_proposed", "spec_accepted", "forks", "prompt_logprobs", "metadata", "deadline_time",
+        "cache_salt",
     )
 
     def __init__(
@@ -82,6 +84,7 @@ class Request:
         self.prompt_logprobs: list | None = [None] if sampling_params.prompt_logprobs is not None else None
         self.metadata = metadata
         self.deadline_time = deadline_time
+        self.cache_salt: str | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -188,10 +188,13 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
                     arrival_time: float | None = None, output_kind: str = "final",
-                    max_tokens_must_fit: bool = False, metadata: RequestMetadata | None = None) -> str:
+                    max_tokens_must_fit: bool = False, metadata: RequestMetadata | None = None,
+                    cache_salt: str | None = None) -> str:
         """Validate (``check_request``, ``check_metadata``) and queue a prompt; returns its
         request id. ``output_kind``: final | cumulative | delta (see ``OutputProcessor``);
-        ``metadata``: its priority, tenant, deadline and SLO class, for the policy."""
+        ``metadata``: its priority, tenant, deadline and SLO class, for the policy;
+        ``cache_salt``: prefix caching reuses only blocks cached under the same salt (1 to
+        256 characters; None shares with every request without one)."""
         self._ensure_running("add_request")
         params = params or SamplingParams()
         metadata = metadata or NO_METADATA
@@ -200,6 +203,8 @@ class LLMEngine:
         token_ids = self.tokenize(prompt)
         self.check_request(token_ids, params, max_tokens_must_fit)
         seconds_left = self.check_metadata(metadata)
+        if cache_salt is not None and not (isinstance(cache_salt, str) and 1 <= len(cache_salt) <= 256):
+            raise InvalidRequestError("cache_salt", f"must be a string of 1 to 256 characters, got {cache_salt!r}")
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self.outputs.groups:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
@@ -210,6 +215,9 @@ class LLMEngine:
                     for i in range(params.n)]
         if self.policy is not None and not self.policy.passive:
             self.policy.check_request(children[0])
+        if cache_salt is not None:
+            for child in children:
+                child.cache_salt = cache_salt
         self._queue(request_id, children, output_kind)
         self.num_prompt_tokens += len(token_ids) * len(children)
         return request_id

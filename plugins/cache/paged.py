@@ -10,7 +10,7 @@ from typing import Optional
 from servelab.core.component import ComponentSpec
 from servelab.core.errors import ConfigError
 from servelab.core.kv_cache import (Allocation, CacheContext, KVCacheEvent, KVCacheGroup, KVCacheManager,
-                                     KVCacheUsage, single_group)
+                                     KVCacheUsage, prefix_root, single_group)
 from servelab.core.request import Request
 from servelab.plugins.cache.block_pool import BlockPool
 from servelab.plugins.cache.host_tier import HostTier
@@ -279,7 +279,7 @@ class PagedKVCacheManager(KVCacheManager):
             return
         hashes = self._hashes.setdefault(request.request_id, [])
         for index in range(len(hashes), full):
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else prefix_root(request.cache_salt)
             tokens = tuple(request.token_ids[index * size:(index + 1) * size])
             for group, table in enumerate(tables):
                 if table[index] != self.null_block:
@@ -421,7 +421,7 @@ class PagedKVCacheManager(KVCacheManager):
         block (loaded before the step, registered as cached at once), up to ``limit`` blocks."""
         size, tokens, tier = self.block_size, request.token_ids, self.host_tier
         while len(hashes) < limit:
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else prefix_root(request.cache_salt)
             block_tokens = tuple(tokens[len(hashes) * size:(len(hashes) + 1) * size])
             digest = PrefixCache.chain_hash(parent, block_tokens)
             host = tier.find(digest, parent, block_tokens)
@@ -445,7 +445,8 @@ class PagedKVCacheManager(KVCacheManager):
         if not isinstance(self.prefix, RadixPrefixCache) or len(tables) > 1:
             return 0
         start = len(hashes) * self.block_size
-        source, length = self.prefix.partial(request.token_ids[start:], hashes[-1] if hashes else None,
+        source, length = self.prefix.partial(request.token_ids[start:],
+                                             hashes[-1] if hashes else prefix_root(request.cache_salt),
                                              request.num_tokens - 1 - start, lambda b: self.pool.ref_counts[b] == 0)
         if source is None:
             return 0
@@ -464,11 +465,12 @@ class PagedKVCacheManager(KVCacheManager):
         group: the blocks the token after the run reads), as (tables, hashes); None when
         nothing is cached."""
         prefix, size, tokens = self.prefix, self.block_size, request.token_ids
+        root = prefix_root(request.cache_salt)
         full = [index for index, window in enumerate(self._windows) if window is None]
-        runs = {index: prefix.match(tokens, limit, index)[0] for index in full}
+        runs = {index: prefix.match(tokens, limit, index, root)[0] for index in full}
         count = min((len(run) for run in runs.values()), default=limit)
-        hashes = prefix.chain(tokens, count)
-        found = {index: [prefix.find(index, digest, hashes[i - 1] if i else None, tuple(tokens[i * size:(i + 1) * size]))
+        hashes = prefix.chain(tokens, count, root)
+        found = {index: [prefix.find(index, digest, hashes[i - 1] if i else root, tuple(tokens[i * size:(i + 1) * size]))
                          for i, digest in enumerate(hashes)] for index in self._windowed}
         # latest[index][c]: the last block before c that the group lacks (-1: none)
         latest = {index: list(itertools.accumulate((i if block is None else -1 for i, block in enumerate(blocks)),

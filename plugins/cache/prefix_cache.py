@@ -41,12 +41,13 @@ class PrefixCache:
         """The hash of a block given its parent's hash and its token ids (``block_hash``)."""
         return block_hash(parent, tokens)
 
-    def match(self, token_ids: Sequence[int], max_blocks: int, group: int = 0) -> tuple[list[int], list[int]]:
+    def match(self, token_ids: Sequence[int], max_blocks: int, group: int = 0,
+              root: int | None = None) -> tuple[list[int], list[int]]:
         """The longest run of ``group``'s cached full blocks at the start of ``token_ids``
-        (at most ``max_blocks``): (blocks, their hashes)."""
+        (at most ``max_blocks``, the first chained from ``root``): (blocks, their hashes)."""
         blocks: list[int] = []
         hashes: list[int] = []
-        parent = None
+        parent = root
         size = self.block_size
         for index in range(max_blocks):
             tokens = tuple(token_ids[index * size:(index + 1) * size])
@@ -59,9 +60,9 @@ class PrefixCache:
             parent = digest
         return blocks, hashes
 
-    def chain(self, token_ids: Sequence[int], num_blocks: int) -> list[int]:
-        """The hashes of the first ``num_blocks`` full blocks of ``token_ids``."""
-        return block_hashes(token_ids, self.block_size, num_blocks)
+    def chain(self, token_ids: Sequence[int], num_blocks: int, root: int | None = None) -> list[int]:
+        """The hashes of the first ``num_blocks`` full blocks of ``token_ids`` (chained from ``root``)."""
+        return block_hashes(token_ids, self.block_size, num_blocks, root)
 
     def find(self, group: int, digest: int, parent: int | None, tokens: tuple[int, ...]) -> int | None:
         """``group``'s block holding ``tokens`` after the block hashed ``parent``, or None."""
