@@ -215,12 +215,31 @@ class ParallelConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """Multi-LoRA serving (docs/lora.md): on with ``enabled`` or when ``adapters`` names
+    any. ``adapters``: name to PEFT adapter folder, loaded at start-up (more load and
+    unload at run time); ``max_rank``: the largest rank an adapter may have;
+    ``max_adapters``: adapter slots on the device, how many adapters one step can apply
+    without splitting its forward pass; ``memory_bytes``: instead, the bytes the slots may
+    take (as many slots as fit). More adapters can be registered than there are slots:
+    they wait in host memory and are paged into a slot, least recently used out first,
+    when a step needs them."""
+
+    enabled: bool = False
+    adapters: Any = None
+    max_rank: int = 16
+    max_adapters: int = 4
+    memory_bytes: Optional[int] = None
+
+
+@dataclass
 class EngineConfig:
     """What every servelab app composes to build an ``LLMEngine``: the model, one option
     of each component group (filled from the registry: the four contracts, the
     ``executor`` and, for ``executor=simulated``, the ``cost_model``; the ``router`` that
     spreads requests over replicas; the ``kv_transfer`` connector that moves KV caches
-    between instances; the scheduling ``policy`` that orders requests), the service levels
+    between instances; the scheduling ``policy`` that orders requests), the ``lora``
+    adapters it serves, the service levels
     requests may name (``slo_classes``: name to ``{ttft: seconds, tpot: seconds}``, read
     by ``SLOClass.parse``), the ``hardware`` it is priced
     on, the ``parallel`` split, on ``device``, in a ``role`` (``mixed``; ``prefill`` or
@@ -236,6 +255,7 @@ class EngineConfig:
     router: Any = MISSING
     kv_transfer: Any = MISSING
     policy: Any = MISSING
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     slo_classes: dict[str, Any] = field(default_factory=dict)
     hardware: HardwareConfig = MISSING
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from servelab.core.decoding import DecodingStrategy
     from servelab.core.kv_cache import KVCacheManager, KVCacheSpec
     from servelab.core.component import ComponentBuilder
+    from servelab.core.lora_adapter import LoRAAdapter
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +148,21 @@ class Executor(abc.ABC):
         process runs (every sparse layer on one device, the first pipeline stage's under
         pipeline parallelism); None for models without experts or executors that do not
         route tokens (the default)."""
+        return None
+
+    def add_lora(self, adapter: "LoRAAdapter") -> None:
+        """Check that ``adapter`` applies to the model (``InvalidRequestError`` naming the
+        field otherwise) and keep it ready for the requests that name it; executors that
+        serve no adapters (the default) raise ``ConfigError``."""
+        from servelab.core.errors import ConfigError
+
+        raise ConfigError([f"lora: {type(self).__name__} does not serve LoRA adapters; use executor=model"])
+
+    def remove_lora(self, adapter: "LoRAAdapter") -> None:
+        """Release what ``adapter`` holds (requests still running with it may take it back)."""
+
+    def lora_stats(self) -> Any:
+        """Adapter paging counters (``LoRAStats``), or None where no adapter is served."""
         return None
 
     def shutdown(self) -> None:

@@ -29,7 +29,8 @@ class Request:
     ``Logprob`` per prompt token; the first token has none (None). ``metadata`` is what
     scheduling policies know of it (priority, tenant, deadline, SLO class);
     ``deadline_time`` its deadline on the engine's clock (None: none); ``cache_salt``
-    (None: none) keeps its cached prefix apart from other salts' (``prefix_root``).
+    (None: none) keeps its cached prefix apart from other salts' (``prefix_root``);
+    ``lora`` is the ``LoRAAdapter`` it runs with (None: the base model).
     """
 
     __slots__ = (
@@ -39,7 +40,7 @@ class Request:
         "token_times", "finished_time", "num_preemptions", "generator", "logprobs",
         "cumulative_logprob", "detokenizer", "stop_text_len", "index", "group_id",
         "spec_proposed", "spec_accepted", "forks", "prompt_logprobs", "metadata", "deadline_time",
-        "cache_salt",
+        "cache_salt", "lora",
     )
 
     def __init__(
@@ -85,6 +86,7 @@ class Request:
         self.metadata = metadata
         self.deadline_time = deadline_time
         self.cache_salt: str | None = None
+        self.lora = None
 
     @property
     def num_tokens(self) -> int:

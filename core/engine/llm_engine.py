@@ -7,7 +7,7 @@ import math
 import logging
 import time
 from dataclasses import replace
-from typing import Callable, Sequence, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -18,6 +18,7 @@ from servelab.core.errors import ConfigError, EngineShutdownError, InvalidReques
 from servelab.core.executor import ExecutedStep, ExecutorContext
 from servelab.core.kv_transfer import HandOff, KVTransfer, TransferTicket
 from servelab.core.kv_cache import CacheContext
+from servelab.core.lora_registry import LoRARegistry, lora_enabled
 from servelab.core.engine.output_processor import OUTPUT_KINDS, OutputProcessor
 from servelab.core.outputs import RequestOutput
 from servelab.core.policy import PolicyContext, SLOClass
@@ -121,6 +122,9 @@ class LLMEngine:
             scheduler = build_collecting(problems, lambda: registry.build("scheduler", cfg.scheduler, SchedulerContext(
                 cache, self.max_model_len, strategy.num_lookahead_tokens, self.stop_checker,
                 strategy.on_request_finished, self.clock, self.policy)))
+        lora_cfg = cfg.get("lora")
+        self.lora = build_collecting(problems, lambda: LoRARegistry.of(lora_cfg, executor)) if (
+            executor is not None and lora_enabled(lora_cfg)) else None
         problems += validate(self.max_model_len, shape.max_positions, cache, kv_spec, cfg.get("role", "mixed"))
         if problems:
             for built in (executor, strategy, cache):
@@ -189,12 +193,13 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
                     arrival_time: float | None = None, output_kind: str = "final",
                     max_tokens_must_fit: bool = False, metadata: RequestMetadata | None = None,
-                    cache_salt: str | None = None) -> str:
+                    cache_salt: str | None = None, lora: str | None = None) -> str:
         """Validate (``check_request``, ``check_metadata``) and queue a prompt; returns its
         request id. ``output_kind``: final | cumulative | delta (see ``OutputProcessor``);
         ``metadata``: its priority, tenant, deadline and SLO class, for the policy;
         ``cache_salt``: prefix caching reuses only blocks cached under the same salt (1 to
-        256 characters; None shares with every request without one)."""
+        256 characters; None shares with every request without one); ``lora``: the name of a
+        loaded LoRA adapter to run it with (None: the base model)."""
         self._ensure_running("add_request")
         params = params or SamplingParams()
         metadata = metadata or NO_METADATA
@@ -205,6 +210,9 @@ class LLMEngine:
         seconds_left = self.check_metadata(metadata)
         if cache_salt is not None and not (isinstance(cache_salt, str) and 1 <= len(cache_salt) <= 256):
             raise InvalidRequestError("cache_salt", f"must be a string of 1 to 256 characters, got {cache_salt!r}")
+        adapter = self.lora_adapter(lora) if lora is not None else None
+        if adapter is not None:
+            cache_salt = adapter.cache_salt if cache_salt is None else f"{cache_salt}|{adapter.cache_salt}"
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self.outputs.groups:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
@@ -215,12 +223,40 @@ class LLMEngine:
                     for i in range(params.n)]
         if self.policy is not None and not self.policy.passive:
             self.policy.check_request(children[0])
-        if cache_salt is not None:
-            for child in children:
-                child.cache_salt = cache_salt
+        for child in children:
+            child.cache_salt, child.lora = cache_salt, adapter
         self._queue(request_id, children, output_kind)
         self.num_prompt_tokens += len(token_ids) * len(children)
         return request_id
+
+    def lora_adapter(self, name: str) -> Any:
+        """The LoRA adapter loaded as ``name`` (``LoRAAdapter``); ``InvalidRequestError`` on
+        ``lora`` when there is none or the engine serves no adapters."""
+        if self.lora is None:
+            raise InvalidRequestError("lora", f"this engine serves no LoRA adapters (asked for {name!r}): start it "
+                                              f"with lora.enabled=true or lora.adapters")
+        return self.lora.get(name)
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter folder ``path`` as ``name`` from the next request on;
+        ``InvalidRequestError`` naming the field when it cannot (docs/lora.md)."""
+        self._ensure_running("load_lora_adapter")
+        if self.lora is None:
+            raise InvalidRequestError("lora_name", "this engine serves no LoRA adapters: start it with "
+                                                   "lora.enabled=true")
+        self.lora.load(name, path)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Stop serving adapter ``name``: new requests naming it are refused, running ones
+        finish with it."""
+        self._ensure_running("unload_lora_adapter")
+        if self.lora is None:
+            raise InvalidRequestError("lora_name", f"unknown LoRA adapter {name!r}: this engine serves none")
+        self.lora.unload(name)
+
+    def lora_adapters(self) -> dict[str, str]:
+        """The loaded LoRA adapters: name to folder (empty without LoRA)."""
+        return {} if self.lora is None else {name: a.path for name, a in self.lora.adapters.items()}
 
     def _queue(self, request_id: str, children: list[Request], output_kind: str) -> None:
         """Track a request's sequences for output and hand them to the scheduler (forks

@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 from servelab.core.entrypoints.beam_search import BeamSearch
 from servelab.core.entrypoints.compose import compose_config
 from servelab.core.engine.llm_engine import LLMEngine
-from servelab.core.errors import EngineShutdownError
+from servelab.core.errors import EngineShutdownError, InvalidRequestError
 from servelab.core.outputs import RequestOutput
 from servelab.core.request_metadata import NO_METADATA, RequestMetadata
 from servelab.core.sampling_params import SamplingParams
@@ -85,10 +85,13 @@ class LLM:
     def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True,
-                 metadata: RequestMetadata | Sequence[RequestMetadata] | None = None) -> list[RequestOutput]:
+                 metadata: RequestMetadata | Sequence[RequestMetadata] | None = None,
+                 lora: str | Sequence[str | None] | None = None) -> list[RequestOutput]:
         """Complete every prompt (text or token ids); one ``RequestOutput`` per prompt, in order.
         ``metadata`` (one for all prompts, or one per prompt) gives each its priority,
-        tenant, deadline and SLO class for the engine's ``policy``.
+        tenant, deadline and SLO class for the engine's ``policy``; ``lora`` (one for all
+        prompts, or one per prompt, None for the base model) the name of the loaded LoRA
+        adapter it runs with (docs/lora.md).
 
         Each prompt is tokenized and validated once, as it enters the engine; a bad one
         raises ``InvalidRequestError`` and nothing runs (the prompts added before it are
@@ -104,12 +107,17 @@ class LLM:
         metadatas = metadata if isinstance(metadata, (list, tuple)) else [metadata or NO_METADATA] * len(prompts)
         if len(metadatas) != len(prompts):
             raise ValueError(f"metadata: got {len(metadatas)} for {len(prompts)} prompts")
+        adapters = list(lora) if isinstance(lora, (list, tuple)) else [lora] * len(prompts)
+        if len(adapters) != len(prompts):
+            raise ValueError(f"lora: got {len(adapters)} for {len(prompts)} prompts")
         engine, beams = self.engine, self.beam_search
         ids: list[str] = []
         try:
-            for prompt, p, m in zip(prompts, params, metadatas):
+            for prompt, p, m, adapter in zip(prompts, params, metadatas, adapters):
+                if p.use_beam_search and adapter is not None:
+                    raise InvalidRequestError("lora", "beam search runs on the base model only")
                 ids.append(beams.add(prompt, p, metadata=m) if p.use_beam_search
-                           else engine.add_request(prompt, p, metadata=m))
+                           else engine.add_request(prompt, p, metadata=m, lora=adapter))
         except BaseException:
             beams.abort(ids)
             raise

@@ -23,6 +23,7 @@ from servelab.core.executor import ExecutedStep, Executor, ExecutorContext
 from servelab.core.expert_load import ExpertLoad
 from servelab.core.kv_cache import KVCacheManager, KVCacheSpec
 from servelab.core.kv_cache_dtype import kv_dtype_name
+from servelab.core.lora_registry import lora_enabled
 from servelab.core.model import ModelParallel
 from servelab.core.engine.resolved_model import ResolvedModel
 from servelab.core.scheduler import SchedulerOutput
@@ -94,6 +95,9 @@ class ModelExecutor(Executor):
         if parallel_cfg.init_method not in INIT_METHODS:
             problems.append(f"parallel.init_method must be one of {', '.join(INIT_METHODS)}, "
                             f"got {parallel_cfg.init_method!r}")
+        lora_cfg = context.engine_cfg.get("lora")
+        if lora_enabled(lora_cfg) and topology.world_size > 1:
+            problems.append("lora: adapters run on one device; tensor and pipeline parallelism do not shard them")
         if problems:
             raise ConfigError(problems)
         self.device = context.device
@@ -118,6 +122,26 @@ class ModelExecutor(Executor):
             raise
         self.model, self.attention = self.worker.model, self.worker.attention
         self.max_steps_in_flight = topology.pp
+        self.lora = None
+        if lora_enabled(lora_cfg):
+            from servelab.plugins.executor.lora_slots import LoRASlots
+
+            self.lora = LoRASlots(self.model, lora_cfg, context.dtype, self.device)
+
+    def add_lora(self, adapter: Any) -> None:
+        """Check ``adapter`` against the model; it is paged into a slot when a step needs it."""
+        if self.lora is None:
+            raise ConfigError(["lora: this engine serves no LoRA adapters; set lora.enabled=true"])
+        self.lora.check(adapter)
+
+    def remove_lora(self, adapter: Any) -> None:
+        """Free ``adapter``'s slot."""
+        if self.lora is not None:
+            self.lora.drop(adapter)
+
+    def lora_stats(self) -> Any:
+        """The adapter slots' paging counters (None without LoRA)."""
+        return None if self.lora is None else self.lora.stats
 
     def _start_workers(self, parallel_cfg: Any) -> ModelParallel:
         """Spawn ranks 1.. (or find them started by torchrun) and join the group as rank 0."""
@@ -196,6 +220,9 @@ class ModelExecutor(Executor):
     def submit(self, output: SchedulerOutput) -> None:
         """Move blocks, draft, build the flat batch, send it to the workers and run this
         rank's stage; the step's tokens come from ``collect``."""
+        if output.blocks_to_spill or output.blocks_to_fill:
+            self.cache.transfer_tier_blocks(output.blocks_to_spill, output.blocks_to_fill,
+                                            self.worker.read_host_block, self.worker.write_host_block)
         moves = (output.blocks_to_offload, output.blocks_to_swap_in, output.blocks_to_swap_out, output.blocks_to_copy)
         if any(moves):
             self._broadcast(*pack_moves(moves))
@@ -215,6 +242,11 @@ class ModelExecutor(Executor):
         started = time.perf_counter()
         counts = tuple(len(d) for d in drafts) if drafts else (0,) * len(sampling)
         batch = DecodeBatch(sampling, counts, output) if sampling else None
+        if self.lora is not None:
+            logits, spans = self.lora.logits(self.worker, output.scheduled, drafts, self.cache.block_size)
+            executed = self._finished(output, logits, batch, proposal, spans, (time.perf_counter() - started,))
+            self._pending.append(PendingStep(output, executed))
+            return
         if self.topology.pp == 1:
             logits = self._guarded(lambda: self.worker.logits(inputs))
             executed = self._finished(output, logits, batch, proposal, inputs.prompt_spans,

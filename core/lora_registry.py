@@ -1,0 +1,79 @@
+"""The LoRA adapters an engine serves, by name: loaded at start-up from ``lora.adapters``
+or at run time (``load``), removed with ``unload``. A request names one (``lora=``) and
+carries the loaded adapter itself, so a request already running when its adapter is
+unloaded finishes with it; new requests for the name are refused."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from servelab.core.errors import ConfigError, InvalidRequestError
+from servelab.core.lora_adapter import LoRAAdapter, read_peft_adapter
+
+
+def lora_enabled(lora_cfg: Any) -> bool:
+    """True when the engine's ``lora`` config turns LoRA serving on (``enabled``, or any
+    ``adapters``)."""
+    return lora_cfg is not None and bool(lora_cfg.enabled or lora_cfg.adapters)
+
+
+class LoRARegistry:
+    """Adapters by name. ``executor`` checks each against the model and pages it into its
+    slots (``add_lora``, ``remove_lora``); ``max_rank`` bounds their ranks."""
+
+    def __init__(self, executor: Any, max_rank: int):
+        self.executor = executor
+        self.max_rank = max_rank
+        self.adapters: dict[str, LoRAAdapter] = {}
+        self._load_ids = itertools.count(1)
+
+    @classmethod
+    def of(cls, lora_cfg: Any, executor: Any) -> "LoRARegistry":
+        """The registry of an engine config's ``lora`` node with its ``adapters`` loaded;
+        ``ConfigError`` naming ``lora.adapters.<name>`` for each one that cannot load."""
+        registry = cls(executor, lora_cfg.max_rank)
+        adapters = lora_cfg.adapters or {}
+        if not hasattr(adapters, "items"):
+            raise ConfigError([f"lora.adapters must map names to PEFT adapter folders ({{name: path}}), got "
+                               f"{adapters!r}"])
+        problems = []
+        for name, path in adapters.items():
+            try:
+                registry.load(name, path)
+            except InvalidRequestError as exc:
+                problems.append(f"lora.adapters.{name}: {exc}")
+        if problems:
+            raise ConfigError(problems)
+        return registry
+
+    def load(self, name: str, path: str) -> LoRAAdapter:
+        """Read the PEFT folder ``path``, check it against the model and register it as
+        ``name``; ``InvalidRequestError`` naming the field when it cannot be served (the
+        name taken, not an adapter folder, a rank above ``max_rank``, modules the model
+        lacks or of other shapes)."""
+        if not isinstance(name, str) or not name.strip():
+            raise InvalidRequestError("lora_name", f"must be a non-empty string, got {name!r}")
+        if name in self.adapters:
+            raise InvalidRequestError("lora_name", f"an adapter named {name!r} is already loaded "
+                                                   f"({self.adapters[name].path}); unload it first")
+        adapter = read_peft_adapter(name, str(path), self.max_rank, next(self._load_ids))
+        self.executor.add_lora(adapter)
+        self.adapters[name] = adapter
+        return adapter
+
+    def unload(self, name: str) -> LoRAAdapter:
+        """Stop serving ``name`` (running requests finish with it); ``InvalidRequestError``
+        when no adapter has that name."""
+        adapter = self.get(name, "lora_name")
+        del self.adapters[name]
+        self.executor.remove_lora(adapter)
+        return adapter
+
+    def get(self, name: str, field: str = "lora") -> LoRAAdapter:
+        """The adapter loaded as ``name``; ``InvalidRequestError`` on ``field`` otherwise."""
+        adapter = self.adapters.get(name)
+        if adapter is None:
+            loaded = ", ".join(sorted(self.adapters)) or "none"
+            raise InvalidRequestError(field, f"unknown LoRA adapter {name!r}; loaded: {loaded}")
+        return adapter

@@ -1,0 +1,203 @@
+"""The model's LoRA adapter slots: a fixed memory budget on the device that adapters are
+paged into when a step needs them, least recently used out first.
+
+``LoRASlots`` wraps the model's projections (``LoRALinear``), keeps which adapter is in
+which slot, and runs a step: its adapters paged in, each token's slot set, the forward
+pass. A step whose requests use more adapters than there are slots runs as several
+forward passes over consecutive requests, each within the slots (every request's
+attention reads only its own cache, so the split changes no token), their logits joined
+in the step's order.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from servelab.core.batch_builder import PromptSpan, build_step_inputs, prompt_span
+from servelab.core.errors import ConfigError
+from servelab.core.lora_adapter import LoRAAdapter
+from servelab.core.scheduler import ScheduledRequest
+from servelab.plugins.models.lora_linear import LoRABatch, LoRALinear, projections, wrap_projections
+from servelab.plugins.models.lora_targets import lora_placements
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAStats:
+    """Adapter paging so far: ``slots`` on the device, ``resident`` adapters in them,
+    ``hits`` (a step's adapter already in a slot), ``misses`` (paged in), ``evictions``,
+    ``load_seconds`` spent paging in, ``split_steps`` (steps run as several passes)."""
+
+    slots: int
+    resident: int
+    hits: int
+    misses: int
+    evictions: int
+    load_seconds: float
+    split_steps: int
+
+    @property
+    def hit_rate(self) -> float:
+        """Hits over every adapter use by a step (0 before any)."""
+        uses = self.hits + self.misses
+        return self.hits / uses if uses else 0.0
+
+
+def slot_count(lora_cfg: Any, slot_bytes: int) -> int:
+    """Slots of ``slot_bytes`` each: ``lora.memory_bytes`` // ``slot_bytes`` when a byte
+    budget is set, else ``lora.max_adapters``; ``ConfigError`` when that is none."""
+    if lora_cfg.max_rank < 1:
+        raise ConfigError([f"lora.max_rank must be 1 or more, got {lora_cfg.max_rank}"])
+    if lora_cfg.memory_bytes is not None:
+        slots = lora_cfg.memory_bytes // slot_bytes
+        if slots < 1:
+            raise ConfigError([f"lora.memory_bytes={lora_cfg.memory_bytes} holds no adapter slot: one of "
+                               f"lora.max_rank={lora_cfg.max_rank} takes {slot_bytes} bytes on this model"])
+        return slots
+    if lora_cfg.max_adapters < 1:
+        raise ConfigError([f"lora.max_adapters must be 1 or more, got {lora_cfg.max_adapters}"])
+    return lora_cfg.max_adapters
+
+
+class LoRASlots:
+    """``model``'s decoder projections wrapped with adapter slots (see the module
+    docstring) of ``slot_bytes`` each; ``layers``: the wrapped projections by full name."""
+
+    def __init__(self, model: torch.nn.Module, lora_cfg: Any, dtype: torch.dtype, device: torch.device):
+        self.model, self.device = model, device
+        layers = model.decoder_layers
+        prefix = next(name for name, module in model.named_modules() if module is layers) + "."
+        element = torch.empty((), dtype=dtype).element_size()
+        slot_bytes = sum((module.in_features + module.out_features) * lora_cfg.max_rank * fused * element
+                         for _, _, module, fused in projections(layers))
+        self.slot_bytes = slot_bytes
+        self.num_slots = slot_count(lora_cfg, slot_bytes)
+        self.batch = LoRABatch()
+        self.layers: dict[str, LoRALinear] = wrap_projections(layers, self.batch, self.num_slots, lora_cfg.max_rank,
+                                                              dtype, device, prefix)
+        self.resident: OrderedDict[int, int] = OrderedDict()  # load id -> slot, least recently used first
+        self.hits = self.misses = self.evictions = self.split_steps = 0
+        self.load_seconds = 0.0
+
+    def check(self, adapter: LoRAAdapter) -> None:
+        """``InvalidRequestError`` naming the field unless every module of ``adapter``
+        lands on a projection of this model with its shapes."""
+        lora_placements(self.model, self.layers, adapter)
+
+    def drop(self, adapter: LoRAAdapter) -> None:
+        """Free ``adapter``'s slot, if it holds one (a request still running with it pages
+        it in again)."""
+        slot = self.resident.pop(adapter.load_id, None)
+        if slot is not None:
+            for layer in self.layers.values():
+                layer.clear(slot)
+
+    @property
+    def stats(self) -> LoRAStats:
+        """Paging counters so far."""
+        return LoRAStats(self.num_slots, len(self.resident), self.hits, self.misses, self.evictions,
+                         self.load_seconds, self.split_steps)
+
+    def _page_in(self, adapters: dict[int, LoRAAdapter]) -> dict[int, int]:
+        """Slots for ``adapters`` (by load id, at most ``num_slots``), paging in the missing
+        ones over free slots, then over the least recently used adapters not needed."""
+        for load_id in adapters:
+            if load_id in self.resident:
+                self.resident.move_to_end(load_id)
+                self.hits += 1
+        taken = set(self.resident.values())
+        free = [slot for slot in range(self.num_slots) if slot not in taken]
+        for load_id, adapter in adapters.items():
+            if load_id in self.resident:
+                continue
+            started = time.perf_counter()
+            if free:
+                slot = free.pop()
+            else:
+                victim = next(old for old in self.resident if old not in adapters)
+                slot = self.resident.pop(victim)
+                self.evictions += 1
+            for layer in self.layers.values():
+                layer.clear(slot)
+            for placement in lora_placements(self.model, self.layers, adapter):
+                layer = self.layers[placement.layer]
+                layer.place(slot, placement.first_row, placement.a.to(layer.lora_a.device, layer.lora_a.dtype),
+                            placement.b.to(layer.lora_b.device, layer.lora_b.dtype))
+            self.resident[load_id] = slot
+            self.misses += 1
+            self.load_seconds += time.perf_counter() - started
+        return {load_id: self.resident[load_id] for load_id in adapters}
+
+    def _set_groups(self, adapters: Sequence[LoRAAdapter | None], query_lens: Sequence[int]) -> None:
+        """Page in ``adapters`` (one per request, None: the base model) and group the step's
+        tokens by slot."""
+        used = {adapter.load_id: adapter for adapter in adapters if adapter is not None}
+        if not used:
+            self.batch.groups = []
+            return
+        slots = self._page_in(used)
+        token_slots = np.repeat(np.array([-1 if a is None else slots[a.load_id] for a in adapters]),
+                                np.array(query_lens))
+        groups = []
+        for slot in sorted(set(slots.values())):
+            rows = np.flatnonzero(token_slots == slot)
+            groups.append((slot, None if len(rows) == len(token_slots) else torch.from_numpy(rows).to(self.device)))
+        self.batch.groups = groups
+
+    def chunks(self, grants: Sequence[ScheduledRequest]) -> list[list[int]]:
+        """The grants (by index, each list in the step's order) of each forward pass: the
+        adapters in first-use order, the resident ones first, ``num_slots`` per pass; the
+        base model's grants ride with the first."""
+        order: dict[int, list[int]] = {}
+        for index, grant in enumerate(grants):
+            adapter = grant.request.lora
+            order.setdefault(-1 if adapter is None else adapter.load_id, []).append(index)
+        base = order.pop(-1, [])
+        adapters = sorted(order, key=lambda load_id: load_id not in self.resident)
+        passes = [adapters[i:i + self.num_slots] for i in range(0, len(adapters), self.num_slots)] or [[]]
+        return [sorted(base + [i for load_id in group for i in order[load_id]]) if first else
+                sorted(i for load_id in group for i in order[load_id]) for first, group in
+                zip([True] + [False] * (len(passes) - 1), passes)]
+
+    def logits(self, worker: Any, grants: Sequence[ScheduledRequest], drafts: Sequence[list[int]],
+               block_size: int) -> tuple[torch.Tensor | None, tuple[PromptSpan, ...]]:
+        """Run the step on ``worker`` with its adapters: its logits as ``DeviceWorker.logits``
+        gives them (prompt-logprob rows, then the decoder's, each in grant order) and its
+        prompt spans."""
+        chunks = self.chunks(grants)
+        if len(chunks) == 1:
+            inputs = build_step_inputs(grants, drafts, block_size, self.device, prompt_logprobs=True)
+            self._set_groups([grant.request.lora for grant in grants], inputs.layout.query_lens)
+            return worker.logits(inputs), inputs.prompt_spans
+        self.split_steps += 1
+        draft_iter = iter(drafts)
+        grant_drafts = [next(draft_iter, []) if grant.samples and drafts else [] for grant in grants]
+        prompt_rows: dict[int, tuple[torch.Tensor, PromptSpan]] = {}
+        sample_rows: dict[int, torch.Tensor] = {}
+        for chunk in chunks:
+            part = [grants[i] for i in chunk]
+            inputs = build_step_inputs(part, [grant_drafts[i] for i in chunk if grants[i].samples], block_size,
+                                       self.device, prompt_logprobs=True)
+            self._set_groups([grant.request.lora for grant in part], inputs.layout.query_lens)
+            logits = worker.logits(inputs)
+            spans = iter(inputs.prompt_spans)
+            row = 0
+            for i in chunk:
+                span = prompt_span(grants[i])
+                if span is not None:
+                    prompt_rows[i] = (logits[row:row + span.count], next(spans))
+                    row += span.count
+            for i in chunk:
+                if grants[i].samples:
+                    count = 1 + len(grant_drafts[i])
+                    sample_rows[i] = logits[row:row + count]
+                    row += count
+        if not prompt_rows and not sample_rows:
+            return None, ()
+        parts = [prompt_rows[i][0] for i in sorted(prompt_rows)] + [sample_rows[i] for i in sorted(sample_rows)]
+        return torch.cat(parts), tuple(prompt_rows[i][1] for i in sorted(prompt_rows))

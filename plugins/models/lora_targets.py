@@ -1,0 +1,67 @@
+"""Where each module of a PEFT adapter lands in servelab's model.
+
+PEFT names modules as the Hugging Face checkpoint does (``model.layers.0.self_attn.q_proj``);
+servelab fuses some of them (q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``). The
+module that fuses them says where a checkpoint tensor's rows go (its ``pieces``, what the
+weight loader uses): an adapter's ``B`` [out, r] is split the same way, so a part of a
+fused projection lands on that part's output rows; ``A`` [r, in] reads the whole input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from servelab.core.errors import InvalidRequestError
+from servelab.core.lora_adapter import LoRAAdapter, LoRAModule
+from servelab.plugins.models.lora_linear import LoRALinear
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAPlacement:
+    """One adapted part: ``layer`` (a wrapped projection's full name) gets ``a`` [r, in]
+    and ``b`` [rows, r] on its output rows from ``first_row``."""
+
+    layer: str
+    first_row: int
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+def _placements(model: nn.Module, layers: dict[str, LoRALinear], module: LoRAModule,
+                adapter: LoRAAdapter) -> list[LoRAPlacement]:
+    path, _, child = module.name.rpartition(".")
+    try:
+        parent = model.get_submodule(path)
+    except AttributeError:
+        parent = None
+    pieces = parent.pieces(f"{child}.weight", module.b) if hasattr(parent, "pieces") else None
+    if pieces is not None:
+        found = [(f"{path}.{piece.param.rpartition('.')[0]}", piece.start, piece.tensor) for piece in pieces]
+    else:
+        found = [(module.name, 0, module.b)]
+    placements = []
+    for layer_name, first_row, rows in found:
+        layer = layers.get(layer_name)
+        if layer is None:
+            raise InvalidRequestError("target_modules", (
+                f"adapter {adapter.name!r} ({adapter.path}) adapts {module.name!r}, which this model does not have "
+                f"as a projection servelab adapts (an adapter for another base model, or for embeddings or the "
+                f"LM head?)"))
+        if module.a.shape[1] != layer.in_features or sum(p.shape[0] for _, _, p in found) != module.b.shape[0] \
+                or first_row + rows.shape[0] > layer.out_features:
+            raise InvalidRequestError("lora_path", (
+                f"adapter {adapter.name!r} ({adapter.path}): {module.name} maps {module.a.shape[1]} input features to "
+                f"{module.b.shape[0]} outputs, which does not fit this model's {layer_name} ({layer.in_features} in, "
+                f"{layer.out_features} out): an adapter for another base model?"))
+        placements.append(LoRAPlacement(layer_name, first_row, module.a, rows))
+    return placements
+
+
+def lora_placements(model: nn.Module, layers: dict[str, LoRALinear], adapter: LoRAAdapter) -> list[LoRAPlacement]:
+    """Every part of ``adapter`` placed on ``model``'s wrapped ``layers``; raises
+    ``InvalidRequestError`` naming ``target_modules`` for a module the model lacks and
+    ``lora_path`` for one whose shape does not fit (an adapter for another base model)."""
+    return [placement for module in adapter.modules for placement in _placements(model, layers, module, adapter)]

@@ -1,0 +1,176 @@
+"""Multi-LoRA serving: requests of several PEFT adapters (different ranks and target
+modules) and of the base model in one batch equal ``peft``'s merged models, greedy in
+float32, under every batching shape; bad adapters are refused naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from servelab import LLM, SamplingParams
+from servelab.core.errors import ConfigError, InvalidRequestError
+from servelab.testing import assert_no_leaked_blocks, mixed_prompts, tiny_checkpoint, transformers_greedy
+
+peft = pytest.importorskip("peft")
+
+ADAPTERS = {"a": (4, ["q_proj", "v_proj", "down_proj"]),
+            "b": (8, ["k_proj", "o_proj", "gate_proj", "up_proj"]),
+            "c": (2, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])}
+"""name: (rank, target modules)."""
+MAX_TOKENS = 10
+
+
+def save_adapter(base: str, folder: str, rank: int, targets: list[str], seed: int, **config) -> str:
+    """A random PEFT adapter of ``base`` (B non-zero) saved to ``folder``; its merged model
+    beside it in ``folder + '-merged'``."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(
+        r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False, **config))
+    model.save_pretrained(folder)
+    model.merge_and_unload().save_pretrained(folder + "-merged")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def lora_setup(llama, tmp_path_factory):
+    """The tiny Llama, three adapters of it, prompts with their adapters (None: the base
+    model) and the reference tokens of each."""
+    root = tmp_path_factory.mktemp("lora")
+    folders = {name: save_adapter(llama, str(root / name), rank, targets, seed)
+               for seed, (name, (rank, targets)) in enumerate(ADAPTERS.items(), 1)}
+    prompts = mixed_prompts(257, lengths=(3, 17, 40, 9, 30, 12))
+    loras = ["a", None, "b", "c", "a", "b"]
+    expected = [transformers_greedy(llama if name is None else folders[name] + "-merged", [prompt], MAX_TOKENS)[0]
+                for prompt, name in zip(prompts, loras)]
+    return dict(base=llama, folders=folders, prompts=prompts, loras=loras, expected=expected, root=root)
+
+
+def lora_llm(setup, *overrides: str, adapters: tuple[str, ...] = tuple(ADAPTERS)) -> LLM:
+    listed = ", ".join(f"{name}: '{setup['folders'][name]}'" for name in adapters)
+    return LLM(setup["base"], overrides=["model.dtype=float32", "device=cpu", f"lora.adapters={{{listed}}}",
+                                         *overrides])
+
+
+def assert_matches(llm: LLM, setup: dict) -> list:
+    outputs = llm.generate(setup["prompts"], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+                           use_tqdm=False, lora=setup["loras"])
+    for i, (output, expected) in enumerate(zip(outputs, setup["expected"])):
+        assert output.outputs[0].token_ids == expected, f"prompt {i} with adapter {setup['loras'][i]}"
+    assert_no_leaked_blocks(llm)
+    return outputs
+
+
+def test_adapters_differ_from_the_base_model(lora_setup):
+    """The references themselves: every adapter changes its prompts' greedy tokens."""
+    base = transformers_greedy(lora_setup["base"], lora_setup["prompts"], MAX_TOKENS)
+    changed = [got != plain for got, plain, name in zip(lora_setup["expected"], base, lora_setup["loras"]) if name]
+    assert all(changed)
+
+
+@pytest.mark.parametrize("overrides", [
+    ("scheduler=continuous",),
+    ("scheduler=chunked", "scheduler.token_budget=24"),
+    ("model.max_model_len=96", "cache.block_size=4", "cache.num_blocks=24", "scheduler.max_num_batched_tokens=96"),
+    ("model.max_model_len=96", "cache.block_size=4", "cache.num_blocks=24", "scheduler.max_num_batched_tokens=96",
+     "scheduler.preemption=swap", "cache.swap_space_bytes=1000000"),
+], ids=["continuous", "chunked", "preempt-recompute", "preempt-swap"])
+def test_mixed_adapters_in_one_batch_equal_peft_merged_models(lora_setup, overrides):
+    llm = lora_llm(lora_setup, *overrides)
+    assert_matches(llm, lora_setup)
+    if "cache.num_blocks=24" in overrides:
+        assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_more_adapters_than_slots_page_in_and_out(lora_setup):
+    """One slot for three adapters: each step runs one pass per adapter, paging the least
+    recently used out; output is unchanged and the counters say what happened."""
+    llm = lora_llm(lora_setup, "lora.max_adapters=1")
+    assert_matches(llm, lora_setup)
+    stats = llm.engine.executor.lora_stats()
+    assert stats.slots == 1 and stats.misses >= 3 and stats.evictions >= 2 and stats.split_steps > 0
+    assert 0 < stats.hit_rate < 1 and stats.load_seconds > 0
+
+
+def test_byte_budget_sets_the_slot_count(lora_setup):
+    llm = lora_llm(lora_setup, "lora.memory_bytes=300000", "lora.max_rank=8")
+    assert llm.engine.executor.lora_stats().slots == 300000 // llm.engine.executor.lora.slot_bytes
+    with pytest.raises(ConfigError, match="lora.memory_bytes=1000 holds no adapter slot"):
+        lora_llm(lora_setup, "lora.memory_bytes=1000")
+
+
+def test_prefix_cache_is_never_shared_between_adapters(lora_setup):
+    """One prompt under the base model and each adapter with prefix caching: every output
+    is its own model's; a second run of an adapter reuses its own blocks."""
+    llm = lora_llm(lora_setup, "cache.enable_prefix_caching=true", "cache.block_size=4")
+    prompt = lora_setup["prompts"][2]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    for name in (None, "a", "b", "a"):
+        folder = lora_setup["base"] if name is None else lora_setup["folders"][name] + "-merged"
+        got = llm.generate([prompt], params, use_tqdm=False, lora=name)[0].outputs[0].token_ids
+        assert got == transformers_greedy(folder, [prompt], MAX_TOKENS)[0], name
+    assert_no_leaked_blocks(llm)
+
+
+def test_load_and_unload_at_run_time(lora_setup):
+    """An adapter loaded after start-up serves at once; unloading refuses new requests for
+    it while one already running finishes with it."""
+    setup = lora_setup
+    llm = lora_llm(setup, adapters=("a",))
+    engine = llm.engine
+    engine.load_lora_adapter("b", setup["folders"]["b"])
+    assert set(engine.lora_adapters()) == {"a", "b"}
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    request = engine.add_request(setup["prompts"][2], params, lora="b")
+    engine.step()
+    engine.unload_lora_adapter("b")
+    with pytest.raises(InvalidRequestError, match="unknown LoRA adapter 'b'; loaded: a") as refused:
+        engine.add_request(setup["prompts"][2], params, lora="b")
+    assert refused.value.field == "lora"
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert finished[request].outputs[0].token_ids == setup["expected"][2]
+    assert_no_leaked_blocks(llm)
+
+
+def test_bad_adapters_are_refused_naming_the_field(lora_setup, llama, tmp_path):
+    setup = lora_setup
+    llm = lora_llm(setup, "lora.max_rank=4", adapters=("a",))
+    engine = llm.engine
+    other_base = tiny_checkpoint(tmp_path / "wide", hidden_size=96)
+    deeper_base = tiny_checkpoint(tmp_path / "deep", num_hidden_layers=3)
+    cases = {
+        "r": setup["folders"]["b"],  # rank 8 > 4
+        "lora_path": save_adapter(other_base, str(tmp_path / "wide-lora"), 2, ["q_proj"], 0),
+        "target_modules": save_adapter(deeper_base, str(tmp_path / "deep-lora"), 2, ["q_proj"], 0,
+                                       layers_to_transform=[2]),
+    }
+    for field, folder in cases.items():
+        with pytest.raises(InvalidRequestError) as refused:
+            engine.load_lora_adapter("x", folder)
+        assert refused.value.field == field, refused.value
+    with pytest.raises(InvalidRequestError, match="is not a PEFT adapter folder: it has no adapter_config.json"):
+        engine.load_lora_adapter("x", llama)
+    with pytest.raises(InvalidRequestError, match="already loaded"):
+        engine.load_lora_adapter("a", setup["folders"]["a"])
+    with pytest.raises(InvalidRequestError, match="unknown LoRA adapter 'zzz'"):
+        llm.generate(setup["prompts"][:1], lora="zzz")
+    assert engine.lora_adapters().keys() == {"a"}
+    assert_matches(llm, {**setup, "prompts": setup["prompts"][:1], "loras": ["a"], "expected": setup["expected"][:1]})
+
+
+def test_refusals_at_start_up(lora_setup, tmp_path):
+    folder = tmp_path / "dora"
+    save_adapter(lora_setup["base"], str(folder), 2, ["q_proj"], 0)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    with pytest.raises(ConfigError, match=r"lora.adapters.d: use_dora: .* DoRA adapters are not supported"):
+        LLM(lora_setup["base"], overrides=["device=cpu", f"lora.adapters={{d: '{folder}'}}"])
+    with pytest.raises(InvalidRequestError, match="this engine serves no LoRA adapters") as refused:
+        LLM(lora_setup["base"], overrides=["device=cpu"]).generate([[1, 2, 3]], lora="a")
+    assert refused.value.field == "lora"
