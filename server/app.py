@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from servelab.core.errors import InvalidRequestError
@@ -17,7 +17,8 @@ from servelab.server.chat import create_chat_completion
 from servelab.server.chat_template import render_chat
 from servelab.server.completions import create_completion
 from servelab.server.errors import RESPONSES, APIError, install_error_handlers, shutting_down
-from servelab.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from servelab.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                      LoadLoRAAdapterRequest, TokenizeRequest, UnloadLoRAAdapterRequest)
 from servelab.server.state import ServerState
 
 
@@ -42,11 +43,16 @@ def authorized(request: Request) -> None:
                        code="invalid_api_key")
 
 
-def check_model(state: ServerState, name: str | None) -> None:
-    """404 unless ``name`` is the served model (or omitted)."""
-    if name is not None and name != state.model_name:
-        raise APIError(404, f"The model `{name}` does not exist; this server serves `{state.model_name}`.",
-                       param="model", code="model_not_found")
+def check_model(state: ServerState, name: str | None) -> str | None:
+    """The LoRA adapter ``name`` selects (None: the served model, or omitted); 404 when it
+    names neither the served model nor a loaded adapter."""
+    if name is None or name == state.model_name:
+        return None
+    if name in state.engine.lora_adapters:
+        return name
+    adapters = "".join(f", `{a}`" for a in sorted(state.engine.lora_adapters))
+    raise APIError(404, f"The model `{name}` does not exist; this server serves `{state.model_name}`{adapters}.",
+                   param="model", code="model_not_found")
 
 
 guarded = APIRouter(dependencies=[Depends(accepting), Depends(authorized)])
@@ -56,25 +62,46 @@ guarded = APIRouter(dependencies=[Depends(accepting), Depends(authorized)])
 async def completions(body: CompletionRequest, request: Request):
     """Text completion (OpenAI ``/v1/completions``)."""
     state = _state(request)
-    check_model(state, body.model)
-    return await create_completion(body, request, state)
+    return await create_completion(body, request, state, check_model(state, body.model))
 
 
 @guarded.post("/v1/chat/completions", responses=RESPONSES)
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     """Chat completion (OpenAI ``/v1/chat/completions``)."""
     state = _state(request)
-    check_model(state, body.model)
-    return await create_chat_completion(body, request, state)
+    return await create_chat_completion(body, request, state, check_model(state, body.model))
 
 
 @guarded.get("/v1/models")
 async def models(request: Request) -> dict:
-    """The served model."""
+    """The served model, then its LoRA adapters (``parent``: the served model)."""
     state = _state(request)
-    return {"object": "list", "data": [{
-        "id": state.model_name, "object": "model", "created": state.created, "owned_by": "servelab",
-        "max_model_len": state.engine.engine.max_model_len}]}
+    common = {"object": "model", "created": state.created, "owned_by": "servelab",
+              "max_model_len": state.engine.engine.max_model_len}
+    return {"object": "list", "data": [{"id": state.model_name, **common, "root": state.model_name, "parent": None}] + [
+        {"id": name, **common, "root": path, "parent": state.model_name}
+        for name, path in sorted(state.engine.lora_adapters.items())]}
+
+
+@guarded.post("/v1/load_lora_adapter", responses=RESPONSES)
+async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> PlainTextResponse:
+    """Serve a PEFT adapter folder under a name (``model`` selects it), as vLLM does."""
+    state = _state(request)
+    if body.lora_name == state.model_name or body.lora_name in state.engine.lora_adapters:
+        raise APIError(400, f"The lora adapter '{body.lora_name}' has already been loaded.", param="lora_name")
+    await state.engine.update_lora(body.lora_name, body.lora_path)
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+
+@guarded.post("/v1/unload_lora_adapter", responses=RESPONSES)
+async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request) -> PlainTextResponse:
+    """Stop serving an adapter (requests already running finish with it), as vLLM does."""
+    state = _state(request)
+    if body.lora_name not in state.engine.lora_adapters:
+        raise APIError(404, f"The lora adapter '{body.lora_name}' cannot be found.", "not_found_error",
+                       param="lora_name", code="model_not_found")
+    await state.engine.update_lora(body.lora_name, None)
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 
 @guarded.post("/tokenize")

@@ -24,6 +24,7 @@ a 504 (a stream with an error event). A request the ``deadline`` policy refuses
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 from typing import Any, Callable, TypeVar
@@ -35,7 +36,8 @@ from servelab.core.sampling_params import SamplingParams
 from servelab.core.kv_cache import KVCacheUsage, apply_cache_events
 from servelab.core.router import ReplicaState, Router
 from servelab.server.messages import (AbortRequests, AbortTransfers, AddRequest, AdmitHandedOff, EngineFailed,
-                                      EngineInfo, HandedOff, RequestAdded, RequestFailed, StepReport, StopEngine)
+                                      EngineInfo, HandedOff, LoRAUpdated, RequestAdded, RequestFailed, StepReport,
+                                      StopEngine, UpdateLoRA)
 from servelab.server.engine_process import EngineProcess
 from servelab.server.errors import (RETRY_AFTER_S, DeadlineRefusedError, EngineDeadError, QueueFullError,
                                     RequestAbortedError, RequestTimeoutError)
@@ -122,6 +124,10 @@ class AsyncEngine:
             if len(members) > 1 and pool not in self.routers:
                 raise ValueError(f"{len(members)} {pool} instances need a router")
         self.engine: EngineInfo = processes[0].info
+        self.lora_adapters: dict[str, str] = dict(self.engine.lora_adapters)
+        """The LoRA adapters every instance serves: name to folder."""
+        self._lora_updates: dict[tuple[int, int], asyncio.Future] = {}
+        self._lora_commands = itertools.count()
         self.metrics = metrics
         self.max_queued_requests = max_queued_requests
         self.request_timeout_s = request_timeout_s
@@ -218,9 +224,10 @@ class AsyncEngine:
         return fn(self.engine)
 
     async def add(self, stream: OutputStream, prompt: str | list[int], params: SamplingParams,
-                  request_id: str, arrival_time: float, metadata: RequestMetadata = NO_METADATA) -> int:
-        """Validate and queue a request (with its scheduling ``metadata``) whose outputs go
-        to ``stream``; returns its prompt length. Raises ``InvalidRequestError`` (nothing
+                  request_id: str, arrival_time: float, metadata: RequestMetadata = NO_METADATA,
+                  lora: str | None = None) -> int:
+        """Validate and queue a request (with its scheduling ``metadata``, on LoRA adapter
+        ``lora`` or the base model) whose outputs go to ``stream``; returns its prompt length. Raises ``InvalidRequestError`` (nothing
         queued) for a bad request (the stream's other requests keep running until it
         closes)."""
         self._check_alive()
@@ -233,7 +240,7 @@ class AsyncEngine:
         try:
             instance = self._choose(self.entry, "prefill", prompt)
             self._place(request_id, instance)
-            self._send(instance, AddRequest(request_id, prompt, params, arrival_time, metadata))
+            self._send(instance, AddRequest(request_id, prompt, params, arrival_time, metadata, lora))
             length = await added
         except BaseException:  # rejected, or cancelled while the engine may have added it
             stream.untrack(request_id)
@@ -243,6 +250,28 @@ class AsyncEngine:
             self._adding.pop(request_id, None)
         self.metrics.prompt_tokens.labels(tenant=tenant).inc(length)
         return length
+
+    async def update_lora(self, name: str, path: str | None) -> None:
+        """Load the PEFT adapter folder ``path`` as ``name`` on every instance, or unload
+        ``name`` (``path`` None); raises the first instance's ``InvalidRequestError``."""
+        self._check_alive()
+        command_id = next(self._lora_commands)
+        waits = []
+        for instance in self.instances:
+            waits.append(self._loop.create_future())
+            self._lora_updates[(command_id, instance.index)] = waits[-1]
+            self._send(instance, UpdateLoRA(command_id, name, path))
+        try:
+            errors = [error for error in await asyncio.gather(*waits) if error is not None]
+        finally:
+            for instance in self.instances:
+                self._lora_updates.pop((command_id, instance.index), None)
+        if errors:
+            raise errors[0]
+        if path is None:
+            self.lora_adapters.pop(name, None)
+        else:
+            self.lora_adapters[name] = path
 
     def abort(self, request_ids: list[str]) -> None:
         """Abort requests (unknown or finished ids are ignored) on the instances that hold
@@ -322,6 +351,10 @@ class AsyncEngine:
                     future.set_exception(message.error)
         elif isinstance(message, HandedOff):
             self._on_handed_off(instance, message)
+        elif isinstance(message, LoRAUpdated):
+            future = self._lora_updates.get((message.command_id, instance.index))
+            if future is not None and not future.done():
+                future.set_result(message.error)
         elif isinstance(message, RequestFailed):
             stream = self._streams.get(message.request_id)
             self._forget(message.request_id)
@@ -390,7 +423,7 @@ class AsyncEngine:
         log.error("the engine failed: %s", reason)
         self.dead = RuntimeError(reason)
         error = EngineDeadError(f"the engine loop failed: {reason}")
-        for future in self._adding.values():
+        for future in (*self._adding.values(), *self._lora_updates.values()):
             if not future.done():
                 future.set_exception(error)
         self.abort_all(error)

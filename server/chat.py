@@ -71,8 +71,10 @@ class ChatResponder:
         return {**self.header, "object": "chat.completion", "choices": choices, "usage": self.tracker.usage()}
 
 
-async def create_chat_completion(body: ChatCompletionRequest, request: Request, state: "ServerState"):
-    """Render the conversation (the served model was checked by the route), queue it, and answer with the whole response or an SSE stream."""
+async def create_chat_completion(body: ChatCompletionRequest, request: Request, state: "ServerState",
+                                 lora: str | None = None):
+    """Render the conversation (the served model was checked by the route: ``lora``, the
+    adapter it selects), queue it, and answer with the whole response or an SSE stream."""
     params = body.sampling_params()
     metadata = body.metadata(request.headers.get(TENANT_HEADER))
     arrival = time.perf_counter()
@@ -81,12 +83,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     stream = state.engine.open_stream(1)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     try:
-        prompt_tokens = await state.engine.add(stream, prompt, params, request_id, arrival, metadata)
+        prompt_tokens = await state.engine.add(stream, prompt, params, request_id, arrival, metadata, lora)
     except BaseException:
         stream.abort()
         raise
     tracker = ChoiceTracker([request_id], params.n, prompt_tokens, collect=not body.stream)
-    responder = ChatResponder(body, state.model_name, tracker)
+    responder = ChatResponder(body, lora or state.model_name, tracker)
     if body.stream:
         return EventStreamResponse(responder.events(stream), stream)
     return await until_disconnected(request, responder.whole(stream))

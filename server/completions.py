@@ -118,8 +118,9 @@ async def _echoes(state: "ServerState", prompts: list[Prompt]) -> list[Echo]:
     return await state.engine.call(decode)
 
 
-async def create_completion(body: CompletionRequest, request: Request, state: "ServerState"):
-    """Validate (the served model was checked by the route), queue every prompt, and answer with the whole response or an SSE stream."""
+async def create_completion(body: CompletionRequest, request: Request, state: "ServerState", lora: str | None = None):
+    """Validate (the served model was checked by the route: ``lora``, the adapter it
+    selects), queue every prompt, and answer with the whole response or an SSE stream."""
     params = body.sampling_params()
     metadata = body.metadata(request.headers.get(TENANT_HEADER))
     prompts = body.prompts()
@@ -129,14 +130,14 @@ async def create_completion(body: CompletionRequest, request: Request, state: "S
     try:
         prompt_tokens = 0
         for prompt, request_id in zip(prompts, request_ids):
-            prompt_tokens += await state.engine.add(stream, prompt, params, request_id, arrival, metadata)
+            prompt_tokens += await state.engine.add(stream, prompt, params, request_id, arrival, metadata, lora)
         echoes = await _echoes(state, prompts) if body.echo else None
     except BaseException:
         stream.abort()
         raise
     tracker = ChoiceTracker(request_ids, params.n, prompt_tokens, collect=not body.stream,
                             returns_tokens=body.generates)
-    responder = CompletionResponder(body, state.model_name, tracker, echoes)
+    responder = CompletionResponder(body, lora or state.model_name, tracker, echoes)
     if body.stream:
         return EventStreamResponse(responder.events(stream), stream)
     return await until_disconnected(request, responder.whole(stream))

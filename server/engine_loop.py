@@ -25,7 +25,8 @@ from servelab.core.kv_transfer import KVTransfer, KVTransferError
 from servelab.core.outputs import RequestOutput
 from servelab.core.step_stats import StepStats
 from servelab.server.messages import (AbortRequests, AbortTransfers, AddRequest, AdmitHandedOff, EngineFailed,
-                                      HandedOff, RequestAdded, RequestFailed, StepReport, StopEngine)
+                                      HandedOff, LoRAUpdated, RequestAdded, RequestFailed, StepReport, StopEngine,
+                                      UpdateLoRA)
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,8 @@ class EngineLoop:
                 self._admitting.append(command)
             elif isinstance(command, AbortTransfers):
                 self._drop(command.tickets)
+            elif isinstance(command, UpdateLoRA):
+                self._update_lora(command)
         return True
 
     def _add(self, command: AddRequest) -> None:
@@ -104,11 +107,22 @@ class EngineLoop:
         request_id, prompt, params = command.request_id, command.prompt, command.params
         try:
             engine.add_request(prompt, params, request_id, arrival_time=command.arrival_time, output_kind="delta",
-                               max_tokens_must_fit=True, metadata=command.metadata)
+                               max_tokens_must_fit=True, metadata=command.metadata, lora=command.lora)
         except InvalidRequestError as exc:
             self.conn.send(RequestAdded(request_id, 0, exc))
         else:
             self.conn.send(RequestAdded(request_id, engine.outputs.groups[request_id].children[0].num_prompt_tokens))
+
+    def _update_lora(self, command: UpdateLoRA) -> None:
+        try:
+            if command.path is None:
+                self.engine.unload_lora_adapter(command.name)
+            else:
+                self.engine.load_lora_adapter(command.name, command.path)
+        except InvalidRequestError as exc:
+            self.conn.send(LoRAUpdated(command.command_id, exc))
+        else:
+            self.conn.send(LoRAUpdated(command.command_id))
 
     def _abort(self, request_ids: list[str]) -> None:
         groups = self.engine.outputs.groups

@@ -1,10 +1,11 @@
 """The messages between the server process and the engine process of ``servelab-serve``,
 pickled through one ``multiprocessing`` pipe.
 
-server -> engine: ``AddRequest``, ``AbortRequests``, ``StopEngine``; in a disaggregated
+server -> engine: ``AddRequest``, ``AbortRequests``, ``UpdateLoRA``, ``StopEngine``; in a disaggregated
 deployment also ``AdmitHandedOff`` (to a decode instance) and ``AbortTransfers``.
 engine -> server: ``EngineReady`` or ``EngineConfigError`` once at start-up, then
-``RequestAdded`` for every ``AddRequest``, a ``StepReport`` after every step (and after
+``RequestAdded`` for every ``AddRequest``, ``LoRAUpdated`` for every ``UpdateLoRA``, a
+``StepReport`` after every step (and after
 aborts), and ``EngineFailed`` once if the loop fails; a prefill instance sends
 ``HandedOff`` for every request it hands off, a decode instance ``RequestFailed`` for one
 it cannot admit.
@@ -28,7 +29,8 @@ from servelab.core.step_stats import StepStats
 class EngineInfo:
     """What the server knows of its engine without asking: limits, the tokenizer (for
     /tokenize, /detokenize, echo and chat templates) and which metrics exist (the
-    ``slo_classes`` get an attainment counter)."""
+    ``slo_classes`` get an attainment counter); the LoRA adapters it serves at start-up
+    (``lora_adapters``: name to folder; ``lora_enabled``: whether it serves any)."""
 
     max_model_len: int
     vocab_size: int
@@ -37,24 +39,48 @@ class EngineInfo:
     speculative: bool
     block_size: int
     slo_classes: dict[str, SLOClass] = field(default_factory=dict)
+    lora_enabled: bool = False
+    lora_adapters: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def of(cls, engine: Any) -> "EngineInfo":
         """The info of a built ``LLMEngine``."""
         return cls(engine.max_model_len, engine.vocab_size, engine.tokenizer, engine.cache.prefix_caching,
-                   engine.strategy.num_lookahead_tokens > 0, engine.cache.block_size, dict(engine.slo_classes))
+                   engine.strategy.num_lookahead_tokens > 0, engine.cache.block_size, dict(engine.slo_classes),
+                   engine.lora is not None, engine.lora_adapters())
 
 
 @dataclass(frozen=True, slots=True)
 class AddRequest:
     """Validate and queue ``prompt`` (text or token ids) under ``request_id`` with its
-    scheduling ``metadata``; its outputs stream back as deltas in ``StepReport``s."""
+    scheduling ``metadata`` and LoRA adapter (``lora``, None: the base model); its outputs
+    stream back as deltas in ``StepReport``s."""
 
     request_id: str
     prompt: str | list[int]
     params: SamplingParams
     arrival_time: float
     metadata: RequestMetadata = NO_METADATA
+    lora: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateLoRA:
+    """Load the PEFT adapter folder ``path`` as ``name``, or unload ``name`` (``path``
+    None); answered by ``LoRAUpdated`` with the same ``command_id``."""
+
+    command_id: int
+    name: str
+    path: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAUpdated:
+    """The result of ``UpdateLoRA`` ``command_id``: ``error`` (an ``InvalidRequestError``)
+    or None when done."""
+
+    command_id: int
+    error: Exception | None = None
 
 
 @dataclass(frozen=True, slots=True)

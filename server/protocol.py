@@ -334,3 +334,18 @@ class DetokenizeRequest(StrictModel):
 
     model: Optional[str] = None
     tokens: list[int]
+
+
+class LoadLoRAAdapterRequest(StrictModel):
+    """``POST /v1/load_lora_adapter`` (vLLM's): serve the PEFT adapter folder ``lora_path``
+    as ``lora_name``."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(StrictModel):
+    """``POST /v1/unload_lora_adapter`` (vLLM's): stop serving ``lora_name``."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: Optional[str] = None
