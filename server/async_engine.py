@@ -394,6 +394,8 @@ class AsyncEngine:
             metrics.set_gauges(sum(i.num_running for i in instances), sum(i.num_waiting for i in instances),
                                combined_usage(instances))
         metrics.record_aborted(report.aborted)
+        if report.lora is not None:
+            metrics.set_lora(instance.index, report.lora)
         if report.cache_events:
             self._route_cache_events(instance, report.cache_events)
         for output in report.outputs:

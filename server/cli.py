@@ -85,7 +85,7 @@ def run_server(cfg: DictConfig, plans: list, processes: list) -> None:
     decode = [p for plan, p in zip(plans, processes) if plan.cfg.role == "decode"]
     info = processes[0].info
     metrics = ServerMetrics(info.prefix_caching, any(p.info.speculative for p in processes),
-                            server_cfg.max_tenant_labels, info.slo_classes)
+                            server_cfg.max_tenant_labels, info.slo_classes, info.lora_enabled)
     engine = AsyncEngine(prefill, metrics, server_cfg.max_queued_requests, server_cfg.request_timeout_s, decode,
                          pool_routers(cfg, len(prefill), len(decode), info.block_size))
     state = ServerState(engine, server_cfg, served_model_name(cfg))

@@ -193,7 +193,8 @@ class EngineLoop:
                                                  else str(logprob.token_id))
         scheduler = self.engine.scheduler
         report = StepReport(tuple(outputs), tuple(self._stats), scheduler.num_running, scheduler.num_waiting,
-                            self.engine.cache.usage, tuple(self._aborted), tuple(self.engine.cache.take_events()))
+                            self.engine.cache.usage, tuple(self._aborted), tuple(self.engine.cache.take_events()),
+                            self.engine.executor.lora_stats() if self.engine.lora is not None else None)
         self._stats.clear()
         self._aborted.clear()
         self.conn.send(report)

@@ -144,8 +144,9 @@ class RequestAdded:
 class StepReport:
     """What changed since the last report: delta outputs, the steps' statistics, the
     scheduler's gauges, the cache's occupancy (``kv``, None before the first report),
-    the sequences aborted on request (``aborted``: their request ids, one per sequence)
-    and, for a KV-aware router, what the prefix cache stored and evicted (``cache_events``)."""
+    the sequences aborted on request (``aborted``: their request ids, one per sequence),
+    for a KV-aware router, what the prefix cache stored and evicted (``cache_events``),
+    and the LoRA adapter slots' counters (``lora``: a ``LoRAStats``, None without LoRA)."""
 
     outputs: tuple[RequestOutput, ...] = ()
     stats: tuple[StepStats, ...] = ()
@@ -154,6 +155,7 @@ class StepReport:
     kv: KVCacheUsage | None = None
     aborted: tuple[str, ...] = ()
     cache_events: tuple[KVCacheEvent, ...] = ()
+    lora: Any = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -71,11 +71,13 @@ class ServerMetrics:
     The server's backpressure counts calls it rejected (``rejected``) or timed out
     (``timed_out``).
     Counters for prefix cache hits and speculative decoding exist only when the engine
-    uses those features, the SLO attainment counter only when it has ``slo_classes``.
+    uses those features, the SLO attainment counter only when it has ``slo_classes``, the
+    LoRA adapter slots' gauges (summed over the engine instances) only with ``lora``.
     """
 
     def __init__(self, prefix_caching: bool = False, speculative: bool = False,
-                 max_tenant_labels: int = DEFAULT_MAX_TENANT_LABELS, slo_classes: Mapping[str, SLOClass] | None = None):
+                 max_tenant_labels: int = DEFAULT_MAX_TENANT_LABELS, slo_classes: Mapping[str, SLOClass] | None = None,
+                 lora: bool = False):
         self.registry = CollectorRegistry()
         r = self.registry
         self.tenants = TenantLabels(max_tenant_labels)
@@ -115,11 +117,35 @@ class ServerMetrics:
         if prefix_caching:
             self.prefix_hits = Counter("servelab:prefix_cache_hit_tokens", "Prompt tokens found in the "
                                        "prefix cache.", registry=r)
+        self._lora: dict[int, Any] = {}
+        if lora:
+            self._lora_gauge("servelab:lora_adapter_hit_rate", "Share of the adapter uses by steps that found the "
+                             "adapter in a slot (0 to 1).", lambda hits, misses, seconds, resident:
+                             hits / (hits + misses) if hits + misses else 0.0)
+            self._lora_gauge("servelab:lora_adapter_loads", "Adapters paged into a slot so far.",
+                             lambda hits, misses, seconds, resident: misses)
+            self._lora_gauge("servelab:lora_adapter_load_seconds", "Seconds spent paging adapters into slots so far.",
+                             lambda hits, misses, seconds, resident: seconds)
+            self._lora_gauge("servelab:lora_adapters_resident", "Adapters held in slots now.",
+                             lambda hits, misses, seconds, resident: resident)
         if speculative:
             self.spec_proposed = Counter("servelab:spec_decode_num_draft_tokens", "Draft tokens verified.",
                                          registry=r)
             self.spec_accepted = Counter("servelab:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
                                          registry=r)
+
+    def _lora_gauge(self, name: str, description: str, value: Any) -> None:
+        """A gauge of ``value(hits, misses, load seconds, resident)`` summed over the instances."""
+        def read() -> float:
+            stats = self._lora.values()
+            return value(sum(s.hits for s in stats), sum(s.misses for s in stats), sum(s.load_seconds for s in stats),
+                         sum(s.resident for s in stats))
+
+        Gauge(name, description, registry=self.registry).set_function(read)
+
+    def set_lora(self, instance: int, stats: Any) -> None:
+        """Engine instance ``instance``'s latest ``LoRAStats``."""
+        self._lora[instance] = stats
 
     def track(self, request_id: str, metadata: RequestMetadata) -> str:
         """Label the metrics of the engine request ``request_id`` (being added) by its

@@ -1,6 +1,6 @@
 """LoRA adapters over HTTP: loaded and unloaded at run time (vLLM's endpoints), listed by
 ``/v1/models``, selected by the request's ``model``; an unknown one is a 404 like an
-unknown model."""
+unknown model; the adapter slots' paging in ``/metrics``."""
 
 from __future__ import annotations
 
@@ -70,3 +70,8 @@ def test_adapters_load_list_select_and_unload(lora_server):
         not_adapter = http.post("/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": str(proc.log_path)})
         assert not_adapter.status_code == 400 and not_adapter.json()["error"]["param"] == "lora_path"
         assert complete(http, "a").json()["choices"][0]["text"] == expected["a"]
+        metrics = {line.split()[0]: float(line.split()[1]) for line in http.get("/metrics").text.splitlines()
+                   if line.startswith("servelab:lora_")}
+        assert metrics["servelab:lora_adapter_loads"] >= 3  # one slot: a, b, then a again
+        assert 0 < metrics["servelab:lora_adapter_hit_rate"] < 1 and metrics["servelab:lora_adapter_load_seconds"] > 0
+        assert metrics["servelab:lora_adapters_resident"] == 1
