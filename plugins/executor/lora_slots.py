@@ -81,6 +81,7 @@ class LoRASlots:
         self.layers: dict[str, LoRALinear] = wrap_projections(layers, self.batch, self.num_slots, lora_cfg.max_rank,
                                                               dtype, device, prefix)
         self.resident: OrderedDict[int, int] = OrderedDict()  # load id -> slot, least recently used first
+        self.unloaded: set[int] = set()  # load ids of adapters no new request can name
         self.hits = self.misses = self.evictions = self.split_steps = 0
         self.load_seconds = 0.0
 
@@ -90,9 +91,13 @@ class LoRASlots:
         lora_placements(self.model, self.layers, adapter)
 
     def drop(self, adapter: LoRAAdapter) -> None:
-        """Free ``adapter``'s slot, if it holds one (a request still running with it pages
-        it in again)."""
-        slot = self.resident.pop(adapter.load_id, None)
+        """``adapter`` was unloaded: free its slot now, and again at the first step without
+        it after requests still running with it paged it back in."""
+        self.unloaded.add(adapter.load_id)
+        self._free(adapter.load_id)
+
+    def _free(self, load_id: int) -> None:
+        slot = self.resident.pop(load_id, None)
         if slot is not None:
             for layer in self.layers.values():
                 layer.clear(slot)
@@ -169,6 +174,10 @@ class LoRASlots:
         """Run the step on ``worker`` with its adapters: its logits as ``DeviceWorker.logits``
         gives them (prompt-logprob rows, then the decoder's, each in grant order) and its
         prompt spans."""
+        if self.unloaded:
+            used = {grant.request.lora.load_id for grant in grants if grant.request.lora is not None}
+            for load_id in self.unloaded.intersection(self.resident).difference(used):
+                self._free(load_id)
         chunks = self.chunks(grants)
         if len(chunks) == 1:
             inputs = build_step_inputs(grants, drafts, block_size, self.device, prompt_logprobs=True)

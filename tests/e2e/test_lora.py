@@ -78,9 +78,12 @@ def test_adapters_differ_from_the_base_model(lora_setup):
     ("model.max_model_len=96", "cache.block_size=4", "cache.num_blocks=24", "scheduler.max_num_batched_tokens=96"),
     ("model.max_model_len=96", "cache.block_size=4", "cache.num_blocks=24", "scheduler.max_num_batched_tokens=96",
      "scheduler.preemption=swap", "cache.swap_space_bytes=1000000"),
-], ids=["continuous", "chunked", "preempt-recompute", "preempt-swap"])
+    ("decoding=ngram",),
+    ("decoding=speculative", "decoding.draft_path='{base}'", "decoding.num_speculative_tokens=3"),
+], ids=["continuous", "chunked", "preempt-recompute", "preempt-swap", "ngram", "draft-model"])
 def test_mixed_adapters_in_one_batch_equal_peft_merged_models(lora_setup, overrides):
-    llm = lora_llm(lora_setup, *overrides)
+    """The draft model of speculative decoding runs without adapters, the target with them."""
+    llm = lora_llm(lora_setup, *(o.format(base=lora_setup["base"]) for o in overrides))
     assert_matches(llm, lora_setup)
     if "cache.num_blocks=24" in overrides:
         assert llm.engine.scheduler.num_preemptions > 0
@@ -174,3 +177,35 @@ def test_refusals_at_start_up(lora_setup, tmp_path):
     with pytest.raises(InvalidRequestError, match="this engine serves no LoRA adapters") as refused:
         LLM(lora_setup["base"], overrides=["device=cpu"]).generate([[1, 2, 3]], lora="a")
     assert refused.value.field == "lora"
+
+
+def test_adapters_loaded_and_unloaded_while_requests_run(lora_setup):
+    """Requests of every adapter enter between steps while adapters are unloaded and
+    loaded again under the same name (a new load: its own prefix-cache salt) on two slots
+    with prefix caching: every output is its adapter's, and nothing is left behind: no KV
+    block, no unloaded adapter in a slot."""
+    setup = lora_setup
+    llm = lora_llm(setup, "lora.max_adapters=2", "cache.enable_prefix_caching=true", "cache.block_size=4")
+    engine, slots = llm.engine, llm.engine.executor.lora
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    expected, finished = {}, {}
+
+    def add(index: int) -> None:
+        request = engine.add_request(setup["prompts"][index], params, lora=setup["loras"][index])
+        expected[request] = setup["expected"][index]
+
+    for round_ in range(3):
+        for index in range(len(setup["prompts"])):
+            add(index)
+            finished.update((o.request_id, o) for o in engine.step() if o.finished)
+        engine.unload_lora_adapter("b")
+        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+        engine.load_lora_adapter("b", setup["folders"]["b"])
+    while engine.has_unfinished_requests():
+        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert {rid: o.outputs[0].token_ids for rid, o in finished.items()} == expected
+    assert_no_leaked_blocks(llm)
+    for name in ADAPTERS:
+        engine.unload_lora_adapter(name)
+    llm.generate(setup["prompts"][:1], params, use_tqdm=False)
+    assert not slots.resident and all(not any(layer.widths) for layer in slots.layers.values())
