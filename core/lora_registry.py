@@ -32,6 +32,8 @@ class LoRARegistry:
     def of(cls, lora_cfg: Any, executor: Any) -> "LoRARegistry":
         """The registry of an engine config's ``lora`` node with its ``adapters`` loaded;
         ``ConfigError`` naming ``lora.adapters.<name>`` for each one that cannot load."""
+        if executor.lora_stats() is None:
+            raise ConfigError([f"lora: {type(executor).__name__} does not serve LoRA adapters; use executor=model"])
         registry = cls(executor, lora_cfg.max_rank)
         adapters = lora_cfg.adapters or {}
         if not hasattr(adapters, "items"):

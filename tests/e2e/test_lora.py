@@ -174,6 +174,8 @@ def test_refusals_at_start_up(lora_setup, tmp_path):
     (folder / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
     with pytest.raises(ConfigError, match=r"lora.adapters.d: use_dora: .* DoRA adapters are not supported"):
         LLM(lora_setup["base"], overrides=["device=cpu", f"lora.adapters={{d: '{folder}'}}"])
+    with pytest.raises(ConfigError, match="lora: SimulatedExecutor does not serve LoRA adapters"):
+        LLM(lora_setup["base"], overrides=["device=cpu", "executor=simulated", "lora.enabled=true"])
     with pytest.raises(InvalidRequestError, match="this engine serves no LoRA adapters") as refused:
         LLM(lora_setup["base"], overrides=["device=cpu"]).generate([[1, 2, 3]], lora="a")
     assert refused.value.field == "lora"
@@ -209,3 +211,21 @@ def test_adapters_loaded_and_unloaded_while_requests_run(lora_setup):
         engine.unload_lora_adapter(name)
     llm.generate(setup["prompts"][:1], params, use_tqdm=False)
     assert not slots.resident and all(not any(layer.widths) for layer in slots.layers.values())
+
+
+@pytest.mark.parametrize("family,targets", [
+    ("qwen2", ["q_proj", "k_proj", "v_proj", "gate_proj", "down_proj"]),  # q/k/v biases
+    ("phi3", ["qkv_proj", "gate_up_proj"]),                             # fused in the checkpoint too
+    ("opt", ["q_proj", "v_proj", "fc1", "fc2"]),
+    ("falcon", ["query_key_value", "dense_4h_to_h"]),                    # interleaved q/k/v rows
+])
+def test_other_families_equal_peft_merged_models(family, targets, tmp_path):
+    base = tiny_checkpoint(tmp_path / "base", family)
+    folder = save_adapter(base, str(tmp_path / "adapter"), 4, targets, 1)
+    llm = LLM(base, overrides=["model.dtype=float32", "device=cpu", f"lora.adapters={{x: '{folder}'}}"])
+    prompts = mixed_prompts(llm.engine.vocab_size, lengths=(5, 20))
+    outputs = llm.generate(prompts + prompts, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False,
+                           lora=["x", "x", None, None])
+    expected = transformers_greedy(folder + "-merged", prompts, 8) + transformers_greedy(base, prompts, 8)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert expected[:2] != expected[2:]
