@@ -82,6 +82,8 @@ class LoRASlots:
                                                               dtype, device, prefix)
         self.resident: OrderedDict[int, int] = OrderedDict()  # load id -> slot, least recently used first
         self.unloaded: set[int] = set()  # load ids of adapters no new request can name
+        self.segmented = device.type == "cuda"
+        """Apply adapters through the Triton kernel (CUDA; Triton's interpreter elsewhere)."""
         self.hits = self.misses = self.evictions = self.split_steps = 0
         self.load_seconds = 0.0
 
@@ -140,14 +142,22 @@ class LoRASlots:
 
     def _set_groups(self, adapters: Sequence[LoRAAdapter | None], query_lens: Sequence[int]) -> None:
         """Page in ``adapters`` (one per request, None: the base model) and group the step's
-        tokens by slot."""
+        tokens by slot (on CUDA: one segment per request, for the Triton kernel)."""
         used = {adapter.load_id: adapter for adapter in adapters if adapter is not None}
+        self.batch.segments = None
         if not used:
             self.batch.groups = []
             return
         slots = self._page_in(used)
-        token_slots = np.repeat(np.array([-1 if a is None else slots[a.load_id] for a in adapters]),
-                                np.array(query_lens))
+        request_slots = np.array([-1 if a is None else slots[a.load_id] for a in adapters], dtype=np.int32)
+        if self.segmented:
+            starts = np.zeros(len(adapters) + 1, dtype=np.int32)
+            np.cumsum(query_lens, out=starts[1:])
+            self.batch.groups = []
+            self.batch.segments = (torch.from_numpy(starts).to(self.device),
+                                   torch.from_numpy(request_slots).to(self.device))
+            return
+        token_slots = np.repeat(request_slots, np.array(query_lens))
         groups = []
         for slot in sorted(set(slots.values())):
             rows = np.flatnonzero(token_slots == slot)

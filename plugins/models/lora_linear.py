@@ -3,7 +3,10 @@
 ``LoRALinear`` wraps a projection of any type (``Linear``, ``QuantizedLinear``, ...) and
 adds, for the tokens of each adapter in the step, ``B(A(x))`` (the scale is folded into
 ``B``) to the base layer's output: one gather, two small matmuls and one scatter-add per
-adapter and layer (grouped low-rank matmuls). A fused projection (q/k/v, gate/up) holds each
+adapter and layer (grouped low-rank matmuls). On CUDA the step's tokens come as segments
+(one per request) with their slots instead, and ``servelab/kernels/lora_matmul.py``
+multiplies every adapter's tokens in two Triton launches per layer (Punica-style
+segmented gather matmuls). A fused projection (q/k/v, gate/up) holds each
 adapted part's columns of ``A`` side by side and its ``B`` rows at that part's output
 rows, so one pair of matmuls serves every part.
 
@@ -20,10 +23,12 @@ from torch import nn
 class LoRABatch:
     """The current step's adapter groups: (slot, token rows) pairs, the rows a [N] int64
     tensor, or None when the slot's adapter covers every token; empty when no token of
-    the step has an adapter."""
+    the step has an adapter. ``segments``, for the Triton kernel instead: (starts int32
+    [R + 1], slots int32 [R]), each request's token rows and slot (-1: none), or None."""
 
     def __init__(self):
         self.groups: list[tuple[int, torch.Tensor | None]] = []
+        self.segments: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class LoRALinear(nn.Module):
@@ -62,6 +67,12 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in_features] -> [T, out_features]."""
         out = self.base(x)
+        if self.batch.segments is not None:
+            from servelab.kernels.lora_matmul import lora_segment_matmul
+
+            starts, slots = self.batch.segments
+            shrunk = lora_segment_matmul(x, self.lora_a, starts, slots)
+            return lora_segment_matmul(shrunk, self.lora_b, starts, slots, out)
         for slot, rows in self.batch.groups:
             width = self.widths[slot]
             if not width:

@@ -229,3 +229,19 @@ def test_other_families_equal_peft_merged_models(family, targets, tmp_path):
     expected = transformers_greedy(folder + "-merged", prompts, 8) + transformers_greedy(base, prompts, 8)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert expected[:2] != expected[2:]
+
+
+def test_triton_segment_kernel_path_equals_peft_merged_models(lora_setup):
+    """The CUDA path (each request a segment, two launches of the Triton kernel per
+    projection), here in Triton's interpreter on a few short requests."""
+    pytest.importorskip("triton")
+    from servelab.kernels.availability import triton_interpret_enabled
+
+    if not triton_interpret_enabled() and not torch.cuda.is_available():
+        pytest.skip("Triton runs neither in its interpreter nor on a GPU here")
+    llm = lora_llm(lora_setup)
+    llm.engine.executor.lora.segmented = True
+    picked = [0, 1, 3]
+    outputs = llm.generate([lora_setup["prompts"][i] for i in picked], SamplingParams(temperature=0.0, max_tokens=4),
+                           use_tqdm=False, lora=[lora_setup["loras"][i] for i in picked])
+    assert [o.outputs[0].token_ids for o in outputs] == [lora_setup["expected"][i][:4] for i in picked]

@@ -49,3 +49,25 @@ def test_each_token_gets_its_slots_update(make):
     torch.testing.assert_close(layer(x), everyone)
     layer.clear(1)
     torch.testing.assert_close(layer(x), base(x))
+
+
+def test_segments_through_the_triton_kernel_equal_token_groups():
+    """The CUDA path (one segment per request, the Triton kernel; here in its interpreter)
+    gives what the grouped CPU path gives."""
+    pytest.importorskip("triton")
+    from servelab.kernels.availability import triton_interpret_enabled
+
+    if not triton_interpret_enabled() and not torch.cuda.is_available():
+        pytest.skip("Triton runs neither in its interpreter nor on a GPU here")
+    torch.manual_seed(0)
+    batch = LoRABatch()
+    layer = LoRALinear(float_layer(torch.randn(24, 16)), batch, num_slots=2, width=8, dtype=torch.float32,
+                       device=torch.device("cpu"))
+    layer.place(0, 0, torch.randn(4, 16), torch.randn(24, 4))
+    layer.place(1, 8, torch.randn(2, 16), torch.randn(8, 2))
+    x = torch.randn(6, 16)  # requests of 1, 3 and 2 tokens: slot 1, none, slot 0
+    batch.groups = [(0, torch.tensor([4, 5])), (1, torch.tensor([0]))]
+    grouped = layer(x)
+    batch.groups = []
+    batch.segments = (torch.tensor([0, 1, 4, 6], dtype=torch.int32), torch.tensor([1, -1, 0], dtype=torch.int32))
+    torch.testing.assert_close(layer(x), grouped)
