@@ -55,10 +55,29 @@ def router_options(cfg: DictConfig) -> dict[str, Any]:
             "num_replicas": cfg.server.replicas, "block_size": block_size}
 
 
+def routing_problems(cfg: DictConfig) -> list[str]:
+    """What keeps a router that reads cache events (``router=kv_aware``) from routing:
+    Ray Serve choosing the replicas instead, or replicas without a prefix cache."""
+    from servelab.core.engine.registry import get_registry
+
+    spec = get_registry().spec_for_config("router", cfg.router)
+    if not spec.cls.uses_cache_events:
+        return []
+    name, problems = spec.name, []
+    if cfg.server.routing != "router":
+        problems.append(f"router={name} needs server.routing=router (server.routing={cfg.server.routing} lets "
+                        f"Ray Serve pick the replicas)")
+    if not OmegaConf.select(cfg, "cache.enable_prefix_caching", default=False):
+        problems.append(f"router={name} routes by what the replicas' prefix caches hold: set "
+                        f"cache.enable_prefix_caching=true (cache=paged)")
+    return problems
+
+
 def build_app(cfg: DictConfig, model_name: str) -> Any:
     """The Ray Serve application: ``ServelabIngress`` over ``server.replicas`` replicas of
     ``EngineReplica``, each reserving ``server.replica_cpus`` CPUs and
-    ``server.replica_gpus`` GPUs, routed by Ray Serve or by the ``router=`` plugin."""
+    ``server.replica_gpus`` GPUs, routed by Ray Serve or by the ``router=`` plugin.
+    Raises ``ConfigError`` for the ``routing_problems``."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
@@ -67,6 +86,9 @@ def build_app(cfg: DictConfig, model_name: str) -> Any:
     from servelab.server.ray_serve.replica import EngineReplica
     from servelab.server.ray_serve.request_router import PluginRequestRouter
 
+    problems = routing_problems(cfg)
+    if problems:
+        raise ConfigError(problems)
     server = cfg.server
     options: dict[str, Any] = {}
     if server.routing == "router":

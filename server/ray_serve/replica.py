@@ -41,6 +41,8 @@ class EngineReplica:
         engine = AsyncEngine(process, metrics, server.max_queued_requests, server.request_timeout_s)
         self.state = ServerState(engine, server, model_name)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.reports = 0
+        """Routing statistics reported so far: tells a router a new snapshot of the cache."""
         self.app = create_app(self.state)
         self._lifespan = self.app.router.lifespan_context(self.app)
         await self._lifespan.__aenter__()
@@ -59,14 +61,13 @@ class EngineReplica:
         return self.replica_id, self.state.engine.metrics.render()
 
     def record_routing_stats(self) -> dict[str, Any]:
-        """What a servelab router sees of this replica (Ray Serve polls it): sequences
-        running and waiting, and KV cache usage, after the engine's latest step; under
-        ``router=kv_aware`` also the chained hashes of the blocks its prefix cache holds."""
+        """What a servelab router sees of this replica (Ray Serve polls it): its KV cache
+        usage after the engine's latest step, the number of this report and, under
+        ``router=kv_aware``, the chained hashes of the blocks its prefix cache holds."""
         engine = self.state.engine
-        registry = engine.metrics.registry
-        return {"num_running": int(registry.get_sample_value("servelab:num_requests_running") or 0),
-                "num_waiting": int(registry.get_sample_value("servelab:num_requests_waiting") or 0),
-                "kv_usage": registry.get_sample_value("servelab:kv_cache_usage_perc") or 0.0,
+        self.reports += 1
+        usage = engine.metrics.registry.get_sample_value("servelab:kv_cache_usage_perc")
+        return {"kv_usage": usage or 0.0, "report": self.reports,
                 "cached_blocks": sorted(engine.instances[0].cached_blocks)}
 
     def check_health(self) -> None:
