@@ -245,3 +245,24 @@ def test_triton_segment_kernel_path_equals_peft_merged_models(lora_setup):
     outputs = llm.generate([lora_setup["prompts"][i] for i in picked], SamplingParams(temperature=0.0, max_tokens=4),
                            use_tqdm=False, lora=[lora_setup["loras"][i] for i in picked])
     assert [o.outputs[0].token_ids for o in outputs] == [lora_setup["expected"][i][:4] for i in picked]
+
+
+def test_prompt_logprobs_and_parallel_sequences_survive_split_steps(lora_setup):
+    """Prompt logprobs and n=2 sequences of requests of three adapters and the base model:
+    one slot (each step split into a pass per adapter, the rows put back in order) gives
+    what a slot per adapter gives, and both sequences are the adapter's greedy tokens."""
+    setup = lora_setup
+    params = SamplingParams(temperature=0.0, max_tokens=4, n=2, prompt_logprobs=1)
+    runs = []
+    for slots in (1, 4):
+        outputs = lora_llm(setup, f"lora.max_adapters={slots}").generate(
+            setup["prompts"][:4], params, use_tqdm=False, lora=setup["loras"][:4])
+        for output, expected in zip(outputs, setup["expected"]):
+            assert [c.token_ids for c in output.outputs] == [expected[:4]] * 2
+        runs.append([[None if entry is None else {t: lp.logprob for t, lp in entry.items()}
+                      for entry in output.prompt_logprobs] for output in outputs])
+    assert [[None if e is None else sorted(e) for e in p] for p in runs[0]] == \
+        [[None if e is None else sorted(e) for e in p] for p in runs[1]]
+    for split, whole in zip(runs[0], runs[1]):
+        for a, b in zip(split, whole):
+            assert a is None or a == pytest.approx(b, abs=1e-5)
