@@ -158,11 +158,13 @@ class LoRASlots:
                                    torch.from_numpy(request_slots).to(self.device))
             return
         token_slots = np.repeat(request_slots, np.array(query_lens))
-        groups = []
-        for slot in sorted(set(slots.values())):
-            rows = np.flatnonzero(token_slots == slot)
-            groups.append((slot, None if len(rows) == len(token_slots) else torch.from_numpy(rows).to(self.device)))
-        self.batch.groups = groups
+        adapted = np.flatnonzero(token_slots >= 0)
+        order = adapted[np.argsort(token_slots[adapted], kind="stable")]
+        ordered_slots = token_slots[order]
+        bounds = [0, *(np.flatnonzero(np.diff(ordered_slots)) + 1).tolist(), len(order)]
+        self.batch.groups = [(int(ordered_slots[start]), start, end) for start, end in zip(bounds, bounds[1:])]
+        in_place = len(order) == len(token_slots) and bool((order == np.arange(len(order))).all())
+        self.batch.rows = None if in_place else torch.from_numpy(order).to(self.device)
 
     def chunks(self, grants: Sequence[ScheduledRequest]) -> list[list[int]]:
         """The grants (by index, each list in the step's order) of each forward pass: the

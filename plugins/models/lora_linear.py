@@ -2,8 +2,9 @@
 
 ``LoRALinear`` wraps a projection of any type (``Linear``, ``QuantizedLinear``, ...) and
 adds, for the tokens of each adapter in the step, ``B(A(x))`` (the scale is folded into
-``B``) to the base layer's output: one gather, two small matmuls and one scatter-add per
-adapter and layer (grouped low-rank matmuls). On CUDA the step's tokens come as segments
+``B``) to the base layer's output: the adapted tokens gathered once in slot order, two
+small matmuls per adapter over its consecutive rows (grouped low-rank matmuls), one
+scatter-add of the result. On CUDA the step's tokens come as segments
 (one per request) with their slots instead, and ``servelab/kernels/lora_matmul.py``
 multiplies every adapter's tokens in two Triton launches per layer (Punica-style
 segmented gather matmuls). A fused projection (q/k/v, gate/up) holds each
@@ -21,13 +22,16 @@ from torch import nn
 
 
 class LoRABatch:
-    """The current step's adapter groups: (slot, token rows) pairs, the rows a [N] int64
-    tensor, or None when the slot's adapter covers every token; empty when no token of
-    the step has an adapter. ``segments``, for the Triton kernel instead: (starts int32
-    [R + 1], slots int32 [R]), each request's token rows and slot (-1: none), or None."""
+    """The current step's adapted tokens: ``rows`` [N] int64, the step's rows of every
+    token that has an adapter, ordered by slot (None: every token, already in that order);
+    ``groups``, (slot, start, end) per slot: its tokens are ``rows[start:end]``; empty when
+    no token of the step has an adapter. ``segments``, for the Triton kernel instead:
+    (starts int32 [R + 1], slots int32 [R]), each request's token rows and slot (-1: none),
+    or None."""
 
     def __init__(self):
-        self.groups: list[tuple[int, torch.Tensor | None]] = []
+        self.rows: torch.Tensor | None = None
+        self.groups: list[tuple[int, int, int]] = []
         self.segments: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
@@ -73,16 +77,19 @@ class LoRALinear(nn.Module):
             starts, slots = self.batch.segments
             shrunk = lora_segment_matmul(x, self.lora_a, starts, slots)
             return lora_segment_matmul(shrunk, self.lora_b, starts, slots, out)
-        for slot, rows in self.batch.groups:
+        groups = [group for group in self.batch.groups if self.widths[group[0]]]
+        if not groups:
+            return out
+        rows = self.batch.rows
+        adapted = x if rows is None else x.index_select(0, rows)
+        delta = out.new_zeros(adapted.shape[0], self.out_features)
+        for slot, start, end in groups:
             width = self.widths[slot]
-            if not width:
-                continue
-            a, b = self.lora_a[slot, :, :width], self.lora_b[slot, :width]
-            if rows is None:
-                out += (x @ a) @ b
-            else:
-                out.index_add_(0, rows, (x.index_select(0, rows) @ a) @ b)
-        return out
+            torch.mm(adapted[start:end] @ self.lora_a[slot, :, :width], self.lora_b[slot, :width],
+                     out=delta[start:end])
+        if rows is None:
+            return out.add_(delta)
+        return out.index_add_(0, rows, delta)
 
 
 def projections(layers: nn.Module) -> list[tuple[str, nn.Module, nn.Module, int]]:

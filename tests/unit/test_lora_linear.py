@@ -41,9 +41,9 @@ def test_each_token_gets_its_slots_update(make):
     expected = base(x).clone()
     expected[[0, 3]] += x[[0, 3]] @ a0.t() @ b0.t()
     expected[[1], 8:16] += x[[1]] @ a1.t() @ b1.t()
-    batch.groups = [(0, torch.tensor([0, 3])), (1, torch.tensor([1]))]
+    batch.rows, batch.groups = torch.tensor([0, 3, 1]), [(0, 0, 2), (1, 2, 3)]
     torch.testing.assert_close(layer(x), expected)
-    batch.groups = [(1, None)]
+    batch.rows, batch.groups = None, [(1, 0, 5)]
     everyone = base(x).clone()
     everyone[:, 8:16] += x @ a1.t() @ b1.t()
     torch.testing.assert_close(layer(x), everyone)
@@ -66,8 +66,8 @@ def test_segments_through_the_triton_kernel_equal_token_groups():
     layer.place(0, 0, torch.randn(4, 16), torch.randn(24, 4))
     layer.place(1, 8, torch.randn(2, 16), torch.randn(8, 2))
     x = torch.randn(6, 16)  # requests of 1, 3 and 2 tokens: slot 1, none, slot 0
-    batch.groups = [(0, torch.tensor([4, 5])), (1, torch.tensor([0]))]
+    batch.rows, batch.groups = torch.tensor([4, 5, 0]), [(0, 0, 2), (1, 2, 3)]
     grouped = layer(x)
-    batch.groups = []
+    batch.rows, batch.groups = None, []
     batch.segments = (torch.tensor([0, 1, 4, 6], dtype=torch.int32), torch.tensor([1, -1, 0], dtype=torch.int32))
     torch.testing.assert_close(layer(x), grouped)
