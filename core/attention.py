@@ -41,6 +41,24 @@ class AttentionSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class TreeMask:
+    """Which keys of a token tree each new token reads (``core/token_tree.py`` builds it).
+
+    Request r's tree occupies the last ``lens[r]`` keys of its context (0: no tree, plain
+    causal attention); its keys before the tree are read by every new token. New token t
+    (a row of the flat batch) reads tree key j of its request iff ``mask[t, j]``: its
+    ancestors and itself.
+
+    Fields: ``mask`` [T, W] bool on the model's device (W = max(lens)); ``lens``: per
+    request (host); ``lens_tensor``: the same, int32 [R] on the model's device.
+    """
+
+    mask: torch.Tensor
+    lens: tuple[int, ...]
+    lens_tensor: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
 class BatchLayout:
     """One step's flat token batch: R requests, T new tokens, no padding.
 
@@ -55,6 +73,7 @@ class BatchLayout:
       block_size: slots per block.
       max_query_len / max_seq_len: maxima over the batch.
       query_lens / seq_lens_list: host copies, for backends that loop in Python.
+      tree: token trees verified or drafted this step (None: every request is causal).
     """
 
     query_start_loc: torch.Tensor
@@ -66,6 +85,7 @@ class BatchLayout:
     max_seq_len: int
     query_lens: tuple[int, ...]
     seq_lens_list: tuple[int, ...]
+    tree: TreeMask | None = None
 
     @property
     def num_requests(self) -> int:
@@ -102,6 +122,15 @@ class AttentionBackend(abc.ABC):
         float32 scale, so block copies, swapping and prefix caching carry the scales."""
         row = self.spec.head_dim + (SCALE_BYTES if self.spec.kv_quantized else 0)
         return (2, num_blocks, block_size, self.spec.num_kv_heads, row)
+
+    def copy_slots(self, kv_cache: torch.Tensor, sources: torch.Tensor, destinations: torch.Tensor) -> None:
+        """Copy the keys and values at cache slots ``sources`` [n] int64 to ``destinations``
+        [n] (a verified token tree's kept path moved into consecutive slots); every source
+        is read before any destination is written. A backend with its own cache layout
+        overrides it."""
+        raw = kv_cache.view(torch.uint8) if self.spec.kv_quantized else kv_cache
+        flat = raw.view(2, -1, raw.shape[-2], raw.shape[-1])
+        flat[:, destinations] = flat[:, sources]
 
     @classmethod
     def resolve(cls, config: Any, spec: AttentionSpec, registry: Any) -> Any:

@@ -17,9 +17,12 @@ class DecodeResult:
     asked for logprobs; an empty dict for requests that did not ask).
     ``num_draft_tokens[i]`` / ``num_accepted_drafts[i]``: drafts verified for request i
     and how many of them it kept (None without speculation).
+    ``accepted_nodes[i]``: the draft nodes request i kept, root to leaf, when its drafts
+    were a token tree (None for chains: the first ``num_accepted_drafts[i]``).
     """
 
     token_ids: list[list[int]]
     logprobs: list[list[dict[int, Logprob]]] | None = None
     num_draft_tokens: tuple[int, ...] | None = None
     num_accepted_drafts: list[int] | None = None
+    accepted_nodes: list[list[int]] | None = None

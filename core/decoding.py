@@ -24,8 +24,8 @@ if TYPE_CHECKING:
 class DecodeBatch:
     """The requests that produce tokens this step, in logits-row order.
 
-    ``requests[i]`` owns ``1 + num_draft_tokens[i]`` consecutive logits rows (one per
-    verified draft position plus the bonus position); ``scheduled`` is the whole step
+    ``requests[i]`` owns ``1 + num_draft_tokens[i]`` consecutive logits rows (its last
+    token's, then one per draft; a tree's drafts in node order); ``scheduled`` is the whole step
     (a draft model follows it to keep its own cache in step with the target's).
     """
 
@@ -36,14 +36,22 @@ class DecodeBatch:
 
 @dataclass(frozen=True, slots=True)
 class Proposal:
-    """Draft tokens per request of a ``DecodeBatch`` (possibly empty lists).
+    """Draft tokens per request of a ``DecodeBatch`` (possibly empty lists), as chains or
+    as token trees.
 
-    ``draft_probs``: [sum(len(d)), V] float32 probabilities the drafter sampled from
-    (None for deterministic drafters such as n-gram lookup or greedy drafts).
+    ``parents``: None when each request's drafts are a chain; else ``parents[i][n]`` is
+    the draft that draft n of request i continues (-1: the request's last token), every
+    parent before its children (``core/token_tree.py``). A tree of N drafts takes N of
+    the request's lookahead tokens.
+    ``draft_probs``: [sum(len(d)), V] float32: the distribution each draft was drawn from,
+    given its earlier siblings (None for deterministic drafters such as n-gram lookup or
+    greedy drafts: one-hot). Siblings drawn without replacement from q carry q with the
+    earlier siblings removed; drawn with replacement, q itself.
     """
 
     draft_token_ids: tuple[list[int], ...]
     draft_probs: torch.Tensor | None = None
+    parents: tuple[list[int], ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,12 +73,20 @@ class DecodingContext:
     runs_model: bool = True
 
 
-def lookahead_allowances(output: SchedulerOutput, max_model_len: int) -> tuple[int, ...]:
+def lookahead_allowances(output: SchedulerOutput, max_model_len: int, block_size: int | None = None) -> tuple[int, ...]:
     """Draft tokens each sampling request of ``output`` may have verified this step: the
-    step's lookahead for a decode grant (one new token), cut at ``max_model_len``; 0 for
-    the last chunk of a prefill."""
-    return tuple(min(output.num_lookahead_tokens, max_model_len - g.request.num_tokens) if g.num_new_tokens == 1 else 0
-                 for g in output.scheduled if g.samples)
+    step's lookahead for a decode grant (one new token), cut at ``max_model_len`` and,
+    given the cache's ``block_size``, at the slots the grant's blocks hold (a request
+    admitted with all but one token cached got no lookahead slots); 0 for the last chunk
+    of a prefill."""
+    allowances = []
+    for g in output.scheduled:
+        if g.samples:
+            allowance = min(output.num_lookahead_tokens, max_model_len - g.request.num_tokens) if g.num_new_tokens == 1 else 0
+            if block_size is not None:
+                allowance = min(allowance, len(g.block_ids) * block_size - g.num_computed_tokens - g.num_new_tokens)
+            allowances.append(max(allowance, 0))
+    return tuple(allowances)
 
 
 class DecodingStrategy(abc.ABC):

@@ -23,6 +23,21 @@ class InvalidRequestError(ValueError):
         return type(self), (self.field, self.message)
 
 
+class ProposalError(ValueError):
+    """A decoding strategy proposed drafts the engine cannot verify (a malformed token
+    tree); names the request and the rule broken."""
+
+    def __init__(self, request_id: str, strategy: str, rule: str):
+        self.request_id = request_id
+        self.strategy = strategy
+        self.rule = rule
+        super().__init__(f"request {request_id!r}: the token tree proposed by {strategy} is refused: {rule}")
+
+    def __reduce__(self):
+        """Pickle by request, strategy and rule (the server gets it from the engine process)."""
+        return type(self), (self.request_id, self.strategy, self.rule)
+
+
 class EngineShutdownError(RuntimeError):
     """An engine used after ``shutdown``: it holds no model, workers or KV cache any more."""
 

@@ -49,6 +49,18 @@ def attention_mask(query_len: int, seq_len: int, sliding_window: int | None, dev
     return allowed
 
 
+def tree_attention_mask(layout, request: int, first_row: int, window: int | None) -> torch.Tensor:
+    """Boolean [query_len, seq_len] for request ``request`` of ``layout`` whose rows start at
+    ``first_row``: causal (optional window), with the keys of its token tree
+    (``layout.tree``) read only by their descendants."""
+    query_len, seq_len = layout.query_lens[request], layout.seq_lens_list[request]
+    allowed = attention_mask(query_len, seq_len, window, layout.slot_mapping.device)
+    size = layout.tree.lens[request] if layout.tree is not None else 0
+    if size:
+        allowed[:, seq_len - size:] = layout.tree.mask[first_row:first_row + query_len, :size]
+    return allowed
+
+
 def reads_only_new_tokens(query_len: int, seq_len: int, sliding_window: int | None) -> bool:
     """True when a request's attention is plain causal attention over its new tokens: no
     cached context and no window shorter than the sequence (a fresh prefill)."""

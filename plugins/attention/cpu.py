@@ -25,7 +25,7 @@ class CpuMetadata:
     + fresh_lengths[i]`` of requests whose context is exactly their new tokens (causal
     SDPA over their own k/v, no cache read), and ``cached`` [n] int32 indices of the other
     requests (decodes, chunked prefills, prefix-cache hits, speculative verification),
-    which the paged kernel serves."""
+    which the paged kernel serves (masking the layout's token trees)."""
 
     layout: BatchLayout
     fresh_starts: tuple[int, ...]
@@ -37,7 +37,7 @@ class CpuAttention(AttentionBackend):
     """Requests with cached context go through ``servelab_cpu.paged_attention``: one pass
     over each context straight from the block table in its own tiled cache layout
     (``kv_cache_shape``), grouped-query heads sharing every key/value load, online softmax
-    in float32, threads over (request, KV head, query tile). Fresh prefills attend over
+    in float32, threads over (request, KV head, query tile), token trees masked. Fresh prefills attend over
     their new keys and values only (``servelab_cpu.causal_prefill_attention``): on the AMX
     tile unit in bfloat16, otherwise torch's fused SDPA, short prompts side by side on the
     threads. A quantized cache (``cache.kv_dtype`` int8 / fp8_e4m3) is written quantized
@@ -83,12 +83,29 @@ class CpuAttention(AttentionBackend):
         row = self.spec.head_dim + (SCALE_BYTES if self.spec.kv_quantized else 0)
         return (num_blocks, self.spec.num_kv_heads, 2, block_size * row)
 
+    def copy_slots(self, kv_cache: torch.Tensor, sources: torch.Tensor, destinations: torch.Tensor) -> None:
+        """See ``AttentionBackend.copy_slots``: in the tiled layout a slot is a column of
+        its block's key tile, a row of its value tile, and (quantized) one scale of each."""
+        raw = kv_cache.view(torch.uint8) if self._kv_quantized else kv_cache
+        head_dim = self.spec.head_dim
+        block_size = raw.shape[-1] // (head_dim + (SCALE_BYTES if self._kv_quantized else 0))
+        values_end = block_size * head_dim
+        parts = [raw[:, :, 0, :values_end].unflatten(-1, (head_dim, block_size)).transpose(-1, -2),
+                 raw[:, :, 1, :values_end].unflatten(-1, (block_size, head_dim))]
+        if self._kv_quantized:
+            parts += [raw[:, :, i, values_end:].unflatten(-1, (block_size, SCALE_BYTES)) for i in (0, 1)]
+        src_block, src_slot = sources // block_size, sources % block_size
+        dst_block, dst_slot = destinations // block_size, destinations % block_size
+        for part in parts:  # [blocks, Hkv, block_size, row]
+            part[dst_block, :, dst_slot] = part[src_block, :, src_slot]
+
     def build_metadata(self, layout: BatchLayout) -> CpuMetadata:
         """Sort requests into fresh prefills and cached-context requests."""
         window = self.spec.sliding_window
         fresh_starts, fresh_lengths, cached, start = [], [], [], 0
+        tree_lens = layout.tree.lens if layout.tree is not None else (0,) * len(layout.query_lens)
         for r, (query_len, seq_len) in enumerate(zip(layout.query_lens, layout.seq_lens_list)):
-            if query_len > 1 and reads_only_new_tokens(query_len, seq_len, window):
+            if query_len > 1 and reads_only_new_tokens(query_len, seq_len, window) and not tree_lens[r]:
                 fresh_starts.append(start)
                 fresh_lengths.append(query_len)
             else:
@@ -108,7 +125,8 @@ class CpuAttention(AttentionBackend):
             self._ops.causal_prefill_attention(out, q, k, v, meta.fresh_starts, meta.fresh_lengths, self.spec.scale)
         if meta.cached.numel():
             self._ops.paged_attention(out, q, kv_cache, layout.block_table, layout.query_start_loc, layout.seq_lens,
-                                      meta.cached, self.spec.scale, self.spec.sliding_window or 0)
+                                      meta.cached, self.spec.scale, self.spec.sliding_window or 0,
+                                      *((layout.tree.mask, layout.tree.lens_tensor) if layout.tree else (None, None)))
         return out
 
 

@@ -24,7 +24,8 @@ class FlashAttentionConfig:
 
 class FlashAttention(AttentionBackend):
     """Writes k/v with the cache-write kernel, then runs the varlen kernel over the block
-    table, or the flash-decoding kernel for pure-decode steps. Runs on CUDA, or on CPU
+    table (masking token trees), or the flash-decoding kernel for pure-decode steps without
+    trees. Runs on CUDA, or on CPU
     inside Triton's interpreter when ``TRITON_INTERPRET=1``. Quantized caches (int8,
     float8_e4m3) are written quantized and their scales applied inside the kernels."""
 
@@ -62,11 +63,14 @@ class FlashAttention(AttentionBackend):
                 meta: BatchLayout, layer_index: int) -> torch.Tensor:
         """See ``AttentionBackend.forward``."""
         self._write(k, v, kv_cache, meta.slot_mapping)
-        if meta.is_pure_decode and self.config.decode_kernel:
+        tree = meta.tree
+        if meta.is_pure_decode and self.config.decode_kernel and tree is None:
             return self._decode(q, kv_cache, meta.seq_lens, meta.block_table, self.spec.scale,
                                 max_seq_len=meta.max_seq_len, sliding_window=self.spec.sliding_window)
         return self._varlen(q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table, self.spec.scale,
-                            meta.max_query_len, sliding_window=self.spec.sliding_window)
+                            meta.max_query_len, sliding_window=self.spec.sliding_window,
+                            tree_mask=None if tree is None else tree.mask,
+                            tree_lens=None if tree is None else tree.lens_tensor)
 
 
 SPEC = ComponentSpec("attention", "flash", FlashAttention, FlashAttentionConfig,

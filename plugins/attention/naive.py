@@ -8,7 +8,7 @@ import torch
 
 from servelab.core.attention import AttentionBackend, BatchLayout
 from servelab.core.component import ComponentSpec
-from servelab.plugins.attention.cache_ops import attention_mask, context_slots, gather_kv, write_kv
+from servelab.plugins.attention.cache_ops import context_slots, gather_kv, tree_attention_mask, write_kv
 from servelab.plugins.attention.softcap import capped
 
 
@@ -20,7 +20,7 @@ class NaiveAttentionConfig:
 class NaiveAttention(AttentionBackend):
     """Loops over requests, gathers each context through its block table (dequantized to
     float32 from a quantized cache), and computes softmax(q k^T * scale) v with the causal
-    mask (the scaled scores soft-capped first when ``spec.softcap`` is set); grouped-query
+    mask (token trees: each node reads its ancestors only; the scaled scores soft-capped first when ``spec.softcap`` is set); grouped-query
     heads are repeated."""
 
     reads_quantized_kv = True
@@ -39,7 +39,7 @@ class NaiveAttention(AttentionBackend):
             values = values.repeat_interleave(group, dim=1)
             query = q[start:start + query_len].float()
             scores = capped(torch.einsum("qhd,khd->hqk", query, keys) * self.spec.scale, self.spec.softcap)
-            allowed = attention_mask(query_len, seq_len, self.spec.sliding_window, q.device)
+            allowed = tree_attention_mask(meta, r, start, self.spec.sliding_window)
             probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
             out[start:start + query_len] = torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
             start += query_len

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from servelab.core.attention import AttentionBackend, BatchLayout
 from servelab.core.component import ComponentSpec
 from servelab.kernels.kv_quantization import round_trip
-from servelab.plugins.attention.cache_ops import attention_mask, dequantized, reads_only_new_tokens, write_kv
+from servelab.plugins.attention.cache_ops import dequantized, reads_only_new_tokens, tree_attention_mask, write_kv
 from servelab.plugins.attention.softcap import softcapped_attention
 
 
@@ -80,7 +80,8 @@ requests, so a padded batch gathers little more than its real contexts."""
 
 class SdpaAttention(AttentionBackend):
     """Batches single-token requests into a few padded SDPA calls (by context length)
-    and runs the others one by one (plain causal SDPA when nothing is cached yet); with
+    and runs the others one by one, with an explicit mask where they have cached context
+    or a token tree (plain causal SDPA when nothing is cached yet); with
     ``spec.softcap`` every call takes the explicit-scores path, which caps the scores.
 
     Contexts are gathered block by block into a persistent workspace: a fresh buffer per
@@ -103,18 +104,19 @@ class SdpaAttention(AttentionBackend):
         starts = [0]
         for query_len in layout.query_lens:
             starts.append(starts[-1] + query_len)
-        decode = [r for r, n in enumerate(layout.query_lens) if n == 1]
+        tree_lens = layout.tree.lens if layout.tree is not None else (0,) * len(layout.query_lens)
+        decode = [r for r, n in enumerate(layout.query_lens) if n == 1 and tree_lens[r] <= 1]
         prefills = []
         for r, (query_len, seq_len) in enumerate(zip(layout.query_lens, layout.seq_lens_list)):
-            if query_len == 1:
+            if query_len == 1 and tree_lens[r] <= 1:
                 continue
-            fresh = reads_only_new_tokens(query_len, seq_len, window)
+            fresh = reads_only_new_tokens(query_len, seq_len, window) and not tree_lens[r]
             num_blocks = -(-seq_len // size)
             blocks = None if fresh else layout.block_table[r, :num_blocks].long()
             mask = None
             if not fresh:
                 mask = torch.zeros(query_len, num_blocks * size, dtype=torch.bool, device=device)
-                mask[:, :seq_len] = attention_mask(query_len, seq_len, window, device)
+                mask[:, :seq_len] = tree_attention_mask(layout, r, starts[r], window)
             prefills.append(PrefillPart(starts[r], query_len, blocks, mask))
         decode.sort(key=lambda r: layout.seq_lens_list[r])
         count = max(1, min(MAX_DECODE_BUCKETS, len(decode) // MIN_BUCKET_REQUESTS))

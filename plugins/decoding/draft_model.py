@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Sequence
 
 import torch
@@ -14,6 +15,7 @@ from servelab.core.kv_cache import CacheContext
 from servelab.core.request import Request
 from servelab.core.engine.resolved_model import ResolvedModel
 from servelab.core.scheduler import ScheduledRequest
+from servelab.core.token_tree import with_trees
 from servelab.plugins.decoding.sampler import random_race
 from servelab.plugins.decoding.speculative_sampling import target_probabilities
 from servelab.plugins.executor.device_worker import DeviceWorker
@@ -94,6 +96,41 @@ class DraftModel:
                 self.sequences[requests[i].request_id].token_ids.append(tokens[k])
         flat = [row for request_rows in rows for row in request_rows]
         return drafts, torch.stack(flat) if flat else None
+
+    @torch.inference_mode()
+    def catch_up(self, requests: Sequence[Request]) -> tuple[list[int], torch.Tensor | None]:
+        """Run each request's tokens the draft has not cached: the indices (into
+        ``requests``) of those that had room, and the draft's logits at their last token."""
+        sequences = []
+        for request in requests:
+            sequence = self.sequences.setdefault(request.request_id, DraftSequence(request.request_id))
+            sequence.token_ids = list(request.token_ids)
+            sequences.append(sequence)
+        grants = self._grant(sequences)
+        kept = [k for k, grant in enumerate(grants) if grant is not None]
+        return kept, self._forward([grants[k] for k in kept]) if kept else None
+
+    @torch.inference_mode()
+    def run_tree(self, requests: Sequence[Request], new_tokens: Sequence[list[int]],
+                 regions: Sequence[list[int]]) -> tuple[list[int], torch.Tensor | None]:
+        """Append ``new_tokens[i]`` to request i's draft sequence as the last nodes of its
+        token tree ``regions[i]`` (parents over the tree's nodes, which follow the
+        request's tokens) and run them, each reading its ancestors only: the indices of
+        the requests that had room, and logits for each of their new tokens in order."""
+        sequences = [self.sequences[request.request_id] for request in requests]
+        for sequence, tokens in zip(sequences, new_tokens):
+            sequence.token_ids += tokens
+        grants = self._grant(sequences)
+        kept = [k for k, grant in enumerate(grants) if grant is not None]
+        if not kept:
+            return kept, None
+        inputs = build_step_inputs([grants[k] for k in kept], (), self.cache.block_size, self.device)
+        inputs = with_trees(inputs, [regions[k] for k in kept])
+        inputs = replace(inputs, logits_indices=torch.arange(inputs.input_ids.shape[0], device=self.device))
+        logits = self.worker.logits(inputs)
+        for k in kept:
+            grants[k].request.num_computed_tokens += grants[k].num_new_tokens
+        return kept, logits
 
     def _grant(self, sequences: list[DraftSequence]) -> list[ScheduledRequest | None]:
         grants = []

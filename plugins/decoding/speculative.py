@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from random import Random
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
@@ -14,6 +14,7 @@ from servelab.core.checkpoint import load_checkpoint
 from servelab.core.errors import ConfigError
 from servelab.core.request import Request
 from servelab.plugins.decoding.draft_model import DraftModel
+from servelab.plugins.decoding.draft_tree import TreeDrafter, tree_config_problems
 from servelab.plugins.decoding.speculative_sampling import simulated_acceptance, speculation_problems, verify
 
 
@@ -24,7 +25,14 @@ class SpeculativeDecodingConfig:
     its own paged cache of ``draft_block_size`` blocks in ``draft_memory_bytes``; k = 0
     drafts nothing (the target alone: a k sweep's baseline).
     ``simulated_acceptance_rate``: under ``executor=simulated``, the probability that the
-    target accepts each draft token (the draft model's passes are priced, not run)."""
+    target accepts each draft token (the draft model's passes are priced, not run).
+
+    Token trees instead of a chain (``plugins/decoding/draft_tree.py``): ``tree``, a static
+    shape as a choice list (``[[0], [1], [0, 0]]``: each node by the child ranks on its
+    path); or ``tree_nodes`` > 0, a dynamic tree of that many nodes at most
+    ``tree_depth`` deep, expanding the ``tree_top_k`` most probable nodes of each level
+    into ``tree_top_k`` children. A tree of N nodes takes N lookahead tokens (it replaces
+    ``num_speculative_tokens``)."""
 
     draft: str = "tiny-draft"
     draft_path: Optional[str] = None
@@ -32,6 +40,10 @@ class SpeculativeDecodingConfig:
     draft_block_size: int = 16
     draft_memory_bytes: int = 256 * 1024 * 1024
     simulated_acceptance_rate: float = 0.7
+    tree: Optional[List[List[int]]] = None
+    tree_nodes: int = 0
+    tree_depth: int = 4
+    tree_top_k: int = 4
 
 
 class SpeculativeDecoding(DecodingStrategy):
@@ -40,14 +52,19 @@ class SpeculativeDecoding(DecodingStrategy):
 
     def __init__(self, config: SpeculativeDecodingConfig, context=None):
         super().__init__(config, context)
-        problems = speculation_problems(config)
+        problems = speculation_problems(config) + tree_config_problems(config)
         if problems:
             raise ConfigError(problems)
-        self.num_lookahead_tokens = config.num_speculative_tokens
+        self.num_lookahead_tokens = (len(config.tree) if config.tree else config.tree_nodes or
+                                     config.num_speculative_tokens)
+        self.trees = None
         if context.runs_model:
             self.draft = DraftModel(self._draft_model_config(), context, config.draft_block_size,
                                     config.draft_memory_bytes)
             self.draft_model_shape = self.draft.shape
+            if config.tree or config.tree_nodes:
+                self.trees = TreeDrafter(self.draft, config.tree, config.tree_nodes, config.tree_depth,
+                                         config.tree_top_k)
         else:
             checkpoint = load_checkpoint(self._draft_model_config())
             self.draft_model_shape = context.registry.get("model", checkpoint.architecture).cls.shape_of(
@@ -62,15 +79,19 @@ class SpeculativeDecoding(DecodingStrategy):
         return compose_config([f"model={self.config.draft}"]).model
 
     def propose(self, batch: DecodeBatch) -> Proposal:
-        """Draft tokens from the draft model for every request allowed lookahead."""
+        """Draft tokens (a chain or a token tree) from the draft model for every request
+        allowed lookahead."""
+        if self.trees is not None:
+            return self.trees.propose(batch.requests, batch.num_draft_tokens)
         drafts, probs = self.draft.propose(batch.requests, batch.num_draft_tokens)
         return Proposal(tuple(drafts), probs)
 
     def accept(self, logits: torch.Tensor, batch: DecodeBatch, proposal: Proposal | None) -> DecodeResult:
-        """Verify, then roll the draft cache back to the tokens that survived."""
+        """Verify, then roll the draft cache back to the tokens that survived (a tree's
+        whole: the kept path runs through the draft again with the next step's catch-up)."""
         result = verify(logits, batch, proposal)
         for request, kept in zip(batch.requests, result.num_accepted_drafts):
-            self.draft.rollback(request, request.num_tokens + kept)
+            self.draft.rollback(request, request.num_tokens + (kept if self.trees is None else 0))
         return result
 
     def on_request_finished(self, request: Request) -> None:
@@ -84,7 +105,11 @@ class SpeculativeDecoding(DecodingStrategy):
             self.draft.close()
 
     def simulated_acceptance(self, allowances: tuple[int, ...], random: Random) -> list[int]:
-        """Each draft kept with probability ``simulated_acceptance_rate``."""
+        """Each draft kept with probability ``simulated_acceptance_rate`` (a tree: along
+        one path, at most its depth)."""
+        if self.config.tree or self.config.tree_nodes:
+            depth = max(map(len, self.config.tree)) if self.config.tree else self.config.tree_depth
+            allowances = tuple(min(a, depth) for a in allowances)
         return simulated_acceptance(allowances, self.config.simulated_acceptance_rate, random)
 
 

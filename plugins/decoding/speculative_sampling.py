@@ -5,7 +5,8 @@ target's logits after the request's temperature and filters), draft x_j is accep
 probability min(1, p_j(x_j) / q_j(x_j)); at the first rejection the token is drawn from
 normalize(max(0, p_j - q_j)); if every draft is accepted a bonus token is drawn from
 p_{d+1}. The output distribution is exactly the target's. Greedy requests accept a draft
-iff it equals the target's argmax, which reproduces plain greedy decoding.
+iff it equals the target's argmax, which reproduces plain greedy decoding. ``verify``
+applies the rule to token trees (``core/token_tree.py``) as well as chains.
 """
 
 from __future__ import annotations
@@ -38,19 +39,27 @@ def _uniforms(requests: Sequence[Request], counts: Sequence[int], device: torch.
 
 
 def verify(logits: torch.Tensor, batch: DecodeBatch, proposal: Proposal | None) -> DecodeResult:
-    """Accepted tokens per request (1 .. drafts + 1) and how many drafts each kept."""
+    """Accepted tokens per request (1 .. drafts + 1) and how many drafts each kept: the
+    rule above walked down each request's token tree (a chain is the tree whose drafts
+    each continue the one before). At a node whose target distribution is p, its children
+    c (each drawn from q_c given its earlier siblings) are tried in order: c is accepted
+    with probability min(1, p(c) / q_c(c)), else p becomes normalize(max(0, p - q_c)) for
+    the next sibling; when every child is rejected the token is drawn from p (SpecInfer's
+    multi-step speculative sampling; with one child per node, the chain rule above)."""
     requests, counts = batch.requests, batch.num_draft_tokens
     row_requests = [r for r, n in zip(requests, counts) for _ in range(n + 1)]
     raw = logits.clone() if any(r.sampling_params.logprobs is not None for r in requests) else None
     probs = target_probabilities(logits, row_requests)
     drafts = proposal.draft_token_ids if proposal is not None else [[] for _ in requests]
+    trees = proposal.parents if proposal is not None and proposal.parents is not None else None
+    parents = trees or [list(range(-1, len(d) - 1)) for d in drafts]
     vocab = probs.shape[-1]
-    starts, draft_rows, draft_starts = [], [], []
+    starts, draft_starts, parent_rows = [], [], []
     row = draft_row = 0
-    for draft in drafts:
+    for draft, tree in zip(drafts, parents):
         starts.append(row)
         draft_starts.append(draft_row)
-        draft_rows += range(row, row + len(draft))
+        parent_rows += [row + 1 + p for p in tree]
         row += len(draft) + 1
         draft_row += len(draft)
     flat_drafts = torch.tensor([t for d in drafts for t in d], dtype=torch.long, device=probs.device)
@@ -58,49 +67,56 @@ def verify(logits: torch.Tensor, batch: DecodeBatch, proposal: Proposal | None) 
         q = proposal.draft_probs
     else:
         q = torch.nn.functional.one_hot(flat_drafts, vocab).to(probs.dtype)
-    p_draft = probs[draft_rows].gather(1, flat_drafts[:, None])[:, 0].tolist() if draft_rows else []
-    q_draft = q.gather(1, flat_drafts[:, None])[:, 0].tolist() if draft_rows else []
+    p_draft = probs[parent_rows].gather(1, flat_drafts[:, None])[:, 0].tolist() if parent_rows else []
+    q_draft = q.gather(1, flat_drafts[:, None])[:, 0].tolist() if parent_rows else []
     uniforms = _uniforms(requests, counts, probs.device)
     token_ids: list[list[int]] = []
-    accepted_counts: list[int] = []
-    resample_rows: list[int] = []
-    resample_residual: list[torch.Tensor] = []
-    resample_owner: list[int] = []
-    for i, (request, draft) in enumerate(zip(requests, drafts)):
-        accepted = 0
-        for j, token in enumerate(draft):
-            p, qv = p_draft[draft_starts[i] + j], q_draft[draft_starts[i] + j]
-            if uniforms[i][j] * qv <= p and p > 0.0:
-                accepted += 1
-            else:
+    paths: list[list[int]] = []
+    residuals: list[torch.Tensor] = []
+    for i, (draft, tree) in enumerate(zip(drafts, parents)):
+        children: dict[int, list[int]] = {}
+        for node, parent in enumerate(tree):
+            children.setdefault(parent, []).append(node)
+        path: list[int] = []
+        node, residual = -1, None
+        while node in children:
+            residual, chosen = None, None
+            for child in children[node]:
+                flat = draft_starts[i] + child
+                p = p_draft[flat] if residual is None else float(residual[draft[child]])
+                if uniforms[i][child] * q_draft[flat] <= p and p > 0.0:
+                    chosen = child
+                    break
+                current = probs[starts[i] + 1 + node] if residual is None else residual
+                left = (current - q[flat]).clamp_min(0.0)
+                total = left.sum()
+                residual = left / total if total > 0 else current
+            if chosen is None:
                 break
-        row = starts[i] + accepted
-        if accepted < len(draft):
-            residual = (probs[row] - q[draft_starts[i] + accepted]).clamp_min(0.0)
-            resample_residual.append(residual if residual.sum() > 0 else probs[row])
-        else:
-            resample_residual.append(probs[row])
-        resample_rows.append(row)
-        resample_owner.append(i)
-        token_ids.append(list(draft[:accepted]))
-        accepted_counts.append(accepted)
-    final = torch.stack(resample_residual)
+            path.append(chosen)
+            node, residual = chosen, None
+        residuals.append(probs[starts[i] + 1 + node] if residual is None else residual)
+        paths.append(path)
+        token_ids.append([draft[n] for n in path])
+    final = torch.stack(residuals)
     final = final / final.sum(dim=-1, keepdim=True)
-    owners = [requests[i] for i in resample_owner]
-    greedy_rows = [k for k, r in enumerate(owners) if r.sampling_params.greedy]
-    chosen = random_race(final, owners)
+    greedy_rows = [k for k, r in enumerate(requests) if r.sampling_params.greedy]
+    chosen_tokens = random_race(final, list(requests))
     if greedy_rows:
         index = torch.tensor(greedy_rows, device=final.device)
-        chosen[index] = final[index].argmax(dim=-1)
-    for k, token in enumerate(chosen.tolist()):
-        token_ids[resample_owner[k]].append(token)
-    return DecodeResult(token_ids, None if raw is None else _logprobs(raw, starts, token_ids, requests),
-                        tuple(counts), accepted_counts)
+        chosen_tokens[index] = final[index].argmax(dim=-1)
+    for k, token in enumerate(chosen_tokens.tolist()):
+        token_ids[k].append(token)
+    rows = [[starts[i]] + [starts[i] + 1 + n for n in path] for i, path in enumerate(paths)]
+    return DecodeResult(token_ids, None if raw is None else _logprobs(raw, rows, token_ids, requests),
+                        tuple(counts), [len(path) for path in paths], paths if trees is not None else None)
 
 
-def _logprobs(raw: torch.Tensor, starts: list[int], token_ids: list[list[int]], requests: Sequence[Request]) -> list:
-    """Logprobs of every emitted token under the target's raw distribution at its row."""
-    rows = [starts[i] + j for i, tokens in enumerate(token_ids) for j in range(len(tokens))]
+def _logprobs(raw: torch.Tensor, token_rows: list[list[int]], token_ids: list[list[int]],
+              requests: Sequence[Request]) -> list:
+    """Logprobs of every emitted token under the target's raw distribution at its row
+    (``token_rows[i][j]``: the row that predicted token j of request i)."""
+    rows = [row for request_rows, tokens in zip(token_rows, token_ids) for row in request_rows[:len(tokens)]]
     owners = [requests[i] for i, tokens in enumerate(token_ids) for _ in tokens]
     flat = token_logprobs(raw[rows], [t for tokens in token_ids for t in tokens], owners)
     grouped, k = [], 0

@@ -236,10 +236,12 @@ class ModelExecutor(Executor):
         sampling = output.sampling_requests
         proposal = None
         if sampling and self.strategy.num_lookahead_tokens:
-            allowance = lookahead_allowances(output, self.max_model_len)
+            allowance = lookahead_allowances(output, self.max_model_len, self.cache.block_size)
             proposal = self.strategy.propose(DecodeBatch(sampling, allowance, output))
         drafts = proposal.draft_token_ids if proposal is not None else ()
         inputs = build_step_inputs(output.scheduled, drafts, self.cache.block_size, self.device, prompt_logprobs=True)
+        if proposal is not None and proposal.parents is not None:
+            inputs = self._with_trees(inputs, output, proposal, allowance)
         if self.worker_ranks:
             self._broadcast(*pack_step(inputs))
         started = time.perf_counter()
@@ -271,7 +273,38 @@ class ModelExecutor(Executor):
         num_prompt = sum(span.count for span in spans)
         computed = prompt_logprobs(logits[:num_prompt], spans) if num_prompt else ()
         result = None if batch is None else self.strategy.accept(logits[num_prompt:], batch, proposal)
+        if result is not None and result.accepted_nodes is not None:
+            self._keep_paths(output, result.accepted_nodes)
         return ExecutedStep(output, result, stage_busy_s, computed)
+
+    def _with_trees(self, inputs: Any, output: SchedulerOutput, proposal: Any, allowances: tuple[int, ...]) -> Any:
+        """The step's inputs with the proposal's token trees laid out (``core/token_tree.py``)."""
+        from servelab.core.attention import AttentionBackend
+        from servelab.core.token_tree import verified_tree_inputs
+
+        problems = []
+        if self.topology.world_size > 1:
+            problems.append("token trees are verified on one device (parallel.*_size = 1)")
+        if self.lora is not None:
+            problems.append("token trees are not verified with LoRA adapters")
+        if (len(self.cache.groups) > 1 or not isinstance(self.attention, AttentionBackend)
+                or self.attention.spec.sliding_window is not None):
+            problems.append("token trees need a model whose layers all attend to the whole context")
+        if problems:
+            raise ConfigError([f"decoding={type(self.strategy).__name__}: {p}" for p in problems])
+        return verified_tree_inputs(inputs, output, proposal, allowances, type(self.strategy).__name__)
+
+    def _keep_paths(self, output: SchedulerOutput, accepted_nodes: list[list[int]]) -> None:
+        """Move each request's kept path of tree nodes into the slots after its last token
+        in every layer's cache; the scheduler then truncates the rest."""
+        from servelab.core.token_tree import kept_path_slots
+
+        sources, destinations = kept_path_slots(output, accepted_nodes, self.cache.block_size)
+        if sources:
+            src = torch.tensor(sources, device=self.device)
+            dst = torch.tensor(destinations, device=self.device)
+            for cache in self.worker.block_tensors:
+                self.attention.copy_slots(cache, src, dst)
 
     def collect(self) -> ExecutedStep:
         """The oldest step: finished at submit (one stage), or finished by the logits and

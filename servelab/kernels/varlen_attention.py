@@ -7,7 +7,9 @@ the context in BLOCK_N-token key tiles read through the block table, keeps an
 online softmax in float32 (base-2 exponentials) and stops at the tile's causal
 limit, so the N x N score matrix never exists.  With a sliding window it starts
 at the window of the tile's first query: keys before it are never loaded (their
-block-table entries may name a placeholder block).
+block-table entries may name a placeholder block).  With a token tree mask, the keys
+of a request's tree (its last ``tree_lens[r]`` positions) are read by a row only where
+its mask row allows (its ancestors and itself).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ LOG2E = math.log2(math.e)
 @triton.jit
 def _varlen_paged_attention_kernel(
     q_ptr, kv_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
+    tree_mask_ptr, tree_lens_ptr, stride_tm,     # tree_mask [T, W] uint8, tree_lens [R] (TREE only)
     qk_scale_log2,                               # softmax scale * log2(e)
     stride_qt, stride_qh,                        # q [T, H, D]
     stride_c0, stride_cb, stride_cs, stride_ch,  # kv_cache [2, blocks, block_size, Hkv, D]
@@ -71,6 +74,7 @@ def _varlen_paged_attention_kernel(
     OFFSETS_I64: tl.constexpr,   # int64 cache offsets (huge caches)
     QUANTIZED: tl.constexpr,     # int8 / float8 cache rows: D values, then a float32 scale
     WINDOW: tl.constexpr,        # sliding window (keys pos - WINDOW < k <= pos); 0: full attention
+    TREE: tl.constexpr,          # token trees: mask the keys of each request's tree per row
 ):
     """Grid (query tiles, requests, KV heads); see the module docstring."""
     q_tile = tl.program_id(0)
@@ -109,6 +113,8 @@ def _varlen_paged_attention_kernel(
     hi = first_pos + tl.minimum((q_tile + 1) * BLOCK_Q, q_len)
     table_row = block_table_ptr + req.to(tl.int64) * stride_bt
     head_off = kv_head * stride_ch
+    if TREE:
+        tree_begin = seq_len - tl.load(tree_lens_ptr + req)
     for start_n in range(lo, hi, BLOCK_N):
         k_t, v, k_pos, k_valid, row_off = load_kv_tile(
             kv_ptr, table_row, start_n, hi, offs_d, d_valid, stride_c0, stride_cb, stride_cs, head_off,
@@ -123,6 +129,11 @@ def _varlen_paged_attention_kernel(
         keep = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
         if WINDOW > 0:
             keep = keep & (k_pos[None, :] > q_pos[:, None] - WINDOW)
+        if TREE:
+            column = k_pos - tree_begin
+            reads = tl.load(tree_mask_ptr + q_rows[:, None] * stride_tm + column[None, :],
+                            mask=keep & row_valid[:, None] & (column[None, :] >= 0), other=1)
+            keep = keep & (reads != 0)
         s = tl.where(keep, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -160,6 +171,8 @@ def varlen_paged_attention(
     max_query_len: int,
     out: torch.Tensor | None = None,
     sliding_window: int | None = None,
+    tree_mask: torch.Tensor | None = None,
+    tree_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a flat batch's new tokens over their paged context; returns [T, H, D].
 
@@ -170,6 +183,9 @@ def varlen_paged_attention(
     sliding_window: W lets position p see keys p - W < k <= p (None: full causal).
     Query row i of request r sits at position seq_lens[r] - query_len_r + i; keys before
     the window of a request's first query are not read.
+    tree_mask: bool [T, W] and tree_lens: int32 [R] (together, or neither): the last
+    tree_lens[r] keys of request r are a token tree; row t reads its key j only where
+    tree_mask[t, j] (``core/attention.py``'s ``TreeMask``).
     Values are not checked (that needs a GPU sync): query_len_r <= seq_lens[r] and
     the block table must cover each context.
     """
@@ -188,6 +204,12 @@ def varlen_paged_attention(
     check_block_table(block_table, num_reqs)
     check(isinstance(max_query_len, numbers.Integral) and max_query_len >= 0, "max_query_len must be a non-negative int")
     window = window_constexpr(sliding_window)
+    check((tree_mask is None) == (tree_lens is None), "tree_mask and tree_lens go together")
+    if tree_mask is not None:
+        check(tree_mask.dtype == torch.bool and tree_mask.dim() == 2 and tree_mask.shape[0] == num_tokens
+              and tree_mask.stride(1) == 1, f"tree_mask must be bool [T, W] with unit last stride, got "
+              f"{tree_mask.dtype} {tuple(tree_mask.shape)}")
+        check_index_tensor(tree_lens, "tree_lens", (num_reqs,), torch.int32)
     device = q.device
     check_same_device(device, kv_cache=kv_cache, query_start_loc=query_start_loc,
                       seq_lens=seq_lens, block_table=block_table)
@@ -203,8 +225,11 @@ def varlen_paged_attention(
     cfg = _launch_config(max_query_len, group_pad, block_d)
     block_q = cfg["BLOCK_M"] // group_pad
     grid = (triton.cdiv(max_query_len, block_q), num_reqs, num_kv_heads)
+    tree = tree_mask is not None
     _varlen_paged_attention_kernel[grid](
         q, kv_cache, out, query_start_loc, seq_lens, block_table,
+        tree_mask.view(torch.uint8) if tree else seq_lens, tree_lens if tree else seq_lens,
+        tree_mask.stride(0) if tree else 0,
         float(scale) * LOG2E,
         q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
@@ -218,6 +243,7 @@ def varlen_paged_attention(
         OFFSETS_I64=offsets_i64(kv_cache),
         QUANTIZED=is_quantized(kv_cache.dtype),
         WINDOW=window,
+        TREE=tree,
         **dot_flags(q.dtype),
         **cfg,
     )

@@ -47,13 +47,16 @@ def varlen_paged_attention_reference(
     max_query_len: int | None = None,
     out: torch.Tensor | None = None,
     sliding_window: int | None = None,
+    tree_mask: torch.Tensor | None = None,
+    tree_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference for ``varlen_paged_attention`` (same arguments; max_query_len is unused).
 
     Request r owns q rows ``query_start_loc[r]:query_start_loc[r+1]``; they are the
     last positions of its ``seq_lens[r]``-token context and attend causally to it
     (position p to keys p - sliding_window < k <= p with a window; keys before the
-    first row's window are not read). Computes in float32 and casts to q's dtype.
+    first row's window are not read); the last ``tree_lens[r]`` keys are read by a row
+    only where its ``tree_mask`` row allows. Computes in float32 and casts to q's dtype.
     """
     num_heads = q.shape[1]
     num_kv_heads = kv_cache.shape[3]
@@ -81,6 +84,9 @@ def varlen_paged_attention_reference(
         allowed = k_pos[None, :] <= q_pos[:, None]
         if sliding_window is not None:
             allowed &= k_pos[None, :] > q_pos[:, None] - sliding_window
+        size = int(tree_lens[r]) if tree_lens is not None else 0
+        if size:
+            allowed[:, allowed.shape[1] - size:] &= tree_mask[q_lo:q_hi, :size]
         scores = scores.masked_fill(~allowed, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[q_lo:q_hi] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)

@@ -79,13 +79,21 @@ def build_backend(name: str, spec: AttentionSpec) -> Any:
 
 
 def run_steps(backend: Any, steps: list[tuple[list[ScheduledRequest], dict]], num_blocks: int,
-              block_size: int) -> list[torch.Tensor]:
-    """Each step's outputs through ``backend``, over a fresh cache in its own layout."""
+              block_size: int, trees: list | None = None, moves: tuple | None = None) -> list[torch.Tensor]:
+    """Each step's outputs through ``backend``, over a fresh cache in its own layout; the
+    last step with the token trees ``trees`` (one region per request, ``with_trees``)
+    when given, after ``backend.copy_slots`` of ``moves`` (sources, destinations)."""
+    from servelab.core.token_tree import with_trees
+
     spec = backend.spec
     kv_cache = torch.zeros(backend.kv_cache_shape(num_blocks, block_size), dtype=spec.cache_dtype)
     outputs = []
-    for grants, tensors in steps:
+    for index, (grants, tensors) in enumerate(steps):
         inputs = build_step_inputs(grants, (), block_size, spec.device)
+        if index == len(steps) - 1 and trees is not None:
+            inputs = with_trees(inputs, trees)
+        if index == len(steps) - 1 and moves is not None:
+            backend.copy_slots(kv_cache, *(torch.tensor(slots) for slots in moves))
         meta = backend.build_metadata(inputs.layout)
         outputs.append(backend.forward(tensors["q"].clone(), tensors["k"].clone(), tensors["v"].clone(), kv_cache,
                                        meta, 0))
@@ -173,6 +181,42 @@ class AttentionConformance(ConformanceKit):
         spec = AttentionSpec(4, 2, HEAD_DIM, HEAD_DIM ** -0.5, dtype, torch.device("cpu"), kv_dtype=kv_dtype)
         self.check(component, spec, SCENARIOS[scenario], 16)
 
+    @pytest.mark.parametrize("block_size", [1, 16])
+    @pytest.mark.parametrize("dtype", DTYPES)
+    def test_token_trees_read_only_their_ancestors(self, component, block_size, dtype):
+        """Each new token of a token tree (``BatchLayout.tree``) attends to its request's
+        context before the tree and to its ancestors and itself in the tree, computed
+        here from the keys and values themselves: a verified tree (every node new), a
+        drafted level (earlier nodes cached), one new node reading a tree of three, next
+        to a plain decode and a prefill."""
+        spec = AttentionSpec(4, 2, HEAD_DIM, HEAD_DIM ** -0.5, dtype, torch.device("cpu"))
+        backend = build_backend(component, spec)
+        trees = [[-1, 0, 0, 1, 2, 2, 1], None, [-1, -1, 0, 1, 1, 0], [-1, -1, 1], None]
+        pairs = [(29, 7), (40, 1), (16, 3), (8, 1), (0, 9)]  # (cached, new); new tokens end each tree
+        steps, num_blocks = random_steps(pairs, spec, block_size, seed=block_size)
+        got = run_steps(backend, steps, num_blocks, block_size, trees)[-1]
+        expected = tree_reference(spec, steps, pairs, trees)
+        torch.testing.assert_close(got.float(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+    def test_copy_slots_moves_keys_and_values(self, component):
+        """``copy_slots`` moves a verified tree's kept nodes into place: a decode step
+        after the copy reads what the reference reads after its own copy."""
+        for kv_dtype in (None, *quantized_kv_dtypes()):
+            spec = AttentionSpec(4, 2, HEAD_DIM, HEAD_DIM ** -0.5, torch.float32, torch.device("cpu"),
+                                 kv_dtype=kv_dtype)
+            backend = build_backend(component, spec)
+            if spec.kv_quantized and not backend.reads_quantized_kv:
+                continue
+            reference = build_backend("naive", spec)
+            steps, num_blocks = random_steps([(30, 1), (12, 1)], spec, 4, seed=3)
+            tables = [grant.block_ids for grant in steps[-1][0]]
+            slot = lambda r, p: tables[r][p // 4] * 4 + p % 4  # noqa: E731
+            moves = ([slot(0, 27), slot(0, 29), slot(1, 9)], [slot(0, 21), slot(0, 22), slot(1, 4)])
+            got = run_steps(backend, steps, num_blocks, 4, moves=moves)[-1]
+            wanted = run_steps(reference, steps, num_blocks, 4, moves=moves)[-1]
+            tolerance = max(TOLERANCE[spec.dtype], QUANTIZED_TOLERANCE.get(spec.cache_dtype, 0.0))
+            torch.testing.assert_close(got, wanted, atol=tolerance, rtol=tolerance)
+
     @staticmethod
     def check(name: str, spec: AttentionSpec, pairs: list[tuple[int, int]], block_size: int) -> None:
         """Both backends on the same steps; every step's output within tolerance."""
@@ -189,3 +233,32 @@ class AttentionConformance(ConformanceKit):
             assert not torch.isnan(actual).any(), f"step {step}: NaN in the output"
             torch.testing.assert_close(actual.float(), wanted.float(), atol=tolerance, rtol=tolerance,
                                        msg=lambda m: f"step {step} of {pairs}: {m}")
+
+
+def tree_reference(spec: AttentionSpec, steps: list, pairs: list[tuple[int, int]], trees: list) -> torch.Tensor:
+    """The last step's attention output [T, H, D] in float32, from the steps' keys and values:
+    each new token reads its request's tokens before its tree, and its ancestors and
+    itself in the tree (a request without a tree: causal)."""
+    from servelab.core.token_tree import ancestor_mask
+
+    *history, (_, current) = steps
+    cached_k = history[0][1]["k"].float() if history else None
+    cached_v = history[0][1]["v"].float() if history else None
+    group = spec.num_heads // spec.num_kv_heads
+    out, old, new = [], 0, 0
+    for (cached, count), tree in zip(pairs, trees):
+        keys = torch.cat([cached_k[old:old + cached], current["k"][new:new + count].float()]) if cached else \
+            current["k"][new:new + count].float()
+        values = torch.cat([cached_v[old:old + cached], current["v"][new:new + count].float()]) if cached else \
+            current["v"][new:new + count].float()
+        total = cached + count
+        allowed = torch.ones(count, total, dtype=torch.bool).tril(cached)
+        if tree:
+            size = len(tree)
+            allowed[:, total - size:] = torch.from_numpy(ancestor_mask(tree)[size - count:])
+        query = current["q"][new:new + count].float()
+        scores = torch.einsum("qhd,khd->hqk", query, keys.repeat_interleave(group, dim=1)) * spec.scale
+        probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
+        out.append(torch.einsum("hqk,khd->qhd", probs, values.repeat_interleave(group, dim=1)))
+        old, new = old + cached, new + count
+    return torch.cat(out)

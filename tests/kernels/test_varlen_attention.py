@@ -176,3 +176,35 @@ def test_rejects_bad_arguments(attn, paged_batch, device):
     for override in bad:
         with pytest.raises(ValueError):
             attn(**{**batch, **override})
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_token_tree_mask(attn, paged_batch, close, device, block_size):
+    """Token trees (the last keys of a request, each row reading its ancestors): a
+    verified tree of 7 nodes, a drafted level of 3 new nodes in a tree of 6, and a plain
+    decode beside them; the reference equals SDPA under the explicit mask."""
+    from servelab.core.token_tree import ancestor_mask
+
+    trees = [[-1, 0, 0, 1, 2, 2, 1], [-1, -1, 0, 1, 1, 0], []]
+    pairs = [(36, 7), (22, 3), (30, 1)]
+    batch = paged_batch([s for s, _ in pairs], [q for _, q in pairs], 4, 2, 32, block_size, torch.float32, device)
+    mask = torch.zeros(sum(q for _, q in pairs), 7, dtype=torch.bool)
+    row = 0
+    for tree, (_, q_len) in zip(trees, pairs):
+        if tree:
+            mask[row:row + q_len, :len(tree)] = torch.from_numpy(ancestor_mask(tree)[len(tree) - q_len:])
+        row += q_len
+    tree_args = dict(tree_mask=mask.to(device), tree_lens=torch.tensor([7, 6, 0], dtype=torch.int32, device=device))
+    ref = varlen_paged_attention_reference(**batch, **tree_args)
+    close(attn(**batch, **tree_args), ref)
+    starts = batch["query_start_loc"].tolist()
+    for r, ((seq_len, q_len), tree) in enumerate(zip(pairs, trees)):
+        k = torch.cat([batch["kv_cache"][0, b] for b in batch["block_table"][r].tolist()])[:seq_len].cpu()
+        v = torch.cat([batch["kv_cache"][1, b] for b in batch["block_table"][r].tolist()])[:seq_len].cpu()
+        allowed = torch.ones(q_len, seq_len, dtype=torch.bool).tril(seq_len - q_len)
+        if tree:
+            allowed[:, seq_len - len(tree):] = torch.from_numpy(ancestor_mask(tree)[len(tree) - q_len:])
+        expected = F.scaled_dot_product_attention(
+            batch["q"][starts[r]:starts[r + 1]].cpu().transpose(0, 1), k.repeat_interleave(2, 1).transpose(0, 1),
+            v.repeat_interleave(2, 1).transpose(0, 1), attn_mask=allowed, scale=batch["scale"]).transpose(0, 1)
+        torch.testing.assert_close(ref[starts[r]:starts[r + 1]].cpu(), expected, atol=1e-5, rtol=1e-5)

@@ -23,7 +23,8 @@ namespace servelab_cpu {
 
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& requests,
-                     double scale, int64_t window);
+                     double scale, int64_t window, const c10::optional<at::Tensor>& tree_mask,
+                     const c10::optional<at::Tensor>& tree_lens);
 bool supports_head_dim(int64_t head_dim);
 bool bf16_key_pairs();
 void write_kv_cache(at::Tensor kv_cache, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots);

@@ -1,6 +1,8 @@
 // paged_attention: attention of the query rows of the selected requests over their whole
 // context, read in place through the block table (decodes, chunked prefills, prefix-cache
-// hits, speculative verification); causal within the new rows, optional sliding window.
+// hits, speculative verification); causal within the new rows, optional sliding window,
+// and token trees: the last tree_lens[r] keys of request r are read by row t only where
+// tree_mask[t, key - (seq_len - tree_lens[r])] is set (its ancestors and itself).
 // Work items of (request, KV head, up to kQueryTile rows) on torch's threads, each walking
 // its context in spans of kSpan positions: scores (paged_attention_scores.h), masks, an
 // online softmax, the weighted values (paged_attention_values.h).
@@ -82,7 +84,7 @@ template <typename T, typename C>
 void paged_attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
                             const at::Tensor& block_table, const at::Tensor& query_start_loc,
                             const at::Tensor& seq_lens, const at::Tensor& requests, double scale,
-                            int64_t window) {
+                            int64_t window, const bool* tree_mask, int64_t tree_stride, const int32_t* tree_lens) {
   const int64_t num_heads = q.size(1);
   const int64_t head_dim = q.size(2);
   const int64_t num_kv_heads = kv_cache.size(1);
@@ -158,6 +160,7 @@ void paged_attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tens
       const int64_t first_pos = lens[item.request] - query_len + (item.row_begin - starts[item.request]);
       const int64_t last_pos = first_pos + rows - 1;
       const int64_t lowest = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
+      const int64_t tree_begin = tree_lens != nullptr ? lens[item.request] - tree_lens[item.request] : last_pos + 1;
       const int32_t* blocks = table + item.request * table_stride;
       const C* key_tiles = cache + item.kv_head * 2 * part;
       const C* value_tiles = key_tiles + part;
@@ -204,11 +207,17 @@ void paged_attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tens
           const int64_t pos = first_pos + i;
           const int64_t visible_begin = window > 0 ? std::max<int64_t>(0, pos - window + 1 - span_begin) : 0;
           const int64_t visible_end = std::min(count, pos + 1 - span_begin);
-          if (visible_begin == 0 && visible_end == count) continue;
+          const int64_t tree_from = std::max<int64_t>(tree_begin - span_begin, 0);
+          const bool in_tree = tree_from < std::min(count, visible_end);
+          if (visible_begin == 0 && visible_end == count && !in_tree) continue;
           for (int64_t j = i * group; j < (i + 1) * group; ++j) {
             float* sc = s.scores.data() + j * kSpan;
             std::fill(sc, sc + std::min(visible_begin, count), kMasked);
             std::fill(sc + std::max<int64_t>(visible_end, 0), sc + count, kMasked);
+            if (!in_tree) continue;
+            const bool* reads = tree_mask + (item.row_begin + i) * tree_stride + (span_begin + tree_from - tree_begin);
+            for (int64_t t = tree_from; t < count; ++t, ++reads)
+              if (!*reads) sc[t] = kMasked;
           }
         }
         softmax_span(s, vectors, count, head_dim);
@@ -256,13 +265,30 @@ void check_attention_args(const at::Tensor& out, const at::Tensor& q, const at::
 
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv_cache,
                      const at::Tensor& block_table, const at::Tensor& query_start_loc,
-                     const at::Tensor& seq_lens, const at::Tensor& requests, double scale, int64_t window) {
+                     const at::Tensor& seq_lens, const at::Tensor& requests, double scale, int64_t window,
+                     const c10::optional<at::Tensor>& tree_mask, const c10::optional<at::Tensor>& tree_lens) {
   check_attention_args(out, q, kv_cache, block_table, query_start_loc, seq_lens, requests);
+  TORCH_CHECK(tree_mask.has_value() == tree_lens.has_value(), "paged_attention: tree_mask and tree_lens go together");
+  const bool* mask = nullptr;
+  const int32_t* mask_lens = nullptr;
+  int64_t mask_stride = 0;
+  if (tree_mask.has_value()) {
+    TORCH_CHECK(tree_mask->scalar_type() == at::kBool && tree_mask->dim() == 2 && tree_mask->is_contiguous() &&
+                    tree_mask->size(0) == q.size(0),
+                "paged_attention: tree_mask must be a contiguous bool [T, W]");
+    TORCH_CHECK(tree_lens->scalar_type() == at::kInt && tree_lens->is_contiguous() &&
+                    tree_lens->size(0) == seq_lens.size(0),
+                "paged_attention: tree_lens must be contiguous int32 [R]");
+    mask = tree_mask->data_ptr<bool>();
+    mask_lens = tree_lens->data_ptr<int32_t>();
+    mask_stride = tree_mask->size(1);
+  }
   dispatch_dtype(q.scalar_type(), "paged_attention", [&](auto tag) {
     using scalar_t = decltype(tag);
     dispatch_cache_dtype<scalar_t>(kv_cache.scalar_type(), "paged_attention", [&](auto cache_tag) {
       paged_attention_kernel<scalar_t, decltype(cache_tag)>(out, q, kv_cache, block_table, query_start_loc,
-                                                            seq_lens, requests, scale, window);
+                                                            seq_lens, requests, scale, window, mask, mask_stride,
+                                                            mask_lens);
     });
   });
 }

@@ -13,7 +13,8 @@
 
 TORCH_LIBRARY(servelab_cpu, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_table, Tensor query_start_loc, "
-        "Tensor seq_lens, Tensor requests, float scale, int window) -> ()");
+        "Tensor seq_lens, Tensor requests, float scale, int window, Tensor? tree_mask=None, "
+        "Tensor? tree_lens=None) -> ()");
   m.def("supports_head_dim(int head_dim) -> bool");
   m.def("bf16_key_pairs() -> bool");
   m.def("write_kv_cache(Tensor(a!) kv_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
