@@ -24,7 +24,7 @@ from servelab.core.errors import ConfigError
 from servelab.core.lora_adapter import LoRAAdapter
 from servelab.core.scheduler import ScheduledRequest
 from servelab.plugins.models.lora_linear import LoRABatch, LoRALinear, projections, wrap_projections
-from servelab.plugins.models.lora_targets import lora_placements
+from servelab.plugins.models.lora_targets import LoRAPlacement, lora_placements
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +82,7 @@ class LoRASlots:
                                                               dtype, device, prefix)
         self.resident: OrderedDict[int, int] = OrderedDict()  # load id -> slot, least recently used first
         self.unloaded: set[int] = set()  # load ids of adapters no new request can name
+        self.placements: dict[int, list[LoRAPlacement]] = {}  # by load id, worked out once per load
         self.segmented = device.type == "cuda"
         """Apply adapters through the Triton kernel (CUDA; Triton's interpreter elsewhere)."""
         self.hits = self.misses = self.evictions = self.split_steps = 0
@@ -89,8 +90,8 @@ class LoRASlots:
 
     def check(self, adapter: LoRAAdapter) -> None:
         """``InvalidRequestError`` naming the field unless every module of ``adapter``
-        lands on a projection of this model with its shapes."""
-        lora_placements(self.model, self.layers, adapter)
+        lands on a projection of this model with its shapes; keeps where they land."""
+        self.placements[adapter.load_id] = lora_placements(self.model, self.layers, adapter)
 
     def drop(self, adapter: LoRAAdapter) -> None:
         """``adapter`` was unloaded: free its slot now, and again at the first step without
@@ -99,6 +100,8 @@ class LoRASlots:
         self._free(adapter.load_id)
 
     def _free(self, load_id: int) -> None:
+        """Empty an unloaded adapter's slot and forget its placements."""
+        self.placements.pop(load_id, None)
         slot = self.resident.pop(load_id, None)
         if slot is not None:
             for layer in self.layers.values():
@@ -131,7 +134,10 @@ class LoRASlots:
                 self.evictions += 1
             for layer in self.layers.values():
                 layer.clear(slot)
-            for placement in lora_placements(self.model, self.layers, adapter):
+            placements = self.placements.get(load_id)
+            if placements is None:  # unloaded, then needed again by a request still running
+                placements = self.placements[load_id] = lora_placements(self.model, self.layers, adapter)
+            for placement in placements:
                 layer = self.layers[placement.layer]
                 layer.place(slot, placement.first_row, placement.a.to(layer.lora_a.device, layer.lora_a.dtype),
                             placement.b.to(layer.lora_b.device, layer.lora_b.dtype))
