@@ -115,6 +115,9 @@ class AttentionBackend(abc.ABC):
     #: True when ``forward`` reads a quantized cache (``AttentionSpec.kv_quantized``); the
     #: executor refuses ``cache.kv_dtype=int8 | fp8_e4m3`` with a backend that does not.
     reads_quantized_kv = False
+    #: True when ``forward`` masks the token trees of ``BatchLayout.tree`` and
+    #: ``copy_slots`` fits ``kv_cache_shape``; the executor refuses token trees otherwise.
+    reads_token_trees = False
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Shape of one layer's cache tensor (dtype ``spec.cache_dtype``): K and V stacked on

@@ -47,6 +47,7 @@ class CpuAttention(AttentionBackend):
 
     kv_cache_block_axis = 0  # the tiled layout puts blocks first (kv_cache_shape)
     reads_quantized_kv = True
+    reads_token_trees = True
 
     @classmethod
     def unsupported_reasons(cls, config, spec: AttentionSpec) -> list[str]:

@@ -30,6 +30,7 @@ class FlashAttention(AttentionBackend):
     float8_e4m3) are written quantized and their scales applied inside the kernels."""
 
     reads_quantized_kv = True
+    reads_token_trees = True
 
     def __init__(self, config: FlashAttentionConfig, spec: AttentionSpec):
         super().__init__(config, spec)

@@ -24,6 +24,7 @@ class NaiveAttention(AttentionBackend):
     heads are repeated."""
 
     reads_quantized_kv = True
+    reads_token_trees = True
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: BatchLayout, layer_index: int) -> torch.Tensor:

@@ -91,6 +91,7 @@ class SdpaAttention(AttentionBackend):
     """
 
     reads_quantized_kv = True
+    reads_token_trees = True
 
     def __init__(self, config, spec):
         super().__init__(config, spec)

@@ -290,6 +290,9 @@ class ModelExecutor(Executor):
         if (len(self.cache.groups) > 1 or not isinstance(self.attention, AttentionBackend)
                 or self.attention.spec.sliding_window is not None):
             problems.append("token trees need a model whose layers all attend to the whole context")
+        elif not self.attention.reads_token_trees:
+            problems.append(f"attention backend {type(self.attention).__name__} does not mask token trees "
+                            f"(reads_token_trees is False); use attention=cpu, sdpa, naive or flash")
         if problems:
             raise ConfigError([f"decoding={type(self.strategy).__name__}: {p}" for p in problems])
         return verified_tree_inputs(inputs, output, proposal, allowances, type(self.strategy).__name__)

@@ -1,7 +1,8 @@
 """Conformance kit for attention backends: the same random flat batches through the
 backend and through ``attention=naive``, the reference, within the dtype's tolerance;
 also over one-byte KV caches (``cache.kv_dtype``) for backends that read them, and with
-soft-capped scores (``AttentionSpec.softcap``) for backends that cap them."""
+soft-capped scores (``AttentionSpec.softcap``) for backends that cap them, and token trees
+(``BatchLayout.tree``, ``copy_slots``) for backends that set ``reads_token_trees``."""
 
 from __future__ import annotations
 
@@ -133,8 +134,9 @@ class AttentionConformance(ConformanceKit):
     verification and mixed steps over paged and contiguous layouts, multi-head,
     grouped-query and multi-query, float32 and bfloat16, equal to ``attention=naive``; a
     backend that sets ``reads_quantized_kv`` also over int8 and fp8 caches; soft-capped
-    scores with a non-default scale. A backend that reports ``unsupported_reasons`` for a
-    case is skipped with them."""
+    scores with a non-default scale; a backend that sets ``reads_token_trees`` also token
+    trees against attention computed from the keys themselves, and ``copy_slots``. A
+    backend that reports ``unsupported_reasons`` for a case is skipped with them."""
 
     kind = "attention"
 
@@ -191,6 +193,8 @@ class AttentionConformance(ConformanceKit):
         to a plain decode and a prefill."""
         spec = AttentionSpec(4, 2, HEAD_DIM, HEAD_DIM ** -0.5, dtype, torch.device("cpu"))
         backend = build_backend(component, spec)
+        if not backend.reads_token_trees:
+            pytest.skip(f"attention={component} does not mask token trees (reads_token_trees is False)")
         trees = [[-1, 0, 0, 1, 2, 2, 1], None, [-1, -1, 0, 1, 1, 0], [-1, -1, 1], None]
         pairs = [(29, 7), (40, 1), (16, 3), (8, 1), (0, 9)]  # (cached, new); new tokens end each tree
         steps, num_blocks = random_steps(pairs, spec, block_size, seed=block_size)
@@ -205,6 +209,8 @@ class AttentionConformance(ConformanceKit):
             spec = AttentionSpec(4, 2, HEAD_DIM, HEAD_DIM ** -0.5, torch.float32, torch.device("cpu"),
                                  kv_dtype=kv_dtype)
             backend = build_backend(component, spec)
+            if not backend.reads_token_trees:
+                pytest.skip(f"attention={component} does not move token trees (reads_token_trees is False)")
             if spec.kv_quantized and not backend.reads_quantized_kv:
                 continue
             reference = build_backend("naive", spec)

@@ -21,7 +21,9 @@ class DecodingConformance(EngineKit):
     step each running request's blocks cover its computed tokens and nothing past its
     tokens (rejected drafts rolled back); sampled runs end with no block held; after the
     engine's ``shutdown`` the strategy reaches no draft model or KV tensors, and a second
-    ``shutdown`` does nothing."""
+    ``shutdown`` does nothing. Proposals (chains or token trees) keep the tree rules
+    (``core/token_tree.py``) within each request's lookahead, and each request keeps its
+    drafts along one path from the root."""
 
     kind = "decoding"
 
@@ -81,4 +83,43 @@ class DecodingConformance(EngineKit):
             assert len(completion.token_ids) == 12
             if completion.logprobs is not None:
                 assert len(completion.logprobs) == 12
+        assert engine.cache.usage.used_blocks == 0
+
+    def test_proposals_are_trees_and_kept_tokens_follow_a_path(self, component, kit_checkpoint, kit_draft):
+        from servelab.core.token_tree import chain, tree_problem
+
+        llm = self.llm(component, kit_checkpoint, kit_draft)
+        engine = llm.engine
+        if not engine.strategy.num_lookahead_tokens:
+            return
+        steps = record_steps(engine)
+        proposals = []
+        propose = engine.strategy.propose
+
+        def recorded(batch):
+            proposal = propose(batch)
+            proposals.append((batch, proposal))
+            return proposal
+
+        engine.strategy.propose = recorded
+        for i, prompt in enumerate(self.prompts(engine.vocab_size, LENGTHS[:4])):
+            engine.add_request(prompt * 2, SamplingParams(temperature=0.8 * (i % 2), seed=i, max_tokens=10,
+                                                          ignore_eos=True))
+        run_to_completion(engine)
+        results = [e.result for e in steps.executed if e.result is not None]
+        assert len(results) == len(proposals)
+        for (batch, proposal), result in zip(proposals, results):
+            if proposal is None:
+                continue
+            for i, (request, allowance) in enumerate(zip(batch.requests, batch.num_draft_tokens)):
+                drafts = proposal.draft_token_ids[i]
+                parents = proposal.parents[i] if proposal.parents is not None else chain(len(drafts))
+                problem = tree_problem(parents, len(drafts), allowance)
+                assert problem is None, f"decoding={component}, request {request.request_id}: {problem}"
+                path = (result.accepted_nodes[i] if result.accepted_nodes is not None
+                        else list(range(result.num_accepted_drafts[i])))
+                assert all(parents[node] == (path[d - 1] if d else -1) for d, node in enumerate(path)), \
+                    f"request {request.request_id} kept nodes {path}, not a path of the tree {parents}"
+                assert result.token_ids[i][:len(path)] == [drafts[n] for n in path]
+                assert result.num_accepted_drafts[i] == len(path)
         assert engine.cache.usage.used_blocks == 0
