@@ -55,6 +55,7 @@ COLUMNS: tuple[tuple[str, Callable[[dict[str, Any]], Any]], ...] = (
     ("later TTFT p99 ms", _get("sessions", "later_turns", "ttft_ms", "p99")),
     ("later prefix hit %", _percent("sessions", "later_turns", "prefix_cache_hit_rate")),
     ("spec accept %", _percent("spec_acceptance_rate")),
+    ("accepted length", _get("system", "spec_accepted_length")),
     ("capacity req/s", _get("capacity", "capacity_rps")),
     ("failed", _get("num_failed")),
 )

@@ -35,6 +35,7 @@ class StepObserver:
         self.prefix_hit_tokens = 0
         self.spec_proposed = 0
         self.spec_accepted = 0
+        self.spec_verified = 0
         self.stage_busy_s: list[float] = []
         self._evicted_blocks: dict[int, int] = {}
 
@@ -60,6 +61,7 @@ class StepObserver:
             self._evicted_blocks[id(engine)] = engine.cache.prefix_evicted_blocks
         self.spec_proposed += stats.spec_proposed
         self.spec_accepted += stats.spec_accepted
+        self.spec_verified += stats.spec_verified
         if len(self.stage_busy_s) < len(stats.stage_busy_s):
             self.stage_busy_s += [0.0] * (len(stats.stage_busy_s) - len(self.stage_busy_s))
         for stage, busy in enumerate(stats.stage_busy_s):
@@ -83,6 +85,7 @@ class StepObserver:
             "step_prefix_hit_tokens": self.prefix_hit_tokens,
             "prefix_evicted_blocks": sum(self._evicted_blocks.values()),
             "step_spec_acceptance_rate": self.spec_accepted / self.spec_proposed if self.spec_proposed else None,
+            "spec_accepted_length": 1 + self.spec_accepted / self.spec_verified if self.spec_verified else None,
             "stage_busy_s": list(self.stage_busy_s),
             "stage_bubble_fraction": [1 - busy / self.busy_s if self.busy_s else None for busy in self.stage_busy_s],
         }

@@ -14,7 +14,9 @@ class StepStats:
     Token counts split prefill and decode work; ``kv`` is the cache after the step;
     ``num_preempted`` counts requests preempted while scheduling it; ``prefix_hit_tokens``
     counts prompt tokens found in the prefix cache at admission; ``spec_proposed`` /
-    ``spec_accepted`` count draft tokens verified and kept; ``step_time_s`` is the time the
+    ``spec_accepted`` count draft tokens verified and kept, ``spec_verified`` the requests
+    whose drafts were verified (mean accepted length = 1 + accepted / verified);
+    ``step_time_s`` is the time the
     step took on the engine's clock (virtual under ``executor=simulated``);
     ``stage_busy_s``: seconds each pipeline stage computed for it (empty when the
     executor does not measure stages); ``clock_s``: the clock when the step ended.
@@ -36,3 +38,4 @@ class StepStats:
     spec_accepted: int = 0
     stage_busy_s: tuple[float, ...] = ()
     clock_s: float = 0.0
+    spec_verified: int = 0

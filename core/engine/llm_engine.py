@@ -476,7 +476,8 @@ class LLMEngine:
             num_preempted=len(output.preempted), num_finished=update.num_finished,
             num_generated_tokens=update.num_generated_tokens, kv=self.cache.usage, step_time_s=now - started,
             prefix_hit_tokens=output.num_prefix_hit_tokens, spec_proposed=sum(drafts or ()),
-            spec_accepted=sum(accepted or ()), stage_busy_s=executed.stage_busy_s, clock_s=now))
+            spec_accepted=sum(accepted or ()), stage_busy_s=executed.stage_busy_s, clock_s=now,
+            spec_verified=sum(1 for d in drafts or () if d)))
         return outputs
 
     def _idle_until(self, wakeup: float | None, now: float) -> None:

@@ -108,6 +108,18 @@ def test_step_observer_time_weights_kv_waste():
     assert s["mean_batched_tokens"] == 5 and s["prefill_token_share"] == 0.8
 
 
+def test_step_observer_reports_the_accepted_length():
+    observer = StepObserver()
+    observer.servelab_step_end(None, stats(10, 10, 1.0))  # a prefill: nothing verified
+    for accepted in (3, 0, 1):  # three verifications of one request: 4, 1 and 2 tokens
+        observer.servelab_step_end(None, StepStats(**{**{f: getattr(stats(10, 10, 1.0), f) for f in StepStats.__slots__},
+                                                      "spec_proposed": 4, "spec_accepted": accepted,
+                                                      "spec_verified": 1}))
+    assert observer.summary()["spec_accepted_length"] == pytest.approx(7 / 3)
+    m = {**summarize([A], SloConfig()), "system": {"name": "servelab", "spec_accepted_length": 7 / 3}}
+    assert "accepted length" in summary_table(m) and "2.33" in summary_table(m)
+
+
 def test_tables_render_every_present_metric():
     m = {**summarize([A, B, C], SloConfig()), "system": {"name": "servelab", "kv_waste": 0.25},
          "workload": {"rate": 4.0}, "job": {"label": "cache=paged"}}
