@@ -99,6 +99,9 @@ class DecodingStrategy(abc.ABC):
     """
 
     num_lookahead_tokens: int = 0
+    #: True when ``propose`` returns token trees (``Proposal.parents``): the executor then
+    #: refuses, when the engine is built, what cannot verify trees (a sliding window, ...).
+    proposes_trees: bool = False
     #: The shape of the model that drafts, priced by ``executor=simulated`` (None: drafts
     #: cost nothing or there are none).
     draft_model_shape: ModelShape | None = None

@@ -91,6 +91,7 @@ class NgramDecoding(DecodingStrategy):
         if problems:
             raise ConfigError(problems)
         self.num_lookahead_tokens = config.num_speculative_tokens * max(config.branches, 1)
+        self.proposes_trees = config.branches > 1
 
     def propose(self, batch: DecodeBatch) -> Proposal:
         """An n-gram draft (a chain, or a tree of ``branches`` matches) for each request

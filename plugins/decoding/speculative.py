@@ -57,6 +57,7 @@ class SpeculativeDecoding(DecodingStrategy):
             raise ConfigError(problems)
         self.num_lookahead_tokens = (len(config.tree) if config.tree else config.tree_nodes or
                                      config.num_speculative_tokens)
+        self.proposes_trees = bool(config.tree or config.tree_nodes)
         self.trees = None
         if context.runs_model:
             self.draft = DraftModel(self._draft_model_config(), context, config.draft_block_size,

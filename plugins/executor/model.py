@@ -187,9 +187,12 @@ class ModelExecutor(Executor):
         return int(free * self.context.engine_cfg.hardware.memory_utilization)
 
     def attach(self, cache: KVCacheManager, strategy: DecodingStrategy) -> None:
-        """Allocate every rank's KV cache tensors (and host pools, for swapping)."""
+        """Allocate every rank's KV cache tensors (and host pools, for swapping), after
+        refusing a strategy that proposes token trees this engine cannot verify."""
         self.cache = cache
         self.strategy = strategy
+        if strategy.proposes_trees:
+            self._check_trees()
         if self.device.type == "cpu":
             retain_freed_heap_memory()
         sizes = (cache.num_blocks, cache.block_size, cache.num_host_blocks)
@@ -279,8 +282,14 @@ class ModelExecutor(Executor):
 
     def _with_trees(self, inputs: Any, output: SchedulerOutput, proposal: Any, allowances: tuple[int, ...]) -> Any:
         """The step's inputs with the proposal's token trees laid out (``core/token_tree.py``)."""
-        from servelab.core.attention import AttentionBackend
         from servelab.core.token_tree import verified_tree_inputs
+
+        self._check_trees()
+        return verified_tree_inputs(inputs, output, proposal, allowances, type(self.strategy).__name__)
+
+    def _check_trees(self) -> None:
+        """Raise ``ConfigError`` with every reason this engine cannot verify token trees."""
+        from servelab.core.attention import AttentionBackend
 
         problems = []
         if self.topology.world_size > 1:
@@ -294,8 +303,7 @@ class ModelExecutor(Executor):
             problems.append(f"attention backend {type(self.attention).__name__} does not mask token trees "
                             f"(reads_token_trees is False); use attention=cpu, sdpa, naive or flash")
         if problems:
-            raise ConfigError([f"decoding={type(self.strategy).__name__}: {p}" for p in problems])
-        return verified_tree_inputs(inputs, output, proposal, allowances, type(self.strategy).__name__)
+            raise ConfigError([f"decoding strategy {type(self.strategy).__name__}: {p}" for p in problems])
 
     def _keep_paths(self, output: SchedulerOutput, accepted_nodes: list[list[int]]) -> None:
         """Move each request's kept path of tree nodes into the slots after its last token

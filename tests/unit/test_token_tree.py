@@ -79,3 +79,13 @@ def test_a_kept_second_branch_is_moved_into_place(llama, step_recorder):
     verified = [s for s in recorder.stats if s.spec_proposed]
     assert verified and sum(s.spec_accepted for s in verified) == 3 * sum(s.spec_proposed for s in verified) // 4
     assert llm.engine.cache.usage.used_blocks == 0
+
+
+def test_trees_are_refused_at_start_for_a_sliding_window(tmp_path):
+    from servelab.core.errors import ConfigError
+    from servelab.testing import tiny_checkpoint
+
+    folder = tiny_checkpoint(tmp_path / "windowed", "mistral", sliding_window=8)
+    with pytest.raises(ConfigError, match="NgramDecoding: token trees need a model whose layers all attend"):
+        LLM(folder, overrides=BASE)
+    LLM(folder, overrides=[*BASE[:-1], "decoding.branches=1"]).shutdown()  # chains are fine
