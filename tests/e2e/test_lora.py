@@ -75,12 +75,14 @@ def test_adapters_differ_from_the_base_model(lora_setup):
 @pytest.mark.parametrize("overrides", [
     ("scheduler=continuous",),
     ("scheduler=chunked", "scheduler.token_budget=24"),
+    ("scheduler=static", "scheduler.max_batch_size=4"),
+    ("scheduler=dynamic", "scheduler.max_batch_size=3"),
     ("model.max_model_len=96", "cache.block_size=4", "cache.num_blocks=24", "scheduler.max_num_batched_tokens=96"),
     ("model.max_model_len=96", "cache.block_size=4", "cache.num_blocks=24", "scheduler.max_num_batched_tokens=96",
      "scheduler.preemption=swap", "cache.swap_space_bytes=1000000"),
     ("decoding=ngram",),
     ("decoding=speculative", "decoding.draft_path='{base}'", "decoding.num_speculative_tokens=3"),
-], ids=["continuous", "chunked", "preempt-recompute", "preempt-swap", "ngram", "draft-model"])
+], ids=["continuous", "chunked", "static", "dynamic", "preempt-recompute", "preempt-swap", "ngram", "draft-model"])
 def test_mixed_adapters_in_one_batch_equal_peft_merged_models(lora_setup, overrides):
     """The draft model of speculative decoding runs without adapters, the target with them."""
     llm = lora_llm(lora_setup, *(o.format(base=lora_setup["base"]) for o in overrides))
