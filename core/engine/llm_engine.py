@@ -507,12 +507,13 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Abort every request, release the executor (workers, process group, model, KV
-        tensors), the decoding strategy and the cache, and tell observers the engine
-        stopped. Calling it again does nothing."""
+        tensors, LoRA slots), the decoding strategy, the cache and the LoRA adapters, and
+        tell observers the engine stopped. Calling it again does nothing."""
         if self.is_shut_down:
             return
         self.abort_request(list(self.outputs.groups))
         self.is_shut_down = True
         for component in (self.executor, self.strategy, self.cache):
             component.shutdown()
+        self.lora = None
         self.hooks.servelab_engine_stopped(engine=self)

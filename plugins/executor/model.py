@@ -388,7 +388,7 @@ class ModelExecutor(Executor):
         self._sends = []
         if self.worker is not None:
             self.worker.release()
-            self.worker = self.model = self.attention = None
+            self.worker = self.model = self.attention = self.lora = None
             if self.device.type == "cpu":
                 release_padding_buffers()
                 return_freed_heap_memory()

@@ -4,7 +4,9 @@ float32, under every batching shape; bad adapters are refused naming the field."
 
 from __future__ import annotations
 
+import gc
 import json
+import weakref
 
 import pytest
 import torch
@@ -268,3 +270,13 @@ def test_prompt_logprobs_and_parallel_sequences_survive_split_steps(lora_setup):
     for split, whole in zip(runs[0], runs[1]):
         for a, b in zip(split, whole):
             assert a is None or a == pytest.approx(b, abs=1e-5)
+
+
+def test_shutdown_releases_adapters_and_slots(lora_setup):
+    llm = lora_llm(lora_setup, adapters=("a",))
+    llm.generate(lora_setup["prompts"][:1], SamplingParams(max_tokens=2), use_tqdm=False, lora="a")
+    slots = weakref.ref(llm.engine.executor.lora)
+    adapter = weakref.ref(llm.engine.lora_adapter("a").modules[0].a)  # its host weights
+    llm.shutdown()
+    gc.collect()
+    assert slots() is None and adapter() is None
