@@ -265,9 +265,11 @@ class EngineConfig:
 
 @dataclass
 class ServelabConfig(EngineConfig):
-    """The ``servelab`` app: engine components plus the prompts to complete."""
+    """The ``servelab`` app: engine components plus the prompts to complete (``adapter``:
+    the name of a ``lora.adapters`` entry they run with; None: the base model)."""
 
     prompt: Optional[str] = None
+    adapter: Optional[str] = None
     prompts: list[str] = field(default_factory=list)
     prompts_file: Optional[str] = None
     sampling: SamplingConfig = field(default_factory=SamplingConfig)

@@ -41,7 +41,7 @@ def complete(cfg: DictConfig) -> None:
     prompts = _prompts(cfg)
     clock = llm.engine.clock
     started = clock.now()
-    outputs = llm.generate(prompts, params, use_tqdm=cfg.use_tqdm)
+    outputs = llm.generate(prompts, params, use_tqdm=cfg.use_tqdm, lora=cfg.adapter)
     elapsed = clock.now() - started
     generated = 0
     for output in outputs:

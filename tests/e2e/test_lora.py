@@ -280,3 +280,21 @@ def test_shutdown_releases_adapters_and_slots(lora_setup):
     llm.shutdown()
     gc.collect()
     assert slots() is None and adapter() is None
+
+
+def test_command_line_runs_prompts_with_an_adapter(lora_setup, capsys):
+    """``servelab ... adapter=<name>``: the prompts run with that adapter."""
+    from servelab.core.entrypoints.cli import complete
+    from servelab.core.entrypoints.compose import compose_config
+
+    folder = lora_setup["folders"]["a"]
+    cfg = compose_config(["model=local", f"model.path='{lora_setup['base']}'", "model.dtype=float32", "device=cpu",
+                          f"lora.adapters={{a: '{folder}'}}", "adapter=a", "sampling.temperature=0",
+                          "sampling.repetition_penalty=1", f"sampling.max_tokens={MAX_TOKENS}", "use_tqdm=false",
+                          "prompt='def add(a, b):'"])
+    complete(cfg)
+    llm = lora_llm(lora_setup, adapters=("a",))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    with_adapter = llm.generate(["def add(a, b):"], params, use_tqdm=False, lora="a")[0].outputs[0].text
+    assert llm.generate(["def add(a, b):"], params, use_tqdm=False)[0].outputs[0].text != with_adapter
+    assert "def add(a, b):" + with_adapter in capsys.readouterr().out
