@@ -60,6 +60,9 @@ def test_adapters_load_list_select_and_unload(lora_server):
             answer = complete(http, name).json()
             assert answer["model"] == name
             assert answer["choices"][0]["text"] == expected[None if name == "base" else name], name
+        chat = http.post("/v1/chat/completions", json={"model": "b", "max_tokens": 4, "temperature": 0,
+                                                        "messages": [{"role": "user", "content": "hi"}]})
+        assert chat.status_code == 200 and chat.json()["model"] == "b"
         assert http.post("/v1/unload_lora_adapter", json={"lora_name": "b"}).status_code == 200
         gone = complete(http, "b")
         assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
