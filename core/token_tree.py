@@ -29,11 +29,6 @@ def chain(length: int) -> list[int]:
     return list(range(-1, length - 1))
 
 
-def is_chain(parents: Sequence[int]) -> bool:
-    """True when every node continues the one before it."""
-    return all(p == i - 1 for i, p in enumerate(parents))
-
-
 def tree_problem(parents: Sequence[int], num_tokens: int, budget: int) -> str | None:
     """The rule a tree of ``num_tokens`` draft tokens with ``parents`` breaks (None when it
     is well formed): one parent per token, at most ``budget`` nodes, parents that exist and
@@ -132,7 +127,8 @@ def verified_tree_inputs(inputs: StepInputs, output: SchedulerOutput, proposal: 
         problem = tree_problem(parents, len(drafts), allowance)
         if problem is not None:
             raise ProposalError(grant.request.request_id, strategy, problem)
-    return with_trees(inputs, [next(regions) if grant.samples else None for grant in output.scheduled])
+    laid_out = [next(regions) if grant.samples else None for grant in output.scheduled]
+    return with_trees(inputs, laid_out) if any(laid_out) else inputs
 
 
 def kept_path_slots(output: SchedulerOutput, accepted_nodes: Sequence[Sequence[int]],

@@ -18,6 +18,7 @@ import torch
 
 from servelab.core.decoding import DecodeBatch, DecodeResult, Proposal
 from servelab.core.request import Request
+from servelab.core.token_tree import chain
 from servelab.plugins.decoding.logits_processing import apply_temperature_and_filters
 from servelab.plugins.decoding.sampler import processed_logits, random_race, request_generator, token_logprobs
 
@@ -52,7 +53,7 @@ def verify(logits: torch.Tensor, batch: DecodeBatch, proposal: Proposal | None) 
     probs = target_probabilities(logits, row_requests)
     drafts = proposal.draft_token_ids if proposal is not None else [[] for _ in requests]
     trees = proposal.parents if proposal is not None and proposal.parents is not None else None
-    parents = trees or [list(range(-1, len(d) - 1)) for d in drafts]
+    parents = trees or [chain(len(d)) for d in drafts]
     vocab = probs.shape[-1]
     starts, draft_starts, parent_rows = [], [], []
     row = draft_row = 0
