@@ -53,8 +53,10 @@ class HandOff:
     monotonic) clock, how it ended when it already did (``finish_reason``: a sibling that
     stopped at its first token travels with the others, with no blocks), and what a delta
     stream has sent of it already (``sent_tokens`` output tokens, ``sent_chars`` characters,
-    ``sent_prompt_logprobs``), so that the decode instance's deltas continue after it; and
-    what its scheduling policy knows of it (``metadata``, ``deadline_time``)."""
+    ``sent_prompt_logprobs``), so that the decode instance's deltas continue after it;
+    what its scheduling policy knows of it (``metadata``, ``deadline_time``); and the name
+    of the LoRA adapter it runs with (``lora``; None: the base model), which the decode
+    instance must serve too."""
 
     request_id: str
     token_ids: tuple[int, ...]
@@ -83,6 +85,7 @@ class HandOff:
     sent_prompt_logprobs: bool = False
     metadata: RequestMetadata = NO_METADATA
     deadline_time: float | None = None
+    lora: str | None = None
 
     @classmethod
     def of(cls, request: Request, num_sequences: int = 1, sent_tokens: int = 0, sent_chars: int = 0,
@@ -105,7 +108,7 @@ class HandOff:
             stop_reason=request.stop_reason, stop_text_len=request.stop_text_len,
             finished_time=request.finished_time, sent_tokens=sent_tokens, sent_chars=sent_chars,
             sent_prompt_logprobs=sent_prompt_logprobs, metadata=request.metadata,
-            deadline_time=request.deadline_time)
+            deadline_time=request.deadline_time, lora=None if request.lora is None else request.lora.name)
 
     @property
     def group(self) -> str:

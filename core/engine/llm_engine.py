@@ -360,8 +360,9 @@ class LLMEngine:
         changed when the cache has no room yet (the tickets stay valid: admit them again
         after steps free blocks). Its outputs start from its first token; as ``delta``,
         after what the sender's delta outputs already gave. The request is
-        checked as ``add_request`` checks a prompt; a failed transfer frees its blocks,
-        drops the other tickets and raises ``KVTransferError``."""
+        checked as ``add_request`` checks a prompt (and runs with this engine's LoRA adapter
+        of the sender's adapter's name); a failed transfer frees its blocks, drops the other
+        tickets and raises ``KVTransferError``."""
         self._ensure_running("admit_handed_off")
         if output_kind not in OUTPUT_KINDS:
             raise InvalidRequestError("output_kind", f"must be one of {', '.join(OUTPUT_KINDS)}")
@@ -372,11 +373,15 @@ class LLMEngine:
             raise InvalidRequestError("tickets", "must be every ticket of one hand-off (one per sequence)")
         group_id = first.group
         self.check_request(list(first.token_ids[:first.num_prompt_tokens]), first.sampling_params)
+        adapter = None if first.lora is None else self.lora_adapter(first.lora)
         if group_id in self.outputs.groups:
             raise InvalidRequestError("request_id", f"{group_id!r} is already running")
         caches = self._local_kv_caches(connector)
         now = self.clock.now()
         requests = [handoff.restore(self._eos_token_id(), now, self.device) for handoff in handoffs]
+        if adapter is not None:
+            for request in requests:
+                request.lora, request.cache_salt = adapter, adapter.cache_salt
         running = [request for request in requests if not request.is_finished]
         for allocated, request in enumerate(running):
             if self.cache.allocate(request, 0) is None:

@@ -98,9 +98,6 @@ class ModelExecutor(Executor):
         lora_cfg = context.engine_cfg.get("lora")
         if lora_enabled(lora_cfg) and topology.world_size > 1:
             problems.append("lora: adapters run on one device; tensor and pipeline parallelism do not shard them")
-        if lora_enabled(lora_cfg) and context.engine_cfg.get("role", "mixed") != "mixed":
-            problems.append(f"lora: a {context.engine_cfg.role} instance of a disaggregated deployment cannot hand "
-                            f"LoRA requests over yet; serve adapters on mixed instances")
         if problems:
             raise ConfigError(problems)
         self.device = context.device

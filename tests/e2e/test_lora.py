@@ -298,3 +298,37 @@ def test_command_line_runs_prompts_with_an_adapter(lora_setup, capsys):
     with_adapter = llm.generate(["def add(a, b):"], params, use_tqdm=False, lora="a")[0].outputs[0].text
     assert llm.generate(["def add(a, b):"], params, use_tqdm=False)[0].outputs[0].text != with_adapter
     assert "def add(a, b):" + with_adapter in capsys.readouterr().out
+
+
+def test_hand_off_between_engines_keeps_the_adapter(lora_setup):
+    """A LoRA request prefilled on one engine and decoded on another (disaggregated
+    serving) runs with the decode engine's adapter of the same name; one that this
+    engine does not serve is refused naming ``lora``."""
+    from servelab.core.engine.registry import get_registry
+    from servelab.core.kv_transfer import KVTransferContext
+
+    registry = get_registry()
+    ends = [registry.build("kv_transfer", registry.get("kv_transfer", "shared_memory").config_cls(),
+                           KVTransferContext(name, registry)) for name in ("prefill-0", "decode-0")]
+    prefill, decode = lora_llm(lora_setup).engine, lora_llm(lora_setup, adapters=("a", "b")).engine
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    picked = [0, 1, 2, 3]
+    ids = {prefill.add_request(lora_setup["prompts"][i], params, lora=lora_setup["loras"][i]): i for i in picked}
+    refused = []
+    while prefill.has_unfinished_requests():
+        prefill.step()
+        for request_id in prefill.ready_to_hand_off():
+            tickets = prefill.hand_off(request_id, ends[0])
+            try:
+                assert decode.admit_handed_off(tickets, ends[1]) == request_id
+            except InvalidRequestError as exc:
+                assert exc.field == "lora"
+                refused.append(request_id)
+                for ticket in tickets:
+                    ends[1].abort(ticket)
+    done = {}
+    while decode.has_unfinished_requests():
+        done.update((o.request_id, o.outputs[0].token_ids) for o in decode.step() if o.finished)
+    assert [lora_setup["loras"][ids[r]] for r in refused] == ["c"]
+    assert done == {r: lora_setup["expected"][i] for r, i in ids.items() if r not in refused}
+    assert prefill.cache.usage.used_blocks == 0 and decode.cache.usage.used_blocks == 0
