@@ -3,8 +3,8 @@
 Each configuration decodes the same prompts greedily at batch 1 (one request at a time)
 or at a larger batch, after a warm-up; reported: output tokens/s, speed-up over
 decoding=sampling, the accepted length (tokens a request gains per verification:
-accepted drafts + 1, averaged over verifications) and the nodes verified per
-verification. Prompts are the openings of held-out standard-library files.
+accepted drafts + 1, averaged over verifications), the nodes verified per
+verification and the share of the time spent drafting (the strategy's ``propose``). Prompts are the openings of held-out standard-library files.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_speculative_trees.py --prompts 8 --max-tokens 64
 """
@@ -29,17 +29,26 @@ CONFIGS = {
     "dynamic tree, 14 nodes": ("speculative", ["decoding.tree_nodes=14", "decoding.tree_depth=6",
                                                "decoding.tree_top_k=3"]),
 }
-HEADER = ["batch", "decoding", "tok/s", "speed-up", "accepted length", "nodes / verification"]
+HEADER = ["batch", "decoding", "tok/s", "speed-up", "accepted length", "nodes / verification", "drafting %"]
 
 
 class Verifications:
     """Counts, while ``on``, the draft nodes verified and kept and the verifications (a
-    request verified with at least one draft) of the strategy's ``accept`` calls."""
+    request verified with at least one draft) of the strategy's ``accept`` calls, and the
+    seconds spent in its ``propose`` calls (the draft model's passes)."""
 
     def __init__(self, strategy) -> None:
         self.nodes = self.kept = self.count = 0
+        self.propose_s = 0.0
         self.on = False
-        accept = strategy.accept
+        accept, propose = strategy.accept, strategy.propose
+
+        def timed(batch):
+            started = time.perf_counter()
+            proposal = propose(batch)
+            if self.on:
+                self.propose_s += time.perf_counter() - started
+            return proposal
 
         def counted(logits, batch, proposal):
             result = accept(logits, batch, proposal)
@@ -51,6 +60,7 @@ class Verifications:
             return result
 
         strategy.accept = counted
+        strategy.propose = timed
 
 
 def run(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int) -> float:
@@ -72,7 +82,7 @@ def main() -> None:
     parser.add_argument("--attention", default="sdpa")
     args = parser.parse_args()
     common = [f"attention={args.attention}", "model.dtype=float32"]
-    print(markdown_header(HEADER, align="rlrrrr"), flush=True)
+    print(markdown_header(HEADER, align="rlrrrrr"), flush=True)
     for batch in args.batch_sizes:
         base_tps = None
         for name, (decoding, overrides) in CONFIGS.items():
@@ -82,11 +92,14 @@ def main() -> None:
             run(llm, prompts[:batch], batch, 8)  # warm-up
             if counter is not None:
                 counter.on = True
-            tps = len(prompts) * args.max_tokens / run(llm, prompts, batch, args.max_tokens)
+            seconds = run(llm, prompts, batch, args.max_tokens)
+            tps = len(prompts) * args.max_tokens / seconds
             base_tps = base_tps or tps
             length = f"{1 + counter.kept / counter.count:.2f}" if counter and counter.count else "1.00"
             nodes = f"{counter.nodes / counter.count:.1f}" if counter and counter.count else "-"
-            print(markdown_row([str(batch), name, f"{tps:.1f}", f"{tps / base_tps:.2f}x", length, nodes]), flush=True)
+            drafting = f"{100 * counter.propose_s / seconds:.0f}" if counter else "-"
+            print(markdown_row([str(batch), name, f"{tps:.1f}", f"{tps / base_tps:.2f}x", length, nodes, drafting]),
+                  flush=True)
             llm.shutdown()
 
 
