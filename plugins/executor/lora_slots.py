@@ -70,7 +70,10 @@ class LoRASlots:
 
     def __init__(self, model: torch.nn.Module, lora_cfg: Any, dtype: torch.dtype, device: torch.device):
         self.model, self.device = model, device
-        layers = model.decoder_layers
+        layers = getattr(model, "decoder_layers", None)
+        if layers is None:
+            raise ConfigError([f"lora: {type(model).__name__} does not list its decoder layers (decoder_layers), "
+                               f"so servelab cannot find the projections to adapt"])
         prefix = next(name for name, module in model.named_modules() if module is layers) + "."
         element = torch.empty((), dtype=dtype).element_size()
         slot_bytes = sum((module.in_features + module.out_features) * lora_cfg.max_rank * fused * element
