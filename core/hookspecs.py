@@ -55,6 +55,12 @@ def servelab_register_eviction_policies() -> list[ComponentSpec]:
 
 
 @hookspec
+def servelab_register_kv_tiers() -> list[ComponentSpec]:
+    """Return ``ComponentSpec(kind="kv_tier", ...)`` entries; each class implements
+    ``servelab.core.kv_tier.KVTier`` and is built as ``cls(KVTierContext)`` (API 1.8)."""
+
+
+@hookspec
 def servelab_register_executors() -> list[ComponentSpec]:
     """Return ``ComponentSpec(kind="executor", ...)`` entries; each class implements
     ``servelab.core.executor.Executor`` and is built as ``cls(config, ExecutorContext)``."""

@@ -7,7 +7,7 @@ import functools
 import hashlib
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
@@ -16,6 +16,7 @@ from servelab.core.request import Request
 
 if TYPE_CHECKING:
     from servelab.core.component import ComponentBuilder
+    from servelab.core.kv_tier import TierEntry
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,12 +94,15 @@ def single_group(spec: KVCacheSpec) -> tuple[KVCacheGroup, ...]:
 class CacheContext:
     """What the engine hands a KV cache manager: what one device stores per token
     (``spec``), the engine's ``registry`` (for the components a cache builds itself, such
-    as its prefix-cache eviction policy) and ``memory_budget_bytes``, the KV memory the
-    executor can give each device (for a config that sets no size; None: unknown)."""
+    as its prefix-cache eviction policy), ``memory_budget_bytes``, the KV memory the
+    executor can give each device (for a config that sets no size; None: unknown), and
+    ``model_fingerprint`` (``kv_fingerprint``: what a block's content depends on beyond the
+    cache's own layout, for a tier that outlives the engine)."""
 
     spec: KVCacheSpec
     registry: ComponentBuilder
     memory_budget_bytes: int | None = None
+    model_fingerprint: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +148,23 @@ def block_hashes(token_ids: list[int] | tuple[int, ...], block_size: int, num_bl
         hashes.append(block_hash(hashes[-1] if hashes else root,
                                  tuple(token_ids[index * block_size:(index + 1) * block_size])))
     return hashes
+
+
+@dataclass(frozen=True, slots=True)
+class TierMoves:
+    """What a cache with tiers below the device moves with the step being scheduled:
+    ``offloads`` (device, host) of evicted cached blocks, ``loads`` (host, device) of
+    prefix hits in the host tier, and its lower tier's ``spills`` (host block,
+    ``TierEntry``) and ``fills`` (``TierEntry``, host block)."""
+
+    offloads: tuple[tuple[int, int], ...] = ()
+    loads: tuple[tuple[int, int], ...] = ()
+    spills: tuple[tuple[int, "TierEntry"], ...] = ()
+    fills: tuple[tuple["TierEntry", int], ...] = ()
+
+
+NO_TIER_MOVES = TierMoves()
+"""What ``take_tier_moves`` returns when nothing moves (the engine checks for this object)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -314,13 +335,26 @@ class KVCacheManager(abc.ABC):
         """True when ``swap_in`` would succeed now."""
         return False
 
-    def take_tier_moves(self) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
-        """The block moves of a cache with tiers below the device since the last call: the
-        (device, host) offloads of evicted cached blocks and the (host, device) loads of
-        prefix hits in a lower tier. The engine calls it after each ``schedule`` and adds
-        them to that step (``SchedulerOutput.blocks_to_offload``, ``blocks_to_swap_in``);
-        none by default."""
-        return (), ()
+    def take_tier_moves(self) -> TierMoves:
+        """The block moves of a cache with tiers below the device since the last call
+        (``TierMoves``). The engine calls it after each ``schedule`` and adds them to that
+        step (``SchedulerOutput.blocks_to_offload``, ``blocks_to_swap_in``,
+        ``blocks_to_spill``, ``blocks_to_fill``); none by default."""
+        return NO_TIER_MOVES
+
+    def loading(self, request: Request) -> bool:
+        """True while ``lookup_prefix`` found more of the request's prefix in a tier below
+        the host and is loading it: the scheduler admits it from the next step. False by
+        default."""
+        return False
+
+    def transfer_tier_blocks(self, spills: tuple, fills: tuple, read: Callable | None, write: Callable | None) -> None:
+        """Run a step's ``blocks_to_spill`` and ``blocks_to_fill`` (an executor calls it
+        before the step's other moves): ``read(host_block)`` gives a host block's content
+        as one uint8 tensor, ``write(host_block, content)`` puts it back; None for both on
+        an executor without KV tensors. A cache without a lower tier has none to run."""
+        if spills or fills:
+            raise NotImplementedError(f"{type(self).__name__} has no tier below the host")
 
     def start_events(self) -> None:
         """Begin recording ``KVCacheEvent``s for ``take_events`` (a KV-aware router reads

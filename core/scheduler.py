@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from servelab.core.clock import Clock
     from servelab.core.decode_result import DecodeResult
     from servelab.core.kv_cache import KVCacheManager
+    from servelab.core.kv_tier import TierEntry
     from servelab.core.stop_checker import StopChecker
 
 
@@ -69,7 +70,11 @@ class SchedulerOutput:
     host tier's blocks loaded back on a prefix hit). An executor applies them offloads
     first (they read device blocks this step may overwrite), then swap-ins, then
     swap-outs, then copies: a host block a swap-in frees may be taken by a swap-out of the
-    same step.
+    same step. ``blocks_to_spill``: (host block, ``TierEntry``) pairs the cache's lower
+    tier saves (host-tier blocks evicted), ``blocks_to_fill``: (``TierEntry``, host block)
+    pairs it loads into staging host blocks (prefix hits there, used from the next step);
+    an executor hands both to ``KVCacheManager.transfer_tier_blocks`` before the moves
+    above (a spilled host block may be reused by an offload or swap-out of the step).
     ``preempted``: ids preempted while building this step. ``num_lookahead_tokens``:
     speculative slots reserved after each decode grant. ``num_prefix_hit_tokens``: prompt
     tokens of the requests admitted this step that the prefix cache already held.
@@ -87,6 +92,8 @@ class SchedulerOutput:
     num_prefix_hit_tokens: int = 0
     step_index: int = 0
     blocks_to_offload: tuple[tuple[int, int], ...] = ()
+    blocks_to_spill: tuple[tuple[int, TierEntry], ...] = ()
+    blocks_to_fill: tuple[tuple[TierEntry, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -96,7 +103,8 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         """True when nothing runs this step and no block moves."""
-        return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_offload)
+        return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_offload
+                    or self.blocks_to_fill or self.blocks_to_spill)
 
     @property
     def sampling_requests(self) -> tuple[Request, ...]:

@@ -59,6 +59,14 @@ def servelab_register_eviction_policies():
 
 
 @hookimpl
+def servelab_register_kv_tiers():
+    """disk: cached KV blocks in files below the host tier."""
+    from servelab.plugins.kv_tier import disk
+
+    return [disk.SPEC]
+
+
+@hookimpl
 def servelab_register_executors():
     """model (the forward pass) and simulated (a cost model on a virtual clock)."""
     from servelab.plugins.executor import model, simulated

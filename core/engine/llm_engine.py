@@ -17,8 +17,9 @@ from servelab.core.deployment import ROLES
 from servelab.core.errors import ConfigError, EngineShutdownError, InvalidRequestError
 from servelab.core.executor import ExecutedStep, ExecutorContext
 from servelab.core.kv_transfer import HandOff, KVTransfer, TransferTicket
-from servelab.core.kv_cache import CacheContext
+from servelab.core.kv_cache import NO_TIER_MOVES, CacheContext
 from servelab.core.lora_registry import LoRARegistry, lora_enabled
+from servelab.core.kv_tier import kv_fingerprint
 from servelab.core.engine.output_processor import OUTPUT_KINDS, OutputProcessor
 from servelab.core.outputs import RequestOutput
 from servelab.core.policy import PolicyContext, SLOClass
@@ -97,6 +98,9 @@ class LLMEngine:
         parallel = cfg.parallel
         problems += shape.parallel_problems(parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
                                             parallel.expert_parallel_size)
+        if cfg.cache.get("lower_tier") and parallel.tensor_parallel_size * parallel.pipeline_parallel_size > 1:
+            problems.append("cache.lower_tier runs its I/O in the engine's process: it needs "
+                            "parallel.tensor_parallel_size=1 and parallel.pipeline_parallel_size=1")
         problems += quantization_problems(checkpoint.quantization, shape, parallel.tensor_parallel_size, self.device,
                                           executor_cls.runs_model)
         executor = None if problems else build_collecting(problems, lambda: registry.build(
@@ -106,8 +110,11 @@ class LLMEngine:
         kv_spec = shape.kv_cache_spec(kv_dtype, self.max_model_len, parallel.tensor_parallel_size,
                                       parallel.pipeline_parallel_size)
         budget = build_collecting(problems, lambda: executor.kv_cache_budget_bytes(kv_spec)) if executor else None
+        fingerprint = kv_fingerprint(checkpoint.source, checkpoint.hf_config, {
+            "kv": repr(kv_spec), "dtype": str(self.dtype), "quantization": repr(checkpoint.quantization),
+            "seed": cfg.model.get("seed"), "attention": type(cfg.attention).__name__})
         cache = build_collecting(problems, lambda: registry.build(
-            "cache", cfg.cache, CacheContext(kv_spec, registry, budget))) if executor else None
+            "cache", cfg.cache, CacheContext(kv_spec, registry, budget, fingerprint))) if executor else None
         strategy = build_collecting(problems, lambda: registry.build("decoding", cfg.decoding, DecodingContext(
             registry, self.device, self.dtype, self.vocab_size, self.max_model_len, self.tokenizer, cfg.attention,
             executor_cls.runs_model)))
@@ -179,6 +186,10 @@ class LLMEngine:
             raise InvalidRequestError("prompt_logprobs", f"executor={self._executor_name()} does not compute prompt "
                                                          f"logprobs")
         self.strategy.check_request(params)
+        limit = self.scheduler.max_num_seqs()
+        if params.n > 1 and limit is not None and params.n > limit and self.cache.supports_fork:
+            raise InvalidRequestError("n", f"{params.n} sequences share their prompt and run together, but "
+                                           f"scheduler.max_num_seqs={limit}")
         if params.use_beam_search:
             raise InvalidRequestError("use_beam_search", (
                 "beam search runs over the engine, not inside it: use LLM.generate or "
@@ -458,12 +469,13 @@ class LLMEngine:
         return self._finish_step(started, executed, update)
 
     def _with_tier_moves(self, output: SchedulerOutput) -> SchedulerOutput:
-        """The step with the cache's host-tier offloads and loads of its scheduling added."""
-        offloads, loads = self.cache.take_tier_moves()
-        if not offloads and not loads:
+        """The step with the cache's tier moves of its scheduling added (``TierMoves``)."""
+        moves = self.cache.take_tier_moves()
+        if moves is NO_TIER_MOVES:
             return output
-        return replace(output, blocks_to_offload=output.blocks_to_offload + offloads,
-                       blocks_to_swap_in=output.blocks_to_swap_in + loads)
+        return replace(output, blocks_to_offload=output.blocks_to_offload + moves.offloads,
+                       blocks_to_swap_in=output.blocks_to_swap_in + moves.loads,
+                       blocks_to_spill=moves.spills, blocks_to_fill=moves.fills)
 
     def _finish_step(self, started: float, executed: ExecutedStep, update: SchedulerUpdate) -> list[RequestOutput]:
         """Render the step's outputs and tell observers what it did."""

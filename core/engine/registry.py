@@ -35,11 +35,12 @@ REGISTER_HOOKS = {
     "router": "servelab_register_routers",
     "kv_transfer": "servelab_register_kv_transfers",
     "policy": "servelab_register_policies",
+    "kv_tier": "servelab_register_kv_tiers",
 }
 CONFIG_GROUPS = ("cache", "attention", "scheduler", "decoding", "executor", "cost_model", "router", "kv_transfer",
                  "policy")
 """Kinds that are Hydra config groups (models are picked from ``config.json``; eviction
-policies by name with ``cache.eviction``)."""
+policies by name with ``cache.eviction``, KV tiers with ``cache.lower_tier``)."""
 
 
 class Registry:

@@ -3,17 +3,20 @@ reused by prefix, swapped to host memory under pressure."""
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from dataclasses import dataclass
 from typing import Optional
 
 from servelab.core.component import ComponentSpec
 from servelab.core.errors import ConfigError
-from servelab.core.kv_cache import (Allocation, CacheContext, KVCacheEvent, KVCacheGroup, KVCacheManager,
-                                     KVCacheUsage, prefix_root, single_group)
+from servelab.core.kv_cache import (NO_TIER_MOVES, Allocation, CacheContext, KVCacheEvent, KVCacheGroup,
+                                     KVCacheManager, KVCacheUsage, TierMoves, prefix_root, single_group)
 from servelab.core.request import Request
 from servelab.plugins.cache.block_pool import BlockPool
-from servelab.plugins.cache.host_tier import HostTier
+from servelab.core.kv_tier import KVTierContext, TierEntry
+from servelab.plugins.cache.lower_tier import LowerTier
+from servelab.plugins.cache.tier_index import TierIndex
 from servelab.plugins.cache.prefix_cache import PrefixCache
 from servelab.plugins.cache.radix_cache import RadixPrefixCache
 from servelab.plugins.cache.sizing import num_blocks_for
@@ -35,9 +38,12 @@ class PagedCacheConfig:
     its own: ``RadixPrefixCache``; a model with several KV cache groups matches whole
     blocks). ``swap_space_bytes`` sizes
     the host pool used by ``scheduler.preemption=swap``; ``host_cache_bytes`` adds a tier
-    of cached prefix blocks to it (``HostTier``): a cached block evicted from the device
+    of cached prefix blocks to it (``TierIndex``): a cached block evicted from the device
     moves there instead of vanishing, and a prefix hit there loads it back instead of
-    recomputing it (needs prefix caching and one KV cache group). ``kv_dtype``: auto (the model's
+    recomputing it (needs prefix caching and one KV cache group). ``lower_tier`` (a
+    registered ``kv_tier``: ``disk``) adds a tier below that, ``lower_tier_bytes`` big,
+    kept at ``lower_tier_path``: blocks the host tier evicts are saved there, and a prefix
+    hit there is loaded back through the host tier (``LowerTier``). ``kv_dtype``: auto (the model's
     dtype) | int8 | fp8_e4m3, the stored element type (docs/quantization.md); sizes from
     memory count its smaller blocks. ``groups``: one block table per KV cache group
     (``KVCacheSpec.groups``), windowed groups giving back the blocks that left their
@@ -51,6 +57,9 @@ class PagedCacheConfig:
     prefix_index: str = "hash"
     swap_space_bytes: int = 0
     host_cache_bytes: int = 0
+    lower_tier: Optional[str] = None
+    lower_tier_bytes: int = 0
+    lower_tier_path: Optional[str] = None
     kv_dtype: str = "auto"
     groups: bool = True
 
@@ -111,8 +120,31 @@ class PagedKVCacheManager(KVCacheManager):
         self._offloads: list[tuple[int, int]] = []
         self._loads: list[tuple[int, int]] = []
         self._host_freed: list[int] = []
+        self.lower = self._lower_tier(config, context, block_bytes)
+        self._filling: set[int] = set()
+        self._loading: set[str] = set()
 
-    def _host_tier(self, config, tier_blocks: int, block_bytes: int, num_groups: int) -> HostTier | None:
+    def _lower_tier(self, config, context: CacheContext, block_bytes: int) -> LowerTier | None:
+        """The tier ``lower_tier`` asks for below the host tier (None: none); ``ConfigError``
+        naming the field when it cannot work."""
+        name = getattr(config, "lower_tier", None)
+        if not name:
+            return None
+        spec = context.registry.get("kv_tier", name)
+        wanted = config.lower_tier_bytes
+        problems = []
+        if self.host_tier is None:
+            problems.append(f"cache.lower_tier={name} loads blocks through the host tier: set cache.host_cache_bytes "
+                            f"(and cache.enable_prefix_caching=true)")
+        if wanted < block_bytes:
+            problems.append(f"cache.lower_tier_bytes={wanted} holds no block of {block_bytes} bytes")
+        if problems:
+            raise ConfigError(problems)
+        layout = f"{context.model_fingerprint}/{self.block_size}/{block_bytes}".encode()
+        fingerprint = hashlib.blake2b(layout, digest_size=12).hexdigest()
+        return LowerTier(spec.cls(KVTierContext(config.lower_tier_path, wanted, block_bytes, fingerprint)))
+
+    def _host_tier(self, config, tier_blocks: int, block_bytes: int, num_groups: int) -> TierIndex | None:
         """The host tier ``host_cache_bytes`` asks for (None: none); ``ConfigError`` naming
         the field when it cannot work."""
         wanted = getattr(config, "host_cache_bytes", 0)
@@ -129,7 +161,7 @@ class PagedKVCacheManager(KVCacheManager):
         if problems:
             raise ConfigError(problems)
         self.prefix.spill = self._offload
-        return HostTier(tier_blocks)
+        return TierIndex(tier_blocks)
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -159,11 +191,22 @@ class PagedKVCacheManager(KVCacheManager):
         """``count`` host blocks, evicting the host tier's least recently used when the pool
         has too few free (None when that is not enough)."""
         while self.host_pool.num_free < count and self.host_tier is not None:
-            block = self.host_tier.evict()
+            block = self._evict_host()
             if block is None:
                 break
             self.host_pool.put_free(self.host_pool.release([block]))
         return self.host_pool.take(count)
+
+    def _evict_host(self) -> int | None:
+        """Evict the host tier's least recently used entry not pinned, saving it to the
+        lower tier when there is one; its host block (None: every entry is pinned)."""
+        evicted = self.host_tier.evict()
+        if evicted is None:
+            return None
+        block, entry = evicted
+        if self.lower is not None:
+            self.lower.spill(block, entry)
+        return block
 
     def _free_host(self, blocks: list[int]) -> None:
         """Give host blocks back; with a host tier only after this step's moves are taken
@@ -181,7 +224,7 @@ class PagedKVCacheManager(KVCacheManager):
             tier.touch(digest)
             return
         if tier.full:
-            host = tier.evict()
+            host = self._evict_host()
             if host is None:
                 return
         else:
@@ -190,20 +233,75 @@ class PagedKVCacheManager(KVCacheManager):
                 return
             host = taken[0]
         tier.store(digest, parent, tokens, host)
+        tier.pin(host)  # its content arrives with this step: a spill of this step would read it first
         self._offloads.append((block, host))
 
-    def take_tier_moves(self) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
-        """The offloads and host-tier loads since the last call; host blocks freed since
-        become free and loaded ones evictable."""
+    def take_tier_moves(self) -> TierMoves:
+        """The offloads, host-tier loads and lower-tier spills and fills since the last
+        call; host blocks freed since become free and loaded ones evictable."""
         if self.host_tier is None:
-            return (), ()
-        moves = tuple(self._offloads), tuple(self._loads)
+            return NO_TIER_MOVES
+        spills, fills = (), ()
+        if self.lower is not None:
+            self._finish_fills()
+            spills, fills = self.lower.take_moves()
+        moves = TierMoves(tuple(self._offloads), tuple(self._loads), spills, fills)
+        if not (self._offloads or self._loads or spills or fills):
+            moves = NO_TIER_MOVES
         self._offloads, self._loads = [], []
         if self._host_freed:
             self.host_pool.put_free(self._host_freed)
             self._host_freed = []
         self.host_tier.unpin_all()
         return moves
+
+    def transfer_tier_blocks(self, spills: tuple, fills: tuple, read, write) -> None:
+        """Hand the step's spills and fills to the lower tier's I/O (``LowerTier.transfer``)."""
+        self.lower.transfer(spills, fills, read, write)
+
+    def loading(self, request: Request) -> bool:
+        """True while blocks of the request's prefix are loaded from the lower tier."""
+        return request.request_id in self._loading
+
+    def _finish_fills(self) -> None:
+        """The lower tier's finished loads join the host tier (a failed one frees its
+        staging block: that block is recomputed)."""
+        for entry, host_block, ok in self.lower.finished_fills():
+            self._filling.discard(entry.digest)
+            if not ok or entry.digest in self.host_tier:
+                self.host_pool.put_free(self.host_pool.release([host_block]))
+                continue
+            if self.host_tier.full:
+                freed = self._evict_host()
+                if freed is not None:
+                    self._free_host([freed])
+            self.host_tier.store(entry.digest, entry.parent, entry.tokens, host_block)
+
+    def _fetch_from_lower(self, request: Request) -> bool:
+        """Start loading, into staging host blocks, the lower tier's blocks that continue
+        the request's cached prefix (on the device or in the host tier, pinned for this
+        step); True while any of them is being loaded."""
+        size, tokens, host, lower = self.block_size, request.token_ids, self.host_tier, self.lower
+        parent = prefix_root(request.cache_salt)
+        waiting = False
+        for index in range((request.num_tokens - 1) // size):
+            block_tokens = tuple(tokens[index * size:(index + 1) * size])
+            digest = PrefixCache.chain_hash(parent, block_tokens)
+            if self.prefix.find(0, digest, parent, block_tokens) is None and host.find(digest, parent, block_tokens) is None:
+                if digest in self._filling:
+                    waiting = True
+                elif lower.index.find(digest, parent, block_tokens) is not None:
+                    staging = self._take_host(1)
+                    if staging is None:
+                        break
+                    lower.fill(TierEntry(digest, parent, block_tokens), staging[0])
+                    self._filling.add(digest)
+                    waiting = True
+                else:
+                    break
+            parent = digest
+        (self._loading.add if waiting else self._loading.discard)(request.request_id)
+        return waiting
 
     def _release(self, blocks: list[int]) -> None:
         unheld = self.pool.release(blocks)
@@ -296,6 +394,7 @@ class PagedKVCacheManager(KVCacheManager):
         self._window_starts.pop(rid, None)
         self._hashes.pop(rid, None)
         self._looked_up.discard(rid)
+        self._loading.discard(rid)
         for table in tables or ():
             self._release(self._live(table))
         pending = self._pending_copies.pop(rid, None)
@@ -388,6 +487,10 @@ class PagedKVCacheManager(KVCacheManager):
         rid = request.request_id
         if self.prefix is None or rid in self._tables or rid in self._looked_up:
             return 0
+        if self.lower is not None:
+            self._finish_fills()
+            if self._fetch_from_lower(request):
+                return 0
         self._looked_up.add(rid)
         self.prefix.queried_tokens += request.num_tokens
         limit = (request.num_tokens - 1) // self.block_size
@@ -588,6 +691,10 @@ class PagedKVCacheManager(KVCacheManager):
         if self.prefix is not None:
             self.prefix.spill = None
             self.pool.put_free([self.prefix.evict() for _ in range(self.prefix.num_evictable)])
+        if self.lower is not None:
+            self._finish_fills()
+            self.take_tier_moves()
+            self.lower.close()
         if self.host_tier is not None:
             self.host_pool.put_free(self.host_pool.release(self.host_tier.clear()))
             self.take_tier_moves()

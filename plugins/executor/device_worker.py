@@ -102,6 +102,20 @@ class DeviceWorker:
         copy_blocks(self.attention, self.block_tensors, self.host_tensors, swap_out)
         copy_blocks(self.attention, self.block_tensors, self.block_tensors, copy)
 
+    def read_host_block(self, block: int) -> torch.Tensor:
+        """Host block ``block`` of every layer, as one uint8 tensor (a copy)."""
+        axis = self.attention.kv_cache_block_axis
+        return torch.cat([t.select(axis, block).contiguous().view(torch.uint8).reshape(-1) for t in self.host_tensors])
+
+    def write_host_block(self, block: int, content: torch.Tensor) -> None:
+        """Put ``content`` (as ``read_host_block`` gives it) into host block ``block``."""
+        axis, offset = self.attention.kv_cache_block_axis, 0
+        for tensor in self.host_tensors:
+            view = tensor.select(axis, block)
+            size = view.numel() * view.element_size()
+            view.copy_(content[offset:offset + size].view(view.dtype).view(view.shape))
+            offset += size
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, layouts: tuple[BatchLayout, ...],
                 carried: tuple | None = None) -> Any:

@@ -145,6 +145,7 @@ class SimulatedExecutor(Executor):
         result, batch, allowances = self._decide(output)
         start = max(self.context.clock.now(), self.stage_free[0])
         start += self._block_moves_time(output) + self._draft_time(output, allowances)
+        tier_io = self._lower_tier_time(output)
         stage_times: tuple[float, ...] = (0.0,) * len(self.stage_free)
         transfer = 0.0
         if output.scheduled:
@@ -155,6 +156,7 @@ class SimulatedExecutor(Executor):
             begin = max(moment, self.stage_free[stage])
             self.stage_free[stage] = begin + busy
             moment = begin + busy + (transfer if stage + 1 < len(stage_times) else 0.0)
+        moment = max(moment, start + tier_io)
         self._pending.append(PricedStep(moment, output, result, tuple(stage_times)))
 
     def collect(self) -> ExecutedStep:
@@ -213,6 +215,16 @@ class SimulatedExecutor(Executor):
             return 0.0
         return (swapped * self._block_bytes / self.hardware.host_bandwidth
                 + 2 * len(output.blocks_to_copy) * self._block_bytes / self.hardware.memory_bandwidth)
+
+    def _lower_tier_time(self, output: SchedulerOutput) -> float:
+        """The lower KV tier's saves and loads at ``hardware.disk_bandwidth``, overlapped
+        with the step (its loads are used from the next one); they run through the cache
+        with no content, every load succeeding."""
+        blocks = len(output.blocks_to_spill) + len(output.blocks_to_fill)
+        if not blocks:
+            return 0.0
+        self.cache.transfer_tier_blocks(output.blocks_to_spill, output.blocks_to_fill, None, None)
+        return blocks * self._block_bytes / self.hardware.disk_bandwidth
 
     def _draft_time(self, output: SchedulerOutput, allowances: tuple[int, ...]) -> float:
         """The draft model's passes: one token per drafting request per drafted position."""

@@ -212,6 +212,8 @@ class QueueScheduler(Scheduler):
             hit = 0
             if request.num_computed_tokens == 0 and not request.needs_prompt_logprobs:
                 hit = self.cache.lookup_prefix(request)
+                if not hit and self.cache.loading(request):
+                    break  # its prefix arrives from a lower KV tier with this step
                 request.num_computed_tokens = hit
                 self._prefix_hits += hit
             remaining = request.num_tokens - request.num_computed_tokens

@@ -15,6 +15,7 @@ one line per kit in its tests::
 
 ``KVCacheConformance``, ``AttentionConformance``, ``SchedulerConformance``,
 ``DecodingConformance``, ``ExecutorConformance``, ``KVTransferConformance``, ``PolicyConformance``, ``EvictionConformance``,
+``KVTierConformance``,
 ``EntryPointConformance`` and
 ``StressConformance``; see docs/plugins.md for what each checks. ``ProcessResources``
 and ``assert_released`` check that an engine left nothing in the process.
@@ -42,6 +43,7 @@ _EXPORTS = {
     "KVTransferConformance": "servelab.testing.kv_transfer_kit",
     "PolicyConformance": "servelab.testing.policy_kit",
     "EvictionConformance": "servelab.testing.eviction_kit",
+    "KVTierConformance": "servelab.testing.kv_tier_kit",
     "ProcessResources": "servelab.testing.lifecycle",
     "assert_released": "servelab.testing.lifecycle",
     "EntryPointConformance": "servelab.testing.entry_point_kit",

@@ -189,6 +189,20 @@ def assert_engine_matches_transformers(folder: str, overrides: Sequence[str] = (
     return llm
 
 
+def assert_tiers_whole(llm: Any) -> None:
+    """With the engine idle, every host block is free or kept by the host tier, and the
+    lower tier's index holds no more than its budget."""
+    cache = llm.engine.cache
+    cache.take_tier_moves()
+    kept = len(cache.host_tier) if cache.host_tier is not None else 0
+    assert cache.host_pool.num_free + kept == cache.num_host_blocks, (
+        f"host blocks leaked: {cache.host_pool.num_free} free + {kept} in the host tier "
+        f"of {cache.num_host_blocks}")
+    if cache.lower is not None:
+        index = cache.lower.index
+        assert len(index) <= index.capacity, f"lower tier holds {len(index)} blocks over its {index.capacity}"
+
+
 def assert_no_leaked_blocks(llm: Any) -> None:
     """Every KV block is back in the pool and no request is left in the engine."""
     engine = llm.engine

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from servelab.platform import free_port
 from servelab.testing import (AttentionConformance, DecodingConformance, EntryPointConformance,
-                              EvictionConformance, ExecutorConformance, KVCacheConformance, KVTransferConformance,
-                              PolicyConformance, SchedulerConformance, StressConformance)
+                              EvictionConformance, ExecutorConformance, KVCacheConformance, KVTierConformance,
+                              KVTransferConformance, PolicyConformance, SchedulerConformance, StressConformance)
 
 
 class TestKVCaches(KVCacheConformance):
@@ -37,6 +37,10 @@ class TestKVTransfers(KVTransferConformance):
 
 class TestEvictionPolicies(EvictionConformance):
     """Every prefix-cache eviction policy."""
+
+
+class TestKVTiers(KVTierConformance):
+    """Every KV tier below the host."""
 
 
 class TestPolicies(PolicyConformance):

@@ -79,3 +79,10 @@ def test_abort_frees_blocks(toy):
     engine.abort_request(ids)
     assert not engine.has_unfinished_requests()
     assert engine.cache.usage.used_blocks == 0
+
+
+def test_more_sequences_than_the_scheduler_runs_are_refused():
+    llm = LLM("toy", overrides=["scheduler.max_num_seqs=2"])
+    with pytest.raises(InvalidRequestError, match=r"n: 3 sequences .* scheduler.max_num_seqs=2"):
+        llm.generate(["hello"], SamplingParams(n=3, max_tokens=2), use_tqdm=False)
+    assert len(llm.generate(["hello"], SamplingParams(n=2, max_tokens=2), use_tqdm=False)[0].outputs) == 2

@@ -7,7 +7,7 @@ import pytest
 
 from servelab import LLM, ConfigError, SamplingParams
 from servelab.testing import run_stress, tiny_checkpoint
-from servelab.testing.oracle import assert_no_leaked_blocks, hot_prefix_prompts, transformers_greedy
+from servelab.testing.oracle import assert_no_leaked_blocks, assert_tiers_whole, hot_prefix_prompts, transformers_greedy
 from servelab.testing.stress import STRESS_CACHE
 
 ENGINE = ["model.dtype=float32", "device=cpu", "model.max_model_len=128", "cache.block_size=4",
@@ -18,13 +18,6 @@ TIER = "cache.host_cache_bytes=2000000"
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return tiny_checkpoint(tmp_path_factory.mktemp("tier") / "llama", "llama")
-
-
-def host_pool_is_whole(llm: LLM) -> bool:
-    """Every host block is free or kept by the host tier."""
-    cache = llm.engine.cache
-    cache.take_tier_moves()
-    return cache.host_pool.num_free + len(cache.host_tier) == cache.num_host_blocks
 
 
 def test_evicted_prefixes_come_back_from_the_host_tier(checkpoint):
@@ -41,7 +34,7 @@ def test_evicted_prefixes_come_back_from_the_host_tier(checkpoint):
     tier = llm.engine.cache.host_tier
     assert tier.hit_tokens > 0 and tier.stored_blocks > 0
     assert found["host"] == found["device"] + tier.hit_tokens
-    assert host_pool_is_whole(llm)
+    assert_tiers_whole(llm)
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -61,7 +54,7 @@ def test_batched_steps_with_the_host_tier_match_transformers(checkpoint):
         assert [o.outputs[0].token_ids for o in outputs] == expected[start:start + 4]
     assert llm.engine.cache.host_tier.hit_tokens > 0
     assert_no_leaked_blocks(llm)
-    assert host_pool_is_whole(llm)
+    assert_tiers_whole(llm)
 
 
 @pytest.mark.parametrize("overrides,problem", [

@@ -36,7 +36,7 @@ def public_members(cls: type) -> set[str]:
 def test_every_contract_is_documented():
     assert {name for name, _, _ in CONTRACTS} == {"Scheduler", "KVCacheManager", "AttentionBackend",
                                                  "DecodingStrategy", "CausalLM", "EvictionPolicy", "Executor",
-                                                 "CostModel", "Router", "KVTransfer", "SchedulingPolicy"}
+                                                 "CostModel", "Router", "KVTransfer", "SchedulingPolicy", "KVTier"}
 
 
 @pytest.mark.parametrize("name,path,body", CONTRACTS, ids=[c[0] for c in CONTRACTS])
