@@ -75,17 +75,18 @@ class DecodingContext:
 
 def lookahead_allowances(output: SchedulerOutput, max_model_len: int, block_size: int | None = None) -> tuple[int, ...]:
     """Draft tokens each sampling request of ``output`` may have verified this step: the
-    step's lookahead for a decode grant (one new token), cut at ``max_model_len`` and,
-    given the cache's ``block_size``, at the slots the grant's blocks hold (a request
-    admitted with all but one token cached got no lookahead slots); 0 for the last chunk
-    of a prefill."""
+    step's lookahead for a decode grant (one new token after generated ones), cut at
+    ``max_model_len``; 0 for the last chunk of a prefill. Given the cache's
+    ``block_size``, 0 too for a grant whose blocks do not hold the lookahead slots: a
+    request admitted with all but one token cached had none reserved (nor counted in
+    the step's token budget)."""
     allowances = []
     for g in output.scheduled:
         if g.samples:
-            allowance = min(output.num_lookahead_tokens, max_model_len - g.request.num_tokens) if g.num_new_tokens == 1 else 0
-            if block_size is not None:
-                allowance = min(allowance, len(g.block_ids) * block_size - g.num_computed_tokens - g.num_new_tokens)
-            allowances.append(max(allowance, 0))
+            decoding = g.num_new_tokens == 1 and g.request.num_output_tokens > 0
+            allowance = min(output.num_lookahead_tokens, max_model_len - g.request.num_tokens) if decoding else 0
+            room = len(g.block_ids) * block_size - g.num_computed_tokens - 1 if block_size is not None else allowance
+            allowances.append(max(allowance, 0) if room >= allowance else 0)
     return tuple(allowances)
 
 

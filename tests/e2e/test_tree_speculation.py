@@ -21,9 +21,9 @@ def random_draft(tmp_path_factory) -> str:
     return tiny_checkpoint(tmp_path_factory.mktemp("draft") / "draft", "llama", seed=123)
 
 
-def run(folder, overrides, step_recorder, **kwargs) -> tuple[LLM, int, int, int]:
+def run(folder, overrides, step_recorder, **kwargs) -> tuple[LLM, int, int, list]:
     """``assert_engine_matches_transformers`` on a new LLM: the LLM, the draft tokens
-    proposed and accepted, and the decode steps that verified drafts."""
+    proposed and accepted, and every step's statistics."""
     llm = LLM(folder, overrides=["model.dtype=float32", "device=cpu", *overrides])
     recorder = step_recorder(llm.engine)
     assert_engine_matches_transformers(folder, overrides, llm=llm, **kwargs)
@@ -31,7 +31,7 @@ def run(folder, overrides, step_recorder, **kwargs) -> tuple[LLM, int, int, int]
     if hasattr(strategy, "draft"):
         assert not strategy.draft.sequences and strategy.draft.cache.usage.used_blocks == 0
     stats = recorder.stats
-    return llm, sum(s.spec_proposed for s in stats), sum(s.spec_accepted for s in stats), len(stats)
+    return llm, sum(s.spec_proposed for s in stats), sum(s.spec_accepted for s in stats), stats
 
 
 @pytest.mark.parametrize("attention", ["naive", "sdpa", "cpu"])
@@ -50,11 +50,15 @@ def test_trees_from_a_random_draft_match_greedy(llama, random_draft, tree, cache
 
 
 def test_dynamic_tree_with_prefix_caching_and_chunked_scheduling(llama, step_recorder):
+    """A tree of N nodes costs N tokens of the chunked scheduler's budget."""
     shared = mixed_prompts(257, lengths=(9,))[0]
     prompts = [shared + p for p in mixed_prompts(258, lengths=(3, 11, 6))] + [shared]
-    run(llama, [*BASE, "cache.enable_prefix_caching=true", "scheduler=chunked", "scheduler.token_budget=20",
-                "decoding=speculative", f"decoding.draft_path={llama}", "decoding.tree_nodes=6",
-                "decoding.tree_depth=3", "decoding.tree_top_k=2"], step_recorder, prompts=prompts, max_tokens=14)
+    _, _, _, stats = run(llama, [*BASE, "cache.enable_prefix_caching=true", "scheduler=chunked",
+                                 "scheduler.token_budget=20", "decoding=speculative", f"decoding.draft_path={llama}",
+                                 "decoding.tree_nodes=6", "decoding.tree_depth=3", "decoding.tree_top_k=2"],
+                         step_recorder, prompts=prompts, max_tokens=14)
+    assert any(s.spec_proposed for s in stats)
+    assert all(s.num_prefill_tokens + s.num_decode_tokens + s.spec_proposed <= 20 for s in stats)
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
