@@ -170,20 +170,29 @@ NO_TIER_MOVES = TierMoves()
 @dataclass(frozen=True, slots=True)
 class KVCacheEvent:
     """A change of what a cache can serve from its prefix cache: ``kind`` ``stored``
-    (blocks whose content became findable), ``evicted`` (blocks whose content it gave
-    up) or ``held`` (every block it holds now, replacing what was known: a snapshot),
-    each block by its chained ``block_hash`` (of the first KV cache group)."""
+    (blocks whose content became findable on the device), ``moved`` (blocks that left the
+    device, or the host, for the tier named ``tier`` below it, where a hit loads them
+    back instead of recomputing them), ``evicted`` (blocks whose content it gave up in
+    every tier) or ``held`` (every block it holds on the device now, replacing what was
+    known: a snapshot), each block by its chained ``block_hash`` (of the first KV cache
+    group)."""
 
     kind: str
     hashes: tuple[int, ...]
+    tier: str = "device"
 
 
-def apply_cache_events(held: set[int], events: Sequence[KVCacheEvent]) -> None:
-    """Bring ``held``, the blocks a cache is known to hold, up to date with its ``events``."""
+def apply_cache_events(held: set[int], events: Sequence[KVCacheEvent], below: set[int] | None = None) -> None:
+    """Bring ``held``, the blocks a cache is known to hold in any tier, up to date with its
+    ``events``; ``below`` (when given) keeps those of them that are below the device."""
     for event in events:
         if event.kind == "held":
             held.clear()
+            if below is not None:
+                below.clear()
         (held.difference_update if event.kind == "evicted" else held.update)(event.hashes)
+        if below is not None:
+            (below.update if event.kind == "moved" else below.difference_update)(event.hashes)
 
 
 @dataclass(frozen=True, slots=True)

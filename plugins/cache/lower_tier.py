@@ -29,6 +29,7 @@ class LowerTier:
     blocks), then saves and loads run on one background thread while the step computes.
     ``finished_fills`` (the next scheduling) waits for the loads and says which succeeded;
     a request whose prefix was being loaded is admitted then, from the host tier.
+    ``on_forgotten`` (None: nothing) hears each entry the tier gives up.
     """
 
     def __init__(self, tier: KVTier):
@@ -43,22 +44,30 @@ class LowerTier:
         self.fills: list[tuple[TierEntry, int]] = []
         self._running: list[tuple[TierEntry, int, Future | None]] = []
         self.failed_loads = 0
+        self.on_forgotten: Callable[[TierEntry], None] | None = None
 
     # -- scheduling ---------------------------------------------------------------------------
-    def spill(self, host_block: int, entry: TierEntry) -> None:
+    def spill(self, host_block: int, entry: TierEntry) -> bool:
         """Keep an entry the host tier evicted (its content still in ``host_block`` until
-        this step's moves run), forgetting the least recently used when full."""
+        this step's moves run), forgetting the least recently used when full; False when
+        every entry is pinned and it is not kept."""
         index = self.index
         if entry.digest in index:
             index.touch(entry.digest)
-            return
+            return True
         if index.full:
             evicted = index.evict()
             if evicted is None:
-                return
+                return False
             self._io.submit(self.tier.discard, evicted[0])
+            self._forgotten(evicted[1])
         index.store(entry.digest, entry.parent, entry.tokens, entry.digest)
         self.spills.append((host_block, entry))
+        return True
+
+    def _forgotten(self, entry: TierEntry) -> None:
+        if self.on_forgotten is not None:
+            self.on_forgotten(entry)
 
     def fill(self, entry: TierEntry, host_block: int) -> None:
         """Load ``entry`` into ``host_block`` with this step."""
@@ -83,6 +92,7 @@ class LowerTier:
                 self.failed_loads += 1
                 self.index.drop(entry.digest)
                 self._io.submit(self.tier.discard, entry.digest)
+                self._forgotten(entry)
             done.append((entry, host_block, ok))
         return done
 

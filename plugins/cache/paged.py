@@ -142,7 +142,21 @@ class PagedKVCacheManager(KVCacheManager):
             raise ConfigError(problems)
         layout = f"{context.model_fingerprint}/{self.block_size}/{block_bytes}".encode()
         fingerprint = hashlib.blake2b(layout, digest_size=12).hexdigest()
-        return LowerTier(spec.cls(KVTierContext(config.lower_tier_path, wanted, block_bytes, fingerprint)))
+        lower = LowerTier(spec.cls(KVTierContext(config.lower_tier_path, wanted, block_bytes, fingerprint)))
+        lower.on_forgotten = self._record_where
+        return lower
+
+    def _record_where(self, entry: TierEntry) -> None:
+        """Record the cache event of a block that left a tier below the device: moved to the
+        highest tier still holding it, or evicted from all (nothing while on the device)."""
+        if self.prefix.events is None or self.prefix.find(0, entry.digest, entry.parent, entry.tokens) is not None:
+            return
+        if self.host_tier.holds(entry.digest, entry.parent, entry.tokens):
+            self.prefix.record("moved", 0, entry.digest, "host")
+        elif self.lower is not None and self.lower.index.holds(entry.digest, entry.parent, entry.tokens):
+            self.prefix.record("moved", 0, entry.digest, self.config.lower_tier)
+        else:
+            self.prefix.record("evicted", 0, entry.digest)
 
     def _host_tier(self, config, tier_blocks: int, block_bytes: int, num_groups: int) -> TierIndex | None:
         """The host tier ``host_cache_bytes`` asks for (None: none); ``ConfigError`` naming
@@ -206,6 +220,7 @@ class PagedKVCacheManager(KVCacheManager):
         block, entry = evicted
         if self.lower is not None:
             self.lower.spill(block, entry)
+        self._record_where(entry)
         return block
 
     def _free_host(self, blocks: list[int]) -> None:
@@ -217,24 +232,26 @@ class PagedKVCacheManager(KVCacheManager):
         else:
             self._host_freed += unheld
 
-    def _offload(self, block: int, digest: int, parent: int | None, tokens: tuple[int, ...]) -> None:
-        """Keep an evicted device block's content in the host tier (a copy before the step)."""
+    def _offload(self, block: int, digest: int, parent: int | None, tokens: tuple[int, ...]) -> bool:
+        """Keep an evicted device block's content in the host tier (a copy before the
+        step); False when there is no room for it."""
         tier = self.host_tier
         if digest in tier:
             tier.touch(digest)
-            return
+            return True
         if tier.full:
             host = self._evict_host()
             if host is None:
-                return
+                return False
         else:
             taken = self._take_host(1)
             if taken is None:
-                return
+                return False
             host = taken[0]
         tier.store(digest, parent, tokens, host)
         tier.pin(host)  # its content arrives with this step: a spill of this step would read it first
         self._offloads.append((block, host))
+        return True
 
     def take_tier_moves(self) -> TierMoves:
         """The offloads, host-tier loads and lower-tier spills and fills since the last

@@ -20,9 +20,10 @@ class PrefixCache:
     hears each block's content key, (group, hash), as it is cached and evicted.
     ``hit_tokens`` / ``queried_tokens`` count prompt tokens found / looked up, ``evictions``
     the blocks whose content was evicted; ``events`` (None: not recorded) the first
-    group's stored and evicted blocks as ``KVCacheEvent``s; ``spill`` (None: nothing) is
-    called with each evicted block, its hash, parent hash and tokens before the content is
-    forgotten (a host tier keeps it).
+    group's stored, moved and evicted blocks as ``KVCacheEvent``s; ``spill`` (None:
+    nothing) is called with each evicted block, its hash, parent hash and tokens before
+    the content is forgotten, and answers whether a tier below kept it (``spill_tier``,
+    its name: the event is then ``moved`` there).
     """
 
     def __init__(self, block_size: int, eviction: EvictionPolicy):
@@ -34,7 +35,8 @@ class PrefixCache:
         self.queried_tokens = 0
         self.evictions = 0
         self.events: list[KVCacheEvent] | None = None
-        self.spill: Callable[[int, int, int | None, tuple[int, ...]], None] | None = None
+        self.spill: Callable[[int, int, int | None, tuple[int, ...]], bool] | None = None
+        self.spill_tier = "host"
 
     @staticmethod
     def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
@@ -79,7 +81,7 @@ class PrefixCache:
             self._block_of[group, digest] = block
             self._entry[block] = (group, digest, parent, tokens)
             self.eviction.on_cached(block, (group, digest))
-            self._record("stored", group, digest)
+            self.record("stored", group, digest)
         return digest
 
     def is_cached(self, block: int) -> bool:
@@ -97,30 +99,33 @@ class PrefixCache:
     def evict(self) -> int:
         """Forget the content of the block the policy picks and return the block."""
         block = self.eviction.evict()
+        kept = False
         if self.spill is not None:
-            _, digest, parent, tokens = self._entry[block]
-            self.spill(block, digest, parent, tokens)
-        key = self._forget(block)
+            group, digest, parent, tokens = self._entry[block]
+            kept = self.spill(block, digest, parent, tokens) and not group
+        key = self._forget(block, "moved" if kept else "evicted")
         self.evictions += 1
         self.eviction.on_evicted(block, key)
         return block
 
-    def _forget(self, block: int) -> tuple[int, int]:
-        """Drop a block's content from the index; returns its key, (group, hash)."""
+    def _forget(self, block: int, kind: str = "evicted") -> tuple[int, int]:
+        """Drop a block's content from the index, recording it as ``kind`` (evicted, or
+        moved to ``spill_tier``); returns its key, (group, hash)."""
         group, digest = self._entry.pop(block)[:2]
         del self._block_of[group, digest]
-        self._record("evicted", group, digest)
+        self.record(kind, group, digest, self.spill_tier if kind == "moved" else "device")
         return group, digest
 
-    def _record(self, kind: str, group: int, digest: int) -> None:
-        """Note a first-group block stored or evicted, while events are recorded."""
+    def record(self, kind: str, group: int, digest: int, tier: str = "device") -> None:
+        """Note a first-group block stored, moved (to ``tier``) or evicted, while events
+        are recorded (consecutive events of one kind and tier merge)."""
         events = self.events
         if events is None or group:
             return
-        if events and events[-1].kind == kind:
-            events[-1] = KVCacheEvent(kind, (*events[-1].hashes, digest))
+        if events and (events[-1].kind, events[-1].tier) == (kind, tier):
+            events[-1] = KVCacheEvent(kind, (*events[-1].hashes, digest), tier)
         else:
-            events.append(KVCacheEvent(kind, (digest,)))
+            events.append(KVCacheEvent(kind, (digest,), tier))
 
     @property
     def num_evictable(self) -> int:

@@ -29,13 +29,13 @@ class RadixPrefixCache(PrefixCache):
             self._children.setdefault((group, parent), {})[block] = None
         return digest
 
-    def _forget(self, block: int) -> tuple[int, int]:
+    def _forget(self, block: int, kind: str = "evicted") -> tuple[int, int]:
         group, digest, parent = self._entry[block][:3]
         siblings = self._children[group, parent]
         del siblings[block]
         if not siblings:
             del self._children[group, parent]
-        return super()._forget(block)
+        return super()._forget(block, kind)
 
     def partial(self, token_ids: Sequence[int], parent: int | None, max_tokens: int,
                 usable: Callable[[int], bool], group: int = 0) -> tuple[int | None, int]:

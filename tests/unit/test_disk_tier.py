@@ -146,3 +146,20 @@ def test_an_unwritable_folder_is_refused_at_start(tmp_path):
     blocker.write_text("")
     with pytest.raises(ConfigError, match="cache.lower_tier_path=.*is not a writable folder"):
         LLM("toy", overrides=["cache.enable_prefix_caching=true", "cache.host_cache_bytes=2000000", *disk(blocker)])
+
+
+def test_cache_events_follow_blocks_down_the_tiers(tmp_path):
+    from servelab.core.kv_cache import apply_cache_events
+
+    llm = LLM("toy", overrides=[*ENGINE, *disk(tmp_path)])
+    cache = llm.engine.cache
+    cache.start_events()
+    generate(llm)
+    events = cache.take_events()
+    assert {e.tier for e in events if e.kind == "moved"} == {"host", "disk"}
+    held, below = set(), set()
+    apply_cache_events(held, events, below)
+    on_device = {digest for (group, digest) in cache.prefix._block_of}
+    assert below and not below & on_device
+    assert below <= {d for d in below if d in cache.host_tier or d in cache.lower.index}
+    assert held - below == on_device

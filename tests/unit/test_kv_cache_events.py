@@ -65,3 +65,28 @@ def test_kv_aware_router_prefers_the_replica_holding_the_prompt():
 def test_kv_aware_router_refuses_a_negative_load_weight():
     with pytest.raises(ConfigError, match="router.load_weight must be >= 0, got -1"):
         KVAwareRouter(KVAwareRouterConfig(load_weight=-1), RouterContext(2, BLOCK))
+
+
+def test_blocks_evicted_to_a_host_tier_are_moved_not_gone():
+    llm = LLM("toy", overrides=["cache.enable_prefix_caching=true", f"cache.block_size={BLOCK}", "cache.num_blocks=10",
+                                "model.max_model_len=40", "scheduler.max_num_seqs=1", "cache.host_cache_bytes=2000000"])
+    cache = llm.engine.cache
+    cache.start_events()
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    first = list(range(3, 15))
+    llm.generate([first], params, use_tqdm=False)
+    llm.generate([list(range(50, 86))], params, use_tqdm=False)  # 10 blocks: the first prompt's leave the device
+    events = cache.take_events()
+    moved = {h for e in events if e.kind == "moved" for h in e.hashes}
+    assert {e.tier for e in events if e.kind == "moved"} == {"host"}
+    assert set(block_hashes(first, BLOCK, 2)) <= moved
+    assert not any(e.kind == "evicted" for e in events)
+    router = KVAwareRouter(KVAwareRouterConfig(load_weight=0.0, tier_weight=0.5), RouterContext(2, BLOCK))
+    router.on_cache_events(0, events)
+    router.on_cache_events(1, [KVCacheEvent("stored", tuple(block_hashes(first, BLOCK, 2)))])
+    assert router.matched_tokens(first, 0) == BLOCK  # two blocks on the host at half weight
+    assert router.matched_tokens(first, 1) == 2 * BLOCK
+    assert router.route(first, states(0, 0)) == 1
+    llm.generate([first], params, use_tqdm=False)  # loaded back onto the device
+    router.on_cache_events(0, cache.take_events())
+    assert router.matched_tokens(first, 0) == 2 * BLOCK
