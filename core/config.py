@@ -159,7 +159,8 @@ class HardwareConfig:
     PCIe); ``interconnect_latency_s``, the fixed cost of one collective or send;
     ``host_bandwidth``, bytes/s between device and host memory (swapping);
     ``disk_bandwidth``, bytes/s the node's local storage reads or writes (a lower KV tier,
-    ``cache.lower_tier``; default a datacenter NVMe drive's 3 GB/s);
+    ``cache.lower_tier``; default a datacenter NVMe drive's 3 GB/s) and
+    ``disk_latency_s``, the fixed cost of a step's batch of reads and writes (100 us);
     ``devices_per_node``; ``memory_utilization``, the share of device memory the engine
     may use (vLLM's ``gpu_memory_utilization``); ``activation_reserve_bytes``, kept per
     device for activations and workspace. ``compute_efficiency`` and
@@ -181,6 +182,7 @@ class HardwareConfig:
     interconnect_latency_s: float = 1.0e-5
     host_bandwidth: float = 1.0e10
     disk_bandwidth: float = 3.0e9
+    disk_latency_s: float = 1.0e-4
     devices_per_node: int = 1
     memory_utilization: float = 0.9
     activation_reserve_bytes: int = 0

@@ -217,14 +217,14 @@ class SimulatedExecutor(Executor):
                 + 2 * len(output.blocks_to_copy) * self._block_bytes / self.hardware.memory_bandwidth)
 
     def _lower_tier_time(self, output: SchedulerOutput) -> float:
-        """The lower KV tier's saves and loads at ``hardware.disk_bandwidth``, overlapped
-        with the step (its loads are used from the next one); they run through the cache
-        with no content, every load succeeding."""
+        """The lower KV tier's saves and loads at ``hardware.disk_bandwidth`` after
+        ``disk_latency_s``, overlapped with the step (its loads are used from the next
+        one); they run through the cache with no content, every load succeeding."""
         blocks = len(output.blocks_to_spill) + len(output.blocks_to_fill)
         if not blocks:
             return 0.0
         self.cache.transfer_tier_blocks(output.blocks_to_spill, output.blocks_to_fill, None, None)
-        return blocks * self._block_bytes / self.hardware.disk_bandwidth
+        return self.hardware.disk_latency_s + blocks * self._block_bytes / self.hardware.disk_bandwidth
 
     def _draft_time(self, output: SchedulerOutput, allowances: tuple[int, ...]) -> float:
         """The draft model's passes: one token per drafting request per drafted position."""
