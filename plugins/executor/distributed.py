@@ -28,12 +28,15 @@ import torch
 import torch.distributed as dist
 
 from servelab.core.attention import BatchLayout
+from servelab.core.lora_registry import lora_enabled
 from servelab.core.model import ModelParallel
 from servelab.plugins.executor.device_worker import DeviceWorker
 
 log = logging.getLogger(__name__)
 
 STEP, MOVES, ATTACH, WARM_UP, STOP = 1, 2, 3, 4, 5
+LORA_LOAD, LORA_FORGET, LORA_PASS = 6, 7, 8
+"""LoRA adapter slot messages (``lora_peers.py``)."""
 HEADER_SIZE = 12
 GROUP_TIMEOUT = timedelta(minutes=10)
 """How long a rank waits for the others: joining, and any one message."""
@@ -214,6 +217,11 @@ def run_worker(cfg: Any, topology: Topology, rank: int, groups: list[Any]) -> No
     """Load this rank's share of the model, then run whatever the driver sends until it
     says stop; leave the group."""
     worker = DeviceWorker.for_rank(cfg, topology.parallel(rank, groups), rank)
+    lora = None
+    if lora_enabled(cfg.get("lora")):
+        from servelab.plugins.executor.lora_peers import WorkerLoRA
+
+        lora = WorkerLoRA(worker.model, cfg.lora, worker.dtype, worker.device)
     header = torch.zeros(HEADER_SIZE, dtype=torch.int64)
     try:
         while True:
@@ -231,10 +239,15 @@ def run_worker(cfg: Any, topology: Topology, rank: int, groups: list[Any]) -> No
                 payload = torch.empty(2 * int(header[1:4].sum()), dtype=torch.int64)
                 dist.recv(payload, 0)
                 worker.move_blocks(unpack_moves(header, payload))
+            elif kind in (LORA_LOAD, LORA_FORGET, LORA_PASS):
+                lora.receive(header)
             elif kind == STEP:
                 payload = torch.empty(step_payload_size(header), dtype=torch.int64)
                 dist.recv(payload, 0)
-                run_stage(worker, topology, rank, *unpack_step(header, payload, worker.device))
+                step = unpack_step(header, payload, worker.device)
+                if lora is not None:
+                    lora.before_step(step[2][0].query_lens)
+                run_stage(worker, topology, rank, *step)
     finally:
         dist.destroy_process_group()
 

@@ -88,6 +88,9 @@ class LoRASlots:
         self.placements: dict[int, list[LoRAPlacement]] = {}  # by load id, worked out once per load
         self.segmented = device.type == "cuda"
         """Apply adapters through the Triton kernel (CUDA; Triton's interpreter elsewhere)."""
+        self.peers: Any = None
+        """Under tensor parallelism, the worker ranks' mirrors of these slots (``LoRAPeers``)."""
+        self._paged: list[tuple[int, int]] = []  # (load id, slot) paged in for the next forward pass
         self.hits = self.misses = self.evictions = self.split_steps = 0
         self.load_seconds = 0.0
 
@@ -95,6 +98,8 @@ class LoRASlots:
         """``InvalidRequestError`` naming the field unless every module of ``adapter``
         lands on a projection of this model with its shapes; keeps where they land."""
         self.placements[adapter.load_id] = lora_placements(self.model, self.layers, adapter)
+        if self.peers is not None:
+            self.peers.load(adapter)
 
     def drop(self, adapter: LoRAAdapter) -> None:
         """``adapter`` was unloaded: free its slot now, and again at the first step without
@@ -104,11 +109,21 @@ class LoRASlots:
 
     def _free(self, load_id: int) -> None:
         """Empty an unloaded adapter's slot and forget its placements."""
-        self.placements.pop(load_id, None)
+        if self.placements.pop(load_id, None) is not None and self.peers is not None:
+            self.peers.forget(load_id)
         slot = self.resident.pop(load_id, None)
         if slot is not None:
             for layer in self.layers.values():
                 layer.clear(slot)
+
+    def place(self, load_id: int, slot: int) -> None:
+        """Write adapter ``load_id`` (checked already) into ``slot``, over what was there."""
+        for layer in self.layers.values():
+            layer.clear(slot)
+        for placement in self.placements[load_id]:
+            layer = self.layers[placement.layer]
+            layer.place(slot, placement.first_row, placement.a.to(layer.lora_a.device, layer.lora_a.dtype),
+                        placement.b.to(layer.lora_b.device, layer.lora_b.dtype))
 
     @property
     def stats(self) -> LoRAStats:
@@ -135,15 +150,10 @@ class LoRASlots:
                 victim = next(old for old in self.resident if old not in adapters)
                 slot = self.resident.pop(victim)
                 self.evictions += 1
-            for layer in self.layers.values():
-                layer.clear(slot)
-            placements = self.placements.get(load_id)
-            if placements is None:  # unloaded, then needed again by a request still running
-                placements = self.placements[load_id] = lora_placements(self.model, self.layers, adapter)
-            for placement in placements:
-                layer = self.layers[placement.layer]
-                layer.place(slot, placement.first_row, placement.a.to(layer.lora_a.device, layer.lora_a.dtype),
-                            placement.b.to(layer.lora_b.device, layer.lora_b.dtype))
+            if load_id not in self.placements:  # unloaded, then needed again by a request still running
+                self.check(adapter)
+            self.place(load_id, slot)
+            self._paged.append((load_id, slot))
             self.resident[load_id] = slot
             self.misses += 1
             self.load_seconds += time.perf_counter() - started
@@ -151,16 +161,25 @@ class LoRASlots:
 
     def _set_groups(self, adapters: Sequence[LoRAAdapter | None], query_lens: Sequence[int]) -> None:
         """Page in ``adapters`` (one per request, None: the base model) and group the step's
-        tokens by slot (on CUDA: one segment per request, for the Triton kernel)."""
+        tokens by slot (``use_slots``), on the worker ranks too."""
         used = {adapter.load_id: adapter for adapter in adapters if adapter is not None}
+        slots = self._page_in(used) if used else {}
+        request_slots = np.array([-1 if a is None else slots[a.load_id] for a in adapters], dtype=np.int32)
+        if self.peers is not None:
+            self.peers.run_pass(self._paged, request_slots)
+        self._paged = []
+        self.use_slots(request_slots, query_lens)
+
+    def use_slots(self, request_slots: np.ndarray, query_lens: Sequence[int]) -> None:
+        """Group the next forward pass's tokens by slot: each request's ``query_lens[i]``
+        tokens run with slot ``request_slots[i]`` (-1: none); on CUDA one segment per
+        request, for the Triton kernel."""
         self.batch.segments = None
-        if not used:
+        if not (request_slots >= 0).any():
             self.batch.groups = []
             return
-        slots = self._page_in(used)
-        request_slots = np.array([-1 if a is None else slots[a.load_id] for a in adapters], dtype=np.int32)
         if self.segmented:
-            starts = np.zeros(len(adapters) + 1, dtype=np.int32)
+            starts = np.zeros(len(request_slots) + 1, dtype=np.int32)
             np.cumsum(query_lens, out=starts[1:])
             self.batch.groups = []
             self.batch.segments = (torch.from_numpy(starts).to(self.device),
@@ -190,11 +209,19 @@ class LoRASlots:
                 sorted(i for load_id in group for i in order[load_id]) for first, group in
                 zip([True] + [False] * (len(passes) - 1), passes)]
 
+    def _forward(self, worker: Any, grants: Sequence[ScheduledRequest], inputs: Any, send: Any) -> torch.Tensor | None:
+        """One forward pass over ``grants``' ``inputs`` with their adapters."""
+        self._set_groups([grant.request.lora for grant in grants], inputs.layout.query_lens)
+        if send is not None:
+            send(inputs)
+        return worker.logits(inputs)
+
     def logits(self, worker: Any, grants: Sequence[ScheduledRequest], drafts: Sequence[list[int]],
-               block_size: int) -> tuple[torch.Tensor | None, tuple[PromptSpan, ...]]:
+               block_size: int, send: Any = None) -> tuple[torch.Tensor | None, tuple[PromptSpan, ...]]:
         """Run the step on ``worker`` with its adapters: its logits as ``DeviceWorker.logits``
         gives them (prompt-logprob rows, then the decoder's, each in grant order) and its
-        prompt spans."""
+        prompt spans. ``send(inputs)``, under tensor parallelism, hands each forward pass's
+        ``StepInputs`` to the worker ranks (after ``peers`` sent its slots)."""
         if self.unloaded:
             used = {grant.request.lora.load_id for grant in grants if grant.request.lora is not None}
             for load_id in self.unloaded.intersection(self.resident).difference(used):
@@ -202,8 +229,7 @@ class LoRASlots:
         chunks = self.chunks(grants)
         if len(chunks) == 1:
             inputs = build_step_inputs(grants, drafts, block_size, self.device, prompt_logprobs=True)
-            self._set_groups([grant.request.lora for grant in grants], inputs.layout.query_lens)
-            return worker.logits(inputs), inputs.prompt_spans
+            return self._forward(worker, grants, inputs, send), inputs.prompt_spans
         self.split_steps += 1
         draft_iter = iter(drafts)
         grant_drafts = [next(draft_iter, []) if grant.samples and drafts else [] for grant in grants]
@@ -213,8 +239,7 @@ class LoRASlots:
             part = [grants[i] for i in chunk]
             inputs = build_step_inputs(part, [grant_drafts[i] for i in chunk if grants[i].samples], block_size,
                                        self.device, prompt_logprobs=True)
-            self._set_groups([grant.request.lora for grant in part], inputs.layout.query_lens)
-            logits = worker.logits(inputs)
+            logits = self._forward(worker, part, inputs, send)
             spans = iter(inputs.prompt_spans)
             row = 0
             for i in chunk:

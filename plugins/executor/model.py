@@ -96,8 +96,9 @@ class ModelExecutor(Executor):
             problems.append(f"parallel.init_method must be one of {', '.join(INIT_METHODS)}, "
                             f"got {parallel_cfg.init_method!r}")
         lora_cfg = context.engine_cfg.get("lora")
-        if lora_enabled(lora_cfg) and topology.world_size > 1:
-            problems.append("lora: adapters run on one device; tensor and pipeline parallelism do not shard them")
+        if lora_enabled(lora_cfg) and topology.pp > 1:
+            problems.append("lora: adapters are not split over pipeline stages (parallel.pipeline_parallel_size=1); "
+                            "tensor parallelism splits them as it splits the base layers")
         if problems:
             raise ConfigError(problems)
         self.device = context.device
@@ -127,6 +128,10 @@ class ModelExecutor(Executor):
             from servelab.plugins.executor.lora_slots import LoRASlots
 
             self.lora = LoRASlots(self.model, lora_cfg, context.dtype, self.device)
+            if self.worker_ranks:
+                from servelab.plugins.executor.lora_peers import LoRAPeers
+
+                self.lora.peers = LoRAPeers(lambda header, payload: self._broadcast(header, payload))
 
     def add_lora(self, adapter: Any) -> None:
         """Check ``adapter`` against the model; it is paged into a slot when a step needs it."""
@@ -242,13 +247,15 @@ class ModelExecutor(Executor):
         inputs = build_step_inputs(output.scheduled, drafts, self.cache.block_size, self.device, prompt_logprobs=True)
         if proposal is not None and proposal.parents is not None:
             inputs = self._with_trees(inputs, output, proposal, allowance)
-        if self.worker_ranks:
+        if self.worker_ranks and self.lora is None:
             self._broadcast(*pack_step(inputs))
         started = time.perf_counter()
         counts = tuple(len(d) for d in drafts) if drafts else (0,) * len(sampling)
         batch = DecodeBatch(sampling, counts, output) if sampling else None
-        if self.lora is not None:
-            logits, spans = self.lora.logits(self.worker, output.scheduled, drafts, self.cache.block_size)
+        if self.lora is not None:  # each forward pass is sent to the workers after its adapters' slots
+            send = (lambda step: self._broadcast(*pack_step(step))) if self.worker_ranks else None
+            logits, spans = self._guarded(lambda: self.lora.logits(self.worker, output.scheduled, drafts,
+                                                                   self.cache.block_size, send))
             executed = self._finished(output, logits, batch, proposal, spans, (time.perf_counter() - started,))
             self._pending.append(PendingStep(output, executed))
             return

@@ -5,6 +5,12 @@ servelab fuses some of them (q/k/v into ``qkv_proj``, gate/up into ``gate_up_pro
 module that fuses them says where a checkpoint tensor's rows go (its ``pieces``, what the
 weight loader uses): an adapter's ``B`` [out, r] is split the same way, so a part of a
 fused projection lands on that part's output rows; ``A`` [r, in] reads the whole input.
+
+Under tensor parallelism an adapter is split as its base layer is: ``pieces`` already
+give this rank's ``B`` rows of a fused column-parallel layer, an unfused column-parallel
+layer (the model's ``COLUMN_PARALLEL``) keeps this rank's rows of ``B``, and a row-parallel
+one (``ROW_PARALLEL``) this rank's input columns of ``A``, whose partial products the
+layer's all-reduce sums with the base layer's.
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ def _placements(model: nn.Module, layers: dict[str, LoRALinear], module: LoRAMod
         found = [(f"{path}.{piece.param.rpartition('.')[0]}", piece.start, piece.tensor) for piece in pieces]
     else:
         found = [(module.name, 0, module.b)]
+    parallel = getattr(model, "parallel", None)
+    ranks, rank = (parallel.tp_size, parallel.tp_rank) if parallel is not None else (1, 0)
     placements = []
     for layer_name, first_row, rows in found:
         layer = layers.get(layer_name)
@@ -50,13 +58,19 @@ def _placements(model: nn.Module, layers: dict[str, LoRALinear], module: LoRAMod
                 f"adapter {adapter.name!r} ({adapter.path}) adapts {module.name!r}, which this model does not have "
                 f"as a projection servelab adapts (an adapter for another base model, or for embeddings or the "
                 f"LM head?)"))
-        if module.a.shape[1] != layer.in_features or sum(p.shape[0] for _, _, p in found) != module.b.shape[0] \
-                or first_row + rows.shape[0] > layer.out_features:
+        a, in_features = module.a, layer.in_features
+        if ranks > 1 and layer_name.endswith(getattr(model, "ROW_PARALLEL", ())):
+            a, in_features = a[:, rank * in_features:(rank + 1) * in_features], in_features * ranks
+        elif ranks > 1 and pieces is None and layer_name.endswith(getattr(model, "COLUMN_PARALLEL", ())):
+            share = parallel.split(rows.shape[0])
+            rows = rows[share.start:share.stop]
+        whole = ranks > 1 or sum(p.shape[0] for _, _, p in found) == module.b.shape[0]
+        if module.a.shape[1] != in_features or not whole or first_row + rows.shape[0] > layer.out_features:
             raise InvalidRequestError("lora_path", (
                 f"adapter {adapter.name!r} ({adapter.path}): {module.name} maps {module.a.shape[1]} input features to "
-                f"{module.b.shape[0]} outputs, which does not fit this model's {layer_name} ({layer.in_features} in, "
-                f"{layer.out_features} out): an adapter for another base model?"))
-        placements.append(LoRAPlacement(layer_name, first_row, module.a, rows))
+                f"{module.b.shape[0]} outputs, which does not fit this model's {layer_name} ({in_features} in, "
+                f"{layer.out_features} out on this device): an adapter for another base model?"))
+        placements.append(LoRAPlacement(layer_name, first_row, a, rows))
     return placements
 
 

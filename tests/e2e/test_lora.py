@@ -332,3 +332,19 @@ def test_hand_off_between_engines_keeps_the_adapter(lora_setup):
     assert [lora_setup["loras"][ids[r]] for r in refused] == ["c"]
     assert done == {r: lora_setup["expected"][i] for r, i in ids.items() if r not in refused}
     assert prefill.cache.usage.used_blocks == 0 and decode.cache.usage.used_blocks == 0
+
+
+def test_tensor_parallelism_splits_adapters_as_it_splits_the_base_layers(lora_setup):
+    """Two ranks (gloo): each keeps its rows of B for the column-parallel projections
+    (q/k/v, gate/up) and its input columns of A for the row-parallel ones (o, down); the
+    driver pages adapters into two slots for three adapters and the workers mirror it,
+    an adapter unloaded and loaded again included."""
+    llm = lora_llm(lora_setup, "parallel.tensor_parallel_size=2", "lora.max_adapters=2")
+    try:
+        assert_matches(llm, lora_setup)
+        llm.engine.unload_lora_adapter("b")
+        llm.engine.load_lora_adapter("b", lora_setup["folders"]["b"])
+        assert_matches(llm, lora_setup)
+        assert llm.engine.executor.lora_stats().split_steps > 0
+    finally:
+        llm.shutdown()
