@@ -38,6 +38,7 @@ class StepObserver:
         self.spec_verified = 0
         self.stage_busy_s: list[float] = []
         self._evicted_blocks: dict[int, int] = {}
+        self._tier_hits: dict[int, dict[str, int]] = {}
 
     @hookimpl
     def servelab_step_end(self, engine: Any, stats: Any) -> None:
@@ -59,6 +60,7 @@ class StepObserver:
         self.prefix_hit_tokens += stats.prefix_hit_tokens
         if engine is not None:
             self._evicted_blocks[id(engine)] = engine.cache.prefix_evicted_blocks
+            self._tier_hits[id(engine)] = engine.cache.tier_hit_tokens
         self.spec_proposed += stats.spec_proposed
         self.spec_accepted += stats.spec_accepted
         self.spec_verified += stats.spec_verified
@@ -84,6 +86,8 @@ class StepObserver:
             "step_preemptions": self.preempted,
             "step_prefix_hit_tokens": self.prefix_hit_tokens,
             "prefix_evicted_blocks": sum(self._evicted_blocks.values()),
+            "tier_hit_tokens": {tier: sum(hits.get(tier, 0) for hits in self._tier_hits.values())
+                                for tier in sorted({t for hits in self._tier_hits.values() for t in hits})},
             "step_spec_acceptance_rate": self.spec_accepted / self.spec_proposed if self.spec_proposed else None,
             "spec_accepted_length": 1 + self.spec_accepted / self.spec_verified if self.spec_verified else None,
             "stage_busy_s": list(self.stage_busy_s),

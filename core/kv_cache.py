@@ -351,6 +351,12 @@ class KVCacheManager(abc.ABC):
         ``blocks_to_spill``, ``blocks_to_fill``); none by default."""
         return NO_TIER_MOVES
 
+    @property
+    def tier_hit_tokens(self) -> dict[str, int]:
+        """Prompt tokens found so far in each tier below the device, by tier name (loaded
+        back instead of recomputed); empty by default."""
+        return {}
+
     def loading(self, request: Request) -> bool:
         """True while ``lookup_prefix`` found more of the request's prefix in a tier below
         the host and is loading it: the scheduler admits it from the next step. False by

@@ -276,6 +276,14 @@ class PagedKVCacheManager(KVCacheManager):
         """Hand the step's spills and fills to the lower tier's I/O (``LowerTier.transfer``)."""
         self.lower.transfer(spills, fills, read, write)
 
+    @property
+    def tier_hit_tokens(self) -> dict[str, int]:
+        """Prompt tokens found in the host tier and the lower tier so far."""
+        hits = {"host": self.host_tier.hit_tokens} if self.host_tier is not None else {}
+        if self.lower is not None:
+            hits[self.config.lower_tier] = self.lower.index.hit_tokens
+        return hits
+
     def loading(self, request: Request) -> bool:
         """True while blocks of the request's prefix are loaded from the lower tier."""
         return request.request_id in self._loading

@@ -25,6 +25,8 @@ def test_simulated_lower_tier_serves_hits_and_prices_its_io(tmp_path):
     fast = run(tmp_path / "fast")
     lower = fast.engine.cache.lower
     assert lower.index.hit_tokens > 0 and lower.index.stored_blocks > 0
+    assert fast.engine.cache.tier_hit_tokens == {"host": fast.engine.cache.host_tier.hit_tokens,
+                                                 "disk": lower.index.hit_tokens}
     assert not list((tmp_path / "fast").glob("*/*.kv"))  # a simulation keeps no content
     slow = run(tmp_path / "slow", "hardware.disk_bandwidth=1.0e3")
     assert slow.engine.cache.lower.index.hit_tokens == lower.index.hit_tokens
