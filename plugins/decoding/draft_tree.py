@@ -90,8 +90,9 @@ class TreeDrafter:
     expanding ``top_k`` nodes per level into ``top_k`` children each."""
 
     def __init__(self, draft: DraftModel, choices: Sequence[Sequence[int]] | None, budget: int, depth: int,
-                 top_k: int):
+                 top_k: int, max_model_len: int):
         self.draft = draft
+        self.max_model_len = max_model_len
         self.shape = sorted((tuple(c) for c in choices), key=lambda p: (len(p), p)) if choices else None
         self.budget = len(self.shape) if self.shape else budget
         self.depth = max(map(len, self.shape)) if self.shape else depth
@@ -112,7 +113,7 @@ class TreeDrafter:
             self._expand(trees, requests, frontier, logits)
             if level + 1 == self.depth:
                 break
-            frontier = self._next_frontier(trees, sorted({i for i, _ in frontier}), level + 1)
+            frontier = self._next_frontier(trees, requests, sorted({i for i, _ in frontier}), level + 1)
             logits = self._run(trees, requests, frontier)
             frontier = [entry for entry, row in zip(frontier, logits[1]) if row] if logits else []
             logits = logits[0] if logits else None
@@ -149,17 +150,21 @@ class TreeDrafter:
                 else:
                     tree.q.append(None)
 
-    def _next_frontier(self, trees: list[Candidates], requests: list[int], depth: int) -> list[tuple[int, int]]:
+    def _next_frontier(self, trees: list[Candidates], requests: Sequence[Request], active: list[int],
+                       depth: int) -> list[tuple[int, int]]:
         """The nodes at ``depth`` to expand next: those with children in the static shape,
-        or the ``top_k`` most probable paths of the level."""
+        or the ``top_k`` most probable paths of the level; no more than the draft's cache
+        holds before ``max_model_len`` (the nodes it runs follow the request's tokens)."""
         frontier = []
-        for i in requests:
+        for i in active:
             tree = trees[i]
             level = [n for n in range(len(tree.tokens)) if tree.depth(n) == depth]
             if self.shape:
-                frontier += [(i, n) for n in level if self._shape_children.get(tree.paths[n])]
+                chosen = [n for n in level if self._shape_children.get(tree.paths[n])]
             else:
-                frontier += [(i, n) for n in sorted(level, key=lambda n: -tree.scores[n])[:self.top_k]]
+                chosen = sorted(level, key=lambda n: -tree.scores[n])[:self.top_k]
+            room = self.max_model_len - requests[i].num_tokens - len(tree.region)
+            frontier += [(i, n) for n in chosen[:max(room, 0)]]
         return sorted(frontier)
 
     def _run(self, trees: list[Candidates], requests: Sequence[Request],

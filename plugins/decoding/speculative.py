@@ -65,7 +65,7 @@ class SpeculativeDecoding(DecodingStrategy):
             self.draft_model_shape = self.draft.shape
             if config.tree or config.tree_nodes:
                 self.trees = TreeDrafter(self.draft, config.tree, config.tree_nodes, config.tree_depth,
-                                         config.tree_top_k)
+                                         config.tree_top_k, context.max_model_len)
         else:
             checkpoint = load_checkpoint(self._draft_model_config())
             self.draft_model_shape = context.registry.get("model", checkpoint.architecture).cls.shape_of(

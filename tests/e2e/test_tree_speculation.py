@@ -13,6 +13,8 @@ from servelab.testing import assert_engine_matches_transformers, mixed_prompts, 
 
 BASE = ["model.dtype=float32", "device=cpu", "cache.block_size=4"]
 STATIC = "decoding.tree=[[0],[1],[0,0],[0,1],[1,0],[0,0,0]]"
+WIDE = ("decoding.tree=[[0],[1],[2],[0,0],[0,1],[0,2],[1,0],[1,1],[0,0,0],[0,0,1],[0,1,0],[0,0,0,0],[0,0,0,1],"
+        "[0,0,0,0,0]]")
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +61,15 @@ def test_dynamic_tree_with_prefix_caching_and_chunked_scheduling(llama, step_rec
                          step_recorder, prompts=prompts, max_tokens=14)
     assert any(s.spec_proposed for s in stats)
     assert all(s.num_prefill_tokens + s.num_decode_tokens + s.spec_proposed <= 20 for s in stats)
+
+
+@pytest.mark.parametrize("tree", [WIDE, "decoding.tree_nodes=14"])
+def test_trees_up_to_max_model_len(llama, tree, step_recorder):
+    """Near max_model_len the tree is cut to the positions left, in the target's cache and
+    in the draft's (a dynamic tree drafts more nodes than it keeps)."""
+    run(llama, [*BASE, "model.max_model_len=40", "decoding=speculative", f"decoding.draft_path={llama}", tree,
+                "decoding.tree_depth=6", "decoding.tree_top_k=3"], step_recorder,
+        prompts=mixed_prompts(257, lengths=(30, 27, 29)), max_tokens=10)
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
