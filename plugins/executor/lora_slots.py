@@ -4,9 +4,10 @@ paged into when a step needs them, least recently used out first.
 ``LoRASlots`` wraps the model's projections (``LoRALinear``), keeps which adapter is in
 which slot, and runs a step: its adapters paged in, each token's slot set, the forward
 pass. A step whose requests use more adapters than there are slots runs as several
-forward passes over consecutive requests, each within the slots (every request's
-attention reads only its own cache, so the split changes no token), their logits joined
-in the step's order.
+forward passes, each over the requests of as many adapters as there are slots (every
+request's attention reads only its own cache, so the split changes no token), their
+logits put back in the step's order. Under tensor parallelism the worker ranks mirror
+every slot change (``peers``, ``lora_peers.py``).
 """
 
 from __future__ import annotations
