@@ -102,7 +102,9 @@ class WorkloadConfig:
     lengths, priority and SLO class (bench/tenants.py); empty = one anonymous client.
     ``multi_turn`` or ``agentic`` (null = neither): closed-loop sessions whose next request
     resends the context with the previous output (bench/sessions.py); ``num_requests`` is
-    then unused, and the shared prefixes start every session.
+    then unused, and the shared prefixes start every session. ``adapters``: LoRA adapter
+    names (of the engine's ``lora.adapters``, or a server's adapters) each request draws
+    one of uniformly; empty = the base model (docs/lora.md).
     """
 
     num_requests: int = 32
@@ -128,6 +130,7 @@ class WorkloadConfig:
     tenants: dict[str, Any] = field(default_factory=dict)
     multi_turn: Optional[MultiTurnConfig] = None
     agentic: Optional[AgenticConfig] = None
+    adapters: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -49,6 +49,8 @@ COLUMNS: tuple[tuple[str, Callable[[dict[str, Any]], Any]], ...] = (
     ("KV peak reserved", _get("system", "kv_peak_reserved_slots")),
     ("peak running", _get("system", "peak_running")),
     ("expert imbalance", _get("system", "experts", "imbalance")),
+    ("adapter hit %", _percent("system", "lora", "hit_rate")),
+    ("adapter load ms", _get("system", "lora", "load_ms")),
     ("preemptions", _get("preemptions")),
     ("prefix hit %", _percent("prefix_cache_hit_rate")),
     ("later TTFT p50 ms", _get("sessions", "later_turns", "ttft_ms", "p50")),

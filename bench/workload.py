@@ -28,13 +28,15 @@ class TokenSpace:
 class BenchRequest:
     """One request to send: ``prompt_token_ids``, exactly ``max_tokens`` outputs wanted
     (with ``ignore_eos``), sent ``arrival_offset_s`` seconds after the run starts;
-    ``metadata`` (tenant, priority, SLO class) when the workload has tenants."""
+    ``metadata`` (tenant, priority, SLO class) when the workload has tenants; ``lora``, the
+    LoRA adapter it runs with (None: the base model)."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     max_tokens: int
     arrival_offset_s: float
     metadata: RequestMetadata | None = None
+    lora: str | None = None
 
 
 def model_token_space(model_cfg: Any) -> TokenSpace:
@@ -97,13 +99,15 @@ def client_requests(cfg: Any, space: TokenSpace, rate: float | None, prefix: str
         pairs = sample_lengths(cfg, space.max_model_len, random.Random(f"{seed}:lengths"))
     source = PromptSource(cfg.prompts, space.vocab_size, space.tokenizer, cfg.corpus_file, random.Random(f"{seed}:prompts"))
     shared_prefix = shared_prefixes(cfg, source, seed)
+    adapters, adapter_draws = list(getattr(cfg, "adapters", None) or ()), random.Random(f"{seed}:adapters")
     requests = []
     for i, (offset, (unique_len, output_len)) in enumerate(zip(offsets, pairs)):
         shared = shared_prefix()
         prompt_len, output_len = clamp_lengths(len(shared) + unique_len, output_len, space.max_model_len)
         head = shared[:prompt_len]
         prompt = head + source.draw(prompt_len - len(head))
-        requests.append(BenchRequest(f"{prefix}{i}", tuple(prompt), output_len, offset, metadata))
+        lora = adapter_draws.choice(adapters) if adapters else None
+        requests.append(BenchRequest(f"{prefix}{i}", tuple(prompt), output_len, offset, metadata, lora))
     return requests
 
 

@@ -88,9 +88,11 @@ class HttpSystem(System):
         return models[0]["id"]
 
     def _payload(self, model: str, request: BenchRequest) -> dict[str, Any]:
-        """The streamed completion request; a tenant's request also carries its ``user``,
-        ``priority`` and ``slo_class`` (servelab's scheduling fields)."""
-        payload = {"model": model, "prompt": list(request.prompt_token_ids), "max_tokens": request.max_tokens,
+        """The streamed completion request (a LoRA request names its adapter as the
+        ``model``); a tenant's request also carries its ``user``, ``priority`` and
+        ``slo_class`` (servelab's scheduling fields)."""
+        payload = {"model": request.lora or model, "prompt": list(request.prompt_token_ids),
+                   "max_tokens": request.max_tokens,
                    "temperature": self.workload.temperature, "ignore_eos": self.workload.ignore_eos,
                    "stream": True, "stream_options": {"include_usage": True}}
         metadata = request.metadata

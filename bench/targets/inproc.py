@@ -41,6 +41,7 @@ class ServelabSystem(SteppedSystem):
         self.workload = cfg.workload
         self.observer: StepObserver | None = None
         self.experts_before = None
+        self.lora_before = None
 
     def add(self, request: BenchRequest, arrival_time: float) -> RequestRecord | None:
         """Submit to the engine; a rejected request becomes a failed record."""
@@ -52,7 +53,7 @@ class ServelabSystem(SteppedSystem):
                                 ignore_eos=self.workload.ignore_eos, seed=seed)
         try:
             self.engine.add_request(list(request.prompt_token_ids), params, request_id=request.request_id,
-                                    arrival_time=arrival_time, metadata=request.metadata)
+                                    arrival_time=arrival_time, metadata=request.metadata, lora=request.lora)
         except InvalidRequestError as exc:
             return RequestRecord(request.request_id, arrival_time, (), len(request.prompt_token_ids), 0, error=str(exc))
         return None
@@ -66,19 +67,29 @@ class ServelabSystem(SteppedSystem):
         return self.engine.has_unfinished_requests()
 
     def begin(self) -> None:
-        """Register a fresh step observer; note the experts' load so far (warm-up's)."""
+        """Register a fresh step observer; note the experts' load and the LoRA slots'
+        paging so far (warm-up's)."""
         self.observer = StepObserver(self.engine)
         self.engine.registry.plugin_manager.register(self.observer)
         self.experts_before = self.engine.executor.expert_load()
+        self.lora_before = self.engine.executor.lora_stats()
 
     def end(self) -> dict[str, Any]:
         """Unregister the observer; its summary, with the load of a mixture of experts'
-        layers during the measured requests (``experts``: ``ExpertLoad.summary``)."""
+        layers during the measured requests (``experts``: ``ExpertLoad.summary``) and the
+        LoRA slots' paging (``lora``: hit rate, adapters paged in, their load time in ms,
+        steps split into several passes)."""
         self.engine.registry.plugin_manager.unregister(self.observer)
         summary = self.observer.summary()
         load = self.engine.executor.expert_load()
         if load is not None:
             summary["experts"] = (load - self.experts_before if self.experts_before is not None else load).summary()
+        stats, before = self.engine.executor.lora_stats(), self.lora_before
+        if stats is not None:
+            hits, misses = stats.hits - before.hits, stats.misses - before.misses
+            summary["lora"] = {"hit_rate": hits / (hits + misses) if hits + misses else 0.0, "loads": misses,
+                               "load_ms": 1000 * (stats.load_seconds - before.load_seconds),
+                               "split_steps": stats.split_steps - before.split_steps}
         return summary
 
     def close(self) -> None:
