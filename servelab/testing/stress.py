@@ -13,6 +13,7 @@ import pytest
 from servelab.core.request_metadata import RequestMetadata
 from servelab.core.sampling_params import SamplingParams
 from servelab.testing.engine_kit import EngineKit
+from servelab.testing.oracle import assert_tiers_whole
 
 STRESS_CACHE = ("cache=paged", "cache.block_size=4", "cache.num_blocks=48", "cache.enable_prefix_caching=true",
                 "cache.swap_space_bytes=4000000")
@@ -127,6 +128,7 @@ def run_stress(overrides: Sequence[str], num_requests: int = 150, seed: int = 0,
     assert not engine.has_unfinished_requests() and not beams.groups
     usage = engine.cache.usage
     assert usage.used_blocks == 0 and usage.reserved_slots == 0, f"blocks held after the run: {usage}"
+    assert_tiers_whole(llm)
     mix = list(params.values())
     return StressReport(len(params), finished, aborted, steps, preemptions, hits,
                         sum(p.n > 1 and not p.use_beam_search for p in mix), sum(p.use_beam_search for p in mix),

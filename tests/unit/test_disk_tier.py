@@ -109,14 +109,15 @@ def test_a_full_disk_is_logged_and_recomputed(checkpoint, expected, tmp_path, mo
     assert llm.engine.cache.lower.failed_loads > 0
 
 
-def test_speculative_decoding_and_n_over_the_disk_tier(checkpoint, tmp_path):
+@pytest.mark.parametrize("index", ["hash", "radix"])
+def test_speculative_decoding_and_n_over_the_disk_tier(checkpoint, tmp_path, index):
     prompts = hot_prefix_prompts()
     expected = transformers_greedy(checkpoint, prompts, 8)
-    llm = LLM(checkpoint, overrides=[*ENGINE, *disk(tmp_path), "decoding=ngram"])
+    llm = LLM(checkpoint, overrides=[*ENGINE, *disk(tmp_path), "decoding=ngram", f"cache.prefix_index={index}"])
     got = [llm.generate([p], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)[0].outputs[0].token_ids
            for p in prompts]
     assert got == expected and llm.engine.cache.lower.index.hit_tokens > 0
-    llm = LLM(checkpoint, overrides=[*ENGINE, *disk(tmp_path), "scheduler.max_num_seqs=3"])
+    llm = LLM(checkpoint, overrides=[*ENGINE, *disk(tmp_path), "scheduler.max_num_seqs=3", f"cache.prefix_index={index}"])
     outputs = llm.generate([prompts[0]], SamplingParams(n=3, temperature=0.0, max_tokens=8), use_tqdm=False)
     assert [c.token_ids for c in outputs[0].outputs] == [expected[0]] * 3
     assert_no_leaked_blocks(llm)
