@@ -56,7 +56,8 @@ class HandOff:
     ``sent_prompt_logprobs``), so that the decode instance's deltas continue after it;
     what its scheduling policy knows of it (``metadata``, ``deadline_time``); and the name
     of the LoRA adapter it runs with (``lora``; None: the base model), which the decode
-    instance must serve too."""
+    instance must serve too; its ``cache_salt`` (the blocks it registers there stay apart
+    from other salts' as they did here)."""
 
     request_id: str
     token_ids: tuple[int, ...]
@@ -86,6 +87,7 @@ class HandOff:
     metadata: RequestMetadata = NO_METADATA
     deadline_time: float | None = None
     lora: str | None = None
+    cache_salt: str | None = None
 
     @classmethod
     def of(cls, request: Request, num_sequences: int = 1, sent_tokens: int = 0, sent_chars: int = 0,
@@ -108,7 +110,8 @@ class HandOff:
             stop_reason=request.stop_reason, stop_text_len=request.stop_text_len,
             finished_time=request.finished_time, sent_tokens=sent_tokens, sent_chars=sent_chars,
             sent_prompt_logprobs=sent_prompt_logprobs, metadata=request.metadata,
-            deadline_time=request.deadline_time, lora=None if request.lora is None else request.lora.name)
+            deadline_time=request.deadline_time, lora=None if request.lora is None else request.lora.name,
+            cache_salt=request.cache_salt)
 
     @property
     def group(self) -> str:
@@ -128,6 +131,7 @@ class HandOff:
                           self.index, self.group_id, self.metadata, self.deadline_time)
         request.token_ids.extend(self.token_ids[self.num_prompt_tokens:])
         request.num_computed_tokens = self.num_computed_tokens
+        request.cache_salt = self.cache_salt
         if self.logprobs is not None:
             request.logprobs = list(self.logprobs)
         if self.prompt_logprobs is not None:

@@ -392,7 +392,8 @@ class LLMEngine:
         requests = [handoff.restore(self._eos_token_id(), now, self.device) for handoff in handoffs]
         if adapter is not None:
             for request in requests:
-                request.lora, request.cache_salt = adapter, adapter.cache_salt
+                salt = adapter.cache_salt if request.cache_salt is None else f"{request.cache_salt}|{adapter.cache_salt}"
+                request.lora, request.cache_salt = adapter, salt
         running = [request for request in requests if not request.is_finished]
         for allocated, request in enumerate(running):
             if self.cache.allocate(request, 0) is None:

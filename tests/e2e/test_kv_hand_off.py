@@ -167,19 +167,19 @@ def test_no_room_leaves_the_ticket_valid():
     decode.shutdown()
 
 
-def test_scheduling_metadata_travels_with_the_hand_off():
+def test_scheduling_metadata_and_cache_salt_travel_with_the_hand_off():
     from servelab import RequestMetadata
 
     prefill, decode = engine(), engine("policy=priority")
     sender, receiver = connector("prefill-0"), connector("decode-0")
     metadata = RequestMetadata(priority=-3, tenant="acme")
-    prefill.add_request(PROMPTS[0], GREEDY, request_id="moved", metadata=metadata)
+    prefill.add_request(PROMPTS[0], GREEDY, request_id="moved", metadata=metadata, cache_salt="acme-secret")
     while not first_token_of(prefill, "moved"):
         pass
     tickets = prefill.hand_off("moved", sender)
     assert decode.admit_handed_off(tickets, receiver) == "moved"
     (request,) = decode.scheduler.waiting
-    assert request.metadata == metadata
+    assert request.metadata == metadata and request.cache_salt == "acme-secret"
     assert len(run_to_end(decode)["moved"]) == 8
     prefill.shutdown()
     decode.shutdown()
