@@ -220,7 +220,10 @@ class QueueScheduler(Scheduler):
             num_new = min(remaining, budget - used) if chunk else remaining
             if num_new <= 0 or num_new > budget - used:
                 break
-            while not self._allocate(request, num_new):
+            lookahead = self._lookahead(request, num_new)  # one token left (all else cached): it decodes
+            if num_new + lookahead > budget - used:
+                lookahead = 0
+            while not self._allocate(request, num_new, lookahead):
                 if not self._preempt_for(request):
                     self._give_back_prefix(request, hit)
                     return grants, used
@@ -229,7 +232,7 @@ class QueueScheduler(Scheduler):
             if policy is not None:
                 policy.on_admitted(request)
             grants.append(self._grant(request, num_new))
-            used += num_new
+            used += num_new + lookahead
         return grants, used
 
     def _give_back_prefix(self, request: Request, hit: int) -> None:
