@@ -5,8 +5,11 @@ preemption) and the decoding strategy's accounting are the engine's own; only th
 pass is replaced by its price. Requests get random tokens, so they end at their
 ``max_tokens`` (a benchmark's ``ignore_eos``) or at an EOS drawn with ``eos_probability``;
 speculative strategies keep drafts at their ``simulated_acceptance_rate`` and the draft
-model's passes are priced too. With ``parallel.pipeline_parallel_size`` M, up to M steps
-are in flight, each stage busy for its share of every step.
+model's passes are priced too; token trees (and chains, given ``tree_acceptance``) keep
+the path drawn from a per-depth, per-rank acceptance table (``TreeAcceptance``), and a
+tree of N nodes is verified, and priced, as N tokens. With
+``parallel.pipeline_parallel_size`` M, up to M steps are in flight, each stage busy for
+its share of every step.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, replace
 from random import Random
+from typing import List, Optional
 
 import torch
 from omegaconf import OmegaConf
@@ -30,16 +34,27 @@ from servelab.core.model import ModelShape
 from servelab.core.outputs import Logprob
 from servelab.core.quantization import WeightQuantization, weight_memory_bytes
 from servelab.core.scheduler import SchedulerOutput
+from servelab.plugins.executor.simulated_tree import TreeAcceptance, tree_shape
 
 
 @dataclass
 class SimulatedExecutorConfig:
     """``executor=simulated``: ``seed`` of the random tokens, EOS draws and draft
     acceptance; ``eos_probability``: the chance, per generated token, that a request which
-    does not ignore EOS ends there (0: requests run to ``max_tokens``)."""
+    does not ignore EOS ends there (0: requests run to ``max_tokens``).
+
+    ``tree_acceptance``: speculative acceptance by draft depth and rank,
+    ``tree_acceptance[d][r]`` the chance that, with the path kept down to depth d (0: the
+    first draft level), the target's next token is the draft's rank-r candidate there
+    (each row sums to at most 1; depths past the last row use the last row, ranks past a
+    row's end 0). Each step keeps, from the root, the child of that rank while the tree has
+    it; a chain is the rank-0 column. None (the default): the strategy's
+    ``simulated_acceptance_rate`` a as ``a (1 - a)^r`` at every depth, which keeps a
+    chain's drafts at a each, as before, and tries every sibling at a."""
 
     seed: int = 0
     eos_probability: float = 0.0
+    tree_acceptance: Optional[List[List[float]]] = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +93,8 @@ class SimulatedExecutor(Executor):
         self.vocab_size = context.shape.vocab_size
         self.stage_free = [0.0] * self.parallel.pipeline_parallel_size
         self.draft_cost_model: CostModel | None = None
+        self.acceptance = TreeAcceptance(config.tree_acceptance) if config.tree_acceptance is not None else None
+        self.tree: tuple[list[tuple[int, ...]], list[int]] | None = None
         self._pending: deque[PricedStep] = deque()
         self._meta_caches: list[torch.Tensor] = []
         self._block_bytes = 0
@@ -124,6 +141,11 @@ class SimulatedExecutor(Executor):
         self._meta_caches = [torch.empty(block, dtype=kv_dtype, device="meta") for _ in range(whole.num_layers)]
         if strategy.draft_model_shape is not None:
             self.draft_cost_model = self._cost_model(strategy.draft_model_shape)
+        rate = getattr(strategy.config, "simulated_acceptance_rate", None)
+        if self.acceptance is None and strategy.proposes_trees and rate is not None:
+            self.acceptance = TreeAcceptance([[rate * (1 - rate) ** r for r in range(64)]])
+        if self.acceptance is not None and strategy.num_lookahead_tokens:
+            self.tree = tree_shape(strategy.config, self.acceptance)
 
     def local_kv_caches(self) -> list[torch.Tensor]:
         """The whole model's KV cache as it would be stored, with no storage: one meta
@@ -176,7 +198,7 @@ class SimulatedExecutor(Executor):
         sampling = output.sampling_requests
         speculative = self.strategy.num_lookahead_tokens > 0 and bool(sampling)
         allowances = lookahead_allowances(output, self.context.max_model_len) if speculative else (0,) * len(sampling)
-        kept = self.strategy.simulated_acceptance(allowances, self.random) if speculative else None
+        kept = self._kept_drafts(allowances) if speculative else None
         drafts = iter(allowances)
         query_lens, context_lens = [], []
         for grant in output.scheduled:
@@ -194,6 +216,16 @@ class SimulatedExecutor(Executor):
             logprobs = [[{t: Logprob(t, uniform, 1)} for t in tokens] for tokens in token_ids]
         result = DecodeResult(token_ids, logprobs, allowances if kept is not None else None, kept)
         return result, batch, allowances
+
+    def _kept_drafts(self, allowances: tuple[int, ...]) -> list[int] | None:
+        """Drafts each request keeps: along the path ``self.acceptance`` draws through its
+        tree (the first ``allowances[i]`` nodes of the shape; a chain: its rank-0 column),
+        else at the strategy's own ``simulated_acceptance``."""
+        if self.acceptance is None:
+            return self.strategy.simulated_acceptance(allowances, self.random)
+        paths = self.tree[0] if self.tree is not None else None
+        return [self.acceptance.draw(set(paths[:a] if paths is not None else ((0,) * d for d in range(1, a + 1))),
+                                     self.random) for a in allowances]
 
     def _tokens(self, request, count: int) -> list[int]:
         """``count`` random token ids, the first EOS drawn at ``eos_probability`` ending them."""
@@ -227,15 +259,23 @@ class SimulatedExecutor(Executor):
         return self.hardware.disk_latency_s + blocks * self._block_bytes / self.hardware.disk_bandwidth
 
     def _draft_time(self, output: SchedulerOutput, allowances: tuple[int, ...]) -> float:
-        """The draft model's passes: one token per drafting request per drafted position."""
+        """The draft model's passes: a chain's one token per drafting request per drafted
+        position; a tree's one pass per level, each request running the level's expanded
+        nodes (``tree_shape``'s rows), batched over requests."""
         if self.draft_cost_model is None or not any(allowances):
             return 0.0
         contexts = [g.num_computed_tokens + 1 for g in output.scheduled if g.samples]
         drafting = [(c, a) for c, a in zip(contexts, allowances) if a]
+        levels = self.tree[1] if self.tree is not None and self.tree[1] else None
         seconds = 0.0
-        for position in range(max(a for _, a in drafting)):
-            rows = [c + position for c, a in drafting if a > position]
-            seconds += self.draft_cost_model.forward_cost(BatchShape((1,) * len(rows), tuple(rows), len(rows))).total
+        for position in range(len(levels) if levels else max(a for _, a in drafting)):
+            if levels:
+                queries = (levels[position],) * len(drafting)
+                rows = [c + sum(levels[:position + 1]) for c, _ in drafting]
+            else:
+                rows = [c + position for c, a in drafting if a > position]
+                queries = (1,) * len(rows)
+            seconds += self.draft_cost_model.forward_cost(BatchShape(queries, tuple(rows), sum(queries))).total
         return seconds
 
 
