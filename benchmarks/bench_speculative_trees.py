@@ -12,7 +12,10 @@ verification and the share of the time spent drafting (the strategy's ``propose`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
+
+from bench_speculative import DraftCounter
 
 from servelab import LLM, SamplingParams
 from servelab.bench.prompts import stdlib_file_openings
@@ -32,34 +35,22 @@ CONFIGS = {
 HEADER = ["batch", "decoding", "tok/s", "speed-up", "accepted length", "nodes / verification", "drafting %"]
 
 
-class Verifications:
-    """Counts, while ``on``, the draft nodes verified and kept and the verifications (a
-    request verified with at least one draft) of the strategy's ``accept`` calls, and the
-    seconds spent in its ``propose`` calls (the draft model's passes)."""
+class Verifications(DraftCounter):
+    """``DraftCounter``'s counts, and the seconds spent in the strategy's ``propose`` calls
+    (the draft model's passes) while counting."""
 
     def __init__(self, strategy) -> None:
-        self.nodes = self.kept = self.count = 0
+        super().__init__(strategy)
         self.propose_s = 0.0
-        self.on = False
-        accept, propose = strategy.accept, strategy.propose
+        propose = strategy.propose
 
         def timed(batch):
             started = time.perf_counter()
             proposal = propose(batch)
-            if self.on:
+            if self._on:
                 self.propose_s += time.perf_counter() - started
             return proposal
 
-        def counted(logits, batch, proposal):
-            result = accept(logits, batch, proposal)
-            if self.on and result.num_accepted_drafts is not None:
-                for drafted, kept in zip(batch.num_draft_tokens, result.num_accepted_drafts):
-                    self.nodes += drafted
-                    self.kept += kept
-                    self.count += drafted > 0
-            return result
-
-        strategy.accept = counted
         strategy.propose = timed
 
 
@@ -90,13 +81,13 @@ def main() -> None:
             prompts = stdlib_file_openings(args.prompts, llm.get_tokenizer(), args.prompt_tokens)
             counter = Verifications(llm.engine.strategy) if decoding == "speculative" else None
             run(llm, prompts[:batch], batch, 8)  # warm-up
-            if counter is not None:
-                counter.on = True
-            seconds = run(llm, prompts, batch, args.max_tokens)
+            with counter.counting() if counter is not None else contextlib.nullcontext():
+                seconds = run(llm, prompts, batch, args.max_tokens)
             tps = len(prompts) * args.max_tokens / seconds
             base_tps = base_tps or tps
-            length = f"{1 + counter.kept / counter.count:.2f}" if counter and counter.count else "1.00"
-            nodes = f"{counter.nodes / counter.count:.1f}" if counter and counter.count else "-"
+            verified = counter.verifications if counter else 0
+            length = f"{1 + counter.accepted / verified:.2f}" if verified else "1.00"
+            nodes = f"{counter.proposed / verified:.1f}" if verified else "-"
             drafting = f"{100 * counter.propose_s / seconds:.0f}" if counter else "-"
             print(markdown_row([str(batch), name, f"{tps:.1f}", f"{tps / base_tps:.2f}x", length, nodes, drafting]),
                   flush=True)

@@ -12,10 +12,11 @@ import time
 import httpx
 import openai
 import pytest
-from server_process import ENGINE_OVERRIDES, MODEL, free_port
+from ray_app import local_ray_app
+from server_process import ENGINE_OVERRIDES, MODEL
 
 ray = pytest.importorskip("ray")
-serve = pytest.importorskip("ray.serve")
+pytest.importorskip("ray.serve")
 
 OVERRIDES = [*ENGINE_OVERRIDES, "server.replicas=2", "server.routing=router", "router=prefix_affinity",
              "server.warmup_tokens=0"]
@@ -27,18 +28,8 @@ PREFIXES = [f"{i:02d}: a prompt prefix to share," for i in range(8)]
 @pytest.fixture(scope="module")
 def url():
     """The application on a local Ray cluster of two CPUs, shut down afterwards."""
-    from servelab.server.config import compose_serve_config
-    from servelab.server.ray_serve.app import APP_NAME, build_app
-
-    port = free_port()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(compose_serve_config(OVERRIDES), MODEL), name=APP_NAME, route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with local_ray_app(OVERRIDES, MODEL) as address:
+        yield address
 
 
 @pytest.fixture
