@@ -225,9 +225,10 @@ class AsyncEngine:
 
     async def add(self, stream: OutputStream, prompt: str | list[int], params: SamplingParams,
                   request_id: str, arrival_time: float, metadata: RequestMetadata = NO_METADATA,
-                  lora: str | None = None) -> int:
+                  lora: str | None = None, cache_salt: str | None = None) -> int:
         """Validate and queue a request (with its scheduling ``metadata``, on LoRA adapter
-        ``lora`` or the base model) whose outputs go to ``stream``; returns its prompt length. Raises ``InvalidRequestError`` (nothing
+        ``lora`` or the base model, its prefix cached under ``cache_salt``) whose outputs
+        go to ``stream``; returns its prompt length. Raises ``InvalidRequestError`` (nothing
         queued) for a bad request (the stream's other requests keep running until it
         closes)."""
         self._check_alive()
@@ -240,7 +241,8 @@ class AsyncEngine:
         try:
             instance = self._choose(self.entry, "prefill", prompt)
             self._place(request_id, instance)
-            self._send(instance, AddRequest(request_id, prompt, params, arrival_time, metadata, lora))
+            self._send(instance, AddRequest(request_id, prompt, params, arrival_time, metadata, lora,
+                                                 cache_salt))
             length = await added
         except BaseException:  # rejected, or cancelled while the engine may have added it
             stream.untrack(request_id)

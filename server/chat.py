@@ -83,7 +83,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     stream = state.engine.open_stream(1)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     try:
-        prompt_tokens = await state.engine.add(stream, prompt, params, request_id, arrival, metadata, lora)
+        prompt_tokens = await state.engine.add(stream, prompt, params, request_id, arrival, metadata, lora,
+                                               body.cache_salt)
     except BaseException:
         stream.abort()
         raise

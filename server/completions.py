@@ -130,7 +130,8 @@ async def create_completion(body: CompletionRequest, request: Request, state: "S
     try:
         prompt_tokens = 0
         for prompt, request_id in zip(prompts, request_ids):
-            prompt_tokens += await state.engine.add(stream, prompt, params, request_id, arrival, metadata, lora)
+            prompt_tokens += await state.engine.add(stream, prompt, params, request_id, arrival, metadata,
+                                                    lora, body.cache_salt)
         echoes = await _echoes(state, prompts) if body.echo else None
     except BaseException:
         stream.abort()

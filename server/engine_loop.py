@@ -107,7 +107,8 @@ class EngineLoop:
         request_id, prompt, params = command.request_id, command.prompt, command.params
         try:
             engine.add_request(prompt, params, request_id, arrival_time=command.arrival_time, output_kind="delta",
-                               max_tokens_must_fit=True, metadata=command.metadata, lora=command.lora)
+                               max_tokens_must_fit=True, metadata=command.metadata, lora=command.lora,
+                               cache_salt=command.cache_salt)
         except InvalidRequestError as exc:
             self.conn.send(RequestAdded(request_id, 0, exc))
         else:

@@ -53,8 +53,8 @@ class EngineInfo:
 @dataclass(frozen=True, slots=True)
 class AddRequest:
     """Validate and queue ``prompt`` (text or token ids) under ``request_id`` with its
-    scheduling ``metadata`` and LoRA adapter (``lora``, None: the base model); its outputs
-    stream back as deltas in ``StepReport``s."""
+    scheduling ``metadata``, LoRA adapter (``lora``, None: the base model) and
+    ``cache_salt``; its outputs stream back as deltas in ``StepReport``s."""
 
     request_id: str
     prompt: str | list[int]
@@ -62,6 +62,7 @@ class AddRequest:
     arrival_time: float
     metadata: RequestMetadata = NO_METADATA
     lora: str | None = None
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

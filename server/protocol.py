@@ -118,7 +118,8 @@ class GenerationRequest(StrictModel, StructuredOutputFields):
     (``response_format``, ``guided_*``: ``StructuredOutputFields``). Values are checked
     by ``SamplingParams``, which names the offending field. Scheduling fields
     (``RequestMetadata``, read by ``policy=...``): ``priority`` (vLLM's; lower is served
-    first), ``user`` (OpenAI's; the tenant), ``deadline`` (Unix seconds) and ``slo_class``.
+    first), ``user`` (OpenAI's; the tenant), ``deadline`` (Unix seconds) and ``slo_class``;
+    ``cache_salt`` keeps the request's cached prefix apart from other salts'.
     """
 
     model: Optional[str] = None
@@ -147,6 +148,8 @@ class GenerationRequest(StrictModel, StructuredOutputFields):
                                                               "due, in seconds since the Unix epoch.")
     slo_class: Optional[str] = Field(None, description="servelab extension: one of the engine's slo_classes "
                                                        "(first-token and per-token targets).")
+    cache_salt: Optional[str] = Field(None, description="vLLM extension: prefix caching reuses only blocks cached "
+                                                        "under the same salt (1 to 256 characters).")
 
     @field_validator("deadline", mode="before")
     @classmethod

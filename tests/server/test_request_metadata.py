@@ -21,10 +21,11 @@ ENDPOINTS = [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)]
 @pytest.fixture(scope="module")
 def deadline_server(tmp_path_factory):
     """A server whose deadline policy refuses every request due within 10 s of now (the
-    ``tight`` class always is, ``loose`` never), with one tenant label of its own."""
+    ``tight`` class always is, ``loose`` never), with one tenant label of its own and
+    prefix caching."""
     proc = ServerProcess(tmp_path_factory.mktemp("deadline") / "server.log", "policy=deadline", "policy.slack=10",
                          "+slo_classes.tight={ttft:0.000001,tpot:1}", "+slo_classes.loose={ttft:1000,tpot:1000}",
-                         "server.max_tenant_labels=1")
+                         "server.max_tenant_labels=1", "cache.enable_prefix_caching=true")
     yield proc
     proc.stop()
 
@@ -53,6 +54,7 @@ def error_of(response: httpx.Response, status: int) -> dict:
     ({"deadline": 1.0}, {}, "deadline", "in the past"),
     ({"slo_class": "gold"}, {}, "slo_class", "unknown SLO class 'gold'"),
     ({"slo_class": ""}, {}, "slo_class", "name of an SLO class"),
+    ({"cache_salt": ""}, {}, "cache_salt", "1 to 256 characters"),
 ])
 def test_bad_scheduling_fields_are_400_naming_the_field(http, path, body, fields, headers, param, phrase):
     error = error_of(http.post(path, json={**body, **fields}, headers=headers), 400)
@@ -93,6 +95,20 @@ def test_tenant_labels_are_bounded_and_slo_attainment_counted(deadline_server, d
         assert delta(f"servelab:e2e_request_latency_seconds_count{{tenant={tenant}}}") == count
         assert delta(f"servelab:slo_requests_total{{outcome=attained,slo_class=loose,tenant={tenant}}}") == count
     assert not any("tenant=second" in name or "tenant=third" in name for name in after)
+
+
+def test_prefixes_are_reused_under_the_same_cache_salt_only(deadline_server, deadline_http):
+    prompt = "a shared preamble that spans several blocks of the byte-level tokenizer. " * 2
+
+    def hits(salt: str) -> float:
+        before = _samples(deadline_server).get("servelab:prefix_cache_hit_tokens_total", 0.0)
+        body = {**COMPLETION, "prompt": prompt, "cache_salt": salt}
+        assert deadline_http.post("/v1/completions", json=body).status_code == 200
+        return _samples(deadline_server).get("servelab:prefix_cache_hit_tokens_total", 0.0) - before
+
+    assert hits("tenant-a") == 0
+    assert hits("tenant-a") >= 128
+    assert hits("tenant-b") == 0
 
 
 @pytest.mark.parametrize("path, body", ENDPOINTS)
