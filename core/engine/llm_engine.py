@@ -110,9 +110,11 @@ class LLMEngine:
         kv_spec = shape.kv_cache_spec(kv_dtype, self.max_model_len, parallel.tensor_parallel_size,
                                       parallel.pipeline_parallel_size)
         budget = build_collecting(problems, lambda: executor.kv_cache_budget_bytes(kv_spec)) if executor else None
-        fingerprint = kv_fingerprint(checkpoint.source, checkpoint.hf_config, {
-            "kv": repr(kv_spec), "dtype": str(self.dtype), "quantization": repr(checkpoint.quantization),
-            "seed": cfg.model.get("seed"), "attention": type(cfg.attention).__name__})
+        fingerprint = ""  # only a tier that outlives the engine needs it
+        if cfg.cache.get("lower_tier"):
+            fingerprint = kv_fingerprint(checkpoint.source, checkpoint.hf_config, {
+                "kv": repr(kv_spec), "dtype": str(self.dtype), "quantization": repr(checkpoint.quantization),
+                "seed": cfg.model.get("seed"), "attention": type(cfg.attention).__name__})
         cache = build_collecting(problems, lambda: registry.build(
             "cache", cfg.cache, CacheContext(kv_spec, registry, budget, fingerprint))) if executor else None
         strategy = build_collecting(problems, lambda: registry.build("decoding", cfg.decoding, DecodingContext(

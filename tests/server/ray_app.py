@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Any, Iterator
 
 from server_process import free_port
 
@@ -27,3 +27,12 @@ def local_ray_app(overrides: list[str], model: str) -> Iterator[str]:
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+@contextlib.contextmanager
+def openai_client(url: str) -> Iterator[Any]:
+    """The official OpenAI client pointed at the Ray Serve proxy at ``url``."""
+    import openai
+
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120) as client:
+        yield client

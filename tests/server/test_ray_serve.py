@@ -12,7 +12,7 @@ import time
 import httpx
 import openai
 import pytest
-from ray_app import local_ray_app
+from ray_app import local_ray_app, openai_client
 from server_process import ENGINE_OVERRIDES, MODEL
 
 ray = pytest.importorskip("ray")
@@ -35,7 +35,7 @@ def url():
 @pytest.fixture
 def client(url):
     """The official OpenAI client pointed at the Ray Serve proxy."""
-    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120) as c:
+    with openai_client(url) as c:
         yield c
 
 
