@@ -65,6 +65,10 @@ class LoRAAdapter:
         load of it) are never reused by another or by the base model."""
         return f"lora:{self.name}:{self.load_id}"
 
+    def salted(self, cache_salt: str | None) -> str:
+        """A request's ``cache_salt`` (None: none) joined with this adapter's."""
+        return self.cache_salt if cache_salt is None else f"{cache_salt}|{self.cache_salt}"
+
     @property
     def num_bytes(self) -> int:
         """Bytes of its host weights."""

@@ -225,7 +225,7 @@ class LLMEngine:
             raise InvalidRequestError("cache_salt", f"must be a string of 1 to 256 characters, got {cache_salt!r}")
         adapter = self.lora_adapter(lora) if lora is not None else None
         if adapter is not None:
-            cache_salt = adapter.cache_salt if cache_salt is None else f"{cache_salt}|{adapter.cache_salt}"
+            cache_salt = adapter.salted(cache_salt)
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self.outputs.groups:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
@@ -394,8 +394,7 @@ class LLMEngine:
         requests = [handoff.restore(self._eos_token_id(), now, self.device) for handoff in handoffs]
         if adapter is not None:
             for request in requests:
-                salt = adapter.cache_salt if request.cache_salt is None else f"{request.cache_salt}|{adapter.cache_salt}"
-                request.lora, request.cache_salt = adapter, salt
+                request.lora, request.cache_salt = adapter, adapter.salted(request.cache_salt)
         running = [request for request in requests if not request.is_finished]
         for allocated, request in enumerate(running):
             if self.cache.allocate(request, 0) is None:
