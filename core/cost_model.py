@@ -13,8 +13,21 @@ from dataclasses import dataclass
 from typing import Any
 
 from servelab.core.config import HardwareConfig, ParallelConfig
+from servelab.core.errors import ConfigError
 from servelab.core.model import ModelShape
 from servelab.core.quantization import WeightQuantization
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterWork:
+    """One LoRA adapter's share of a forward pass: its ``tokens`` in the pass, its
+    ``rank`` (the largest of its modules') and the decoder projections it adapts in every
+    layer, by their Hugging Face names (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``,
+    ``gate_proj``, ``up_proj``, ``down_proj``)."""
+
+    tokens: int
+    rank: int
+    projections: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,12 +35,15 @@ class BatchShape:
     """The work of one forward pass: per request, ``query_lens[i]`` new tokens ending a
     context of ``context_lens[i]`` tokens (cached + new; a decode has one new token), and
     ``num_logits_rows`` rows that go through the LM head and sampling; ``start_s``, the
-    clock time at which the pass starts (for cost models whose prices drift in time)."""
+    clock time at which the pass starts (for cost models whose prices drift in time);
+    ``adapters``: the work of each distinct LoRA adapter in the pass (none: the base
+    model alone)."""
 
     query_lens: tuple[int, ...]
     context_lens: tuple[int, ...]
     num_logits_rows: int
     start_s: float = 0.0
+    adapters: tuple[AdapterWork, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -88,4 +104,16 @@ class CostModel(abc.ABC):
 
     @abc.abstractmethod
     def forward_cost(self, batch: BatchShape) -> StepCost:
-        """The time of one forward pass over ``batch``, logits and sampling included."""
+        """The time of one forward pass over ``batch``, logits and sampling included (its
+        ``adapters``' work too)."""
+
+    def adapter_load_time(self, rank: int, projections: tuple[str, ...]) -> float:
+        """Seconds to copy a LoRA adapter of ``rank`` on ``projections`` (in every layer)
+        from host memory into a device slot; ``ConfigError`` from cost models that do not
+        price adapters (the default)."""
+        raise ConfigError([f"cost model {type(self).__name__} does not price LoRA adapters"])
+
+    def adapter_merge_time(self, rank: int, projections: tuple[str, ...]) -> float:
+        """Seconds to add such an adapter into the base weights (removing it costs the
+        same); ``ConfigError`` from cost models that do not price adapters (the default)."""
+        raise ConfigError([f"cost model {type(self).__name__} does not price LoRA adapters"])

@@ -213,12 +213,15 @@ class ProfiledCostModel(RooflineCostModel):
 
     def forward_cost(self, batch: BatchShape) -> StepCost:
         """Operator tables: the roofline's composition with measured operators; step
-        tables: the measured step plus the engine's host time (on the one stage), times
-        a drawn factor with ``jitter`` (its share is the ``jitter`` part)."""
+        tables: the measured step plus the engine's host time (on the one stage) and the
+        roofline's price of the LoRA adapters' matmuls (``lora``; the tables measure
+        none), times a drawn factor with ``jitter`` (its share is the ``jitter`` part)."""
         if self.steps is None:
             return super().forward_cost(batch)
         parts = (*self.steps.forward_time(batch),
                  ("engine_overhead", self.steps.engine_overhead(batch) + self.config.step_overhead_s))
+        if batch.adapters:
+            parts = (*parts, ("lora", self.context.model.num_layers * sum(t for _, t in self.lora_times(batch))))
         total = sum(seconds for _, seconds in parts)
         if self.jitter is not None:
             extra = total * (self.jitter.factor(batch.start_s) - 1)

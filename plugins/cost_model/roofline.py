@@ -5,10 +5,11 @@ An operator takes ``max(flops / (peak_flops x compute_efficiency), bytes /
 (``plugins/cost_model/operators.py`` counts the work). A layer adds attention priced from
 each request's real context within the layer's own window (``ModelShape.window_of``), two
 all-reduces of its activations under tensor parallelism (``collectives.py``) and
-``layer_overhead_s``; a mixture of experts' sparse layers price their MLP expert by expert,
-with expert parallelism's all-to-alls (``experts.py``); a step adds the embedding on the first
-pipeline stage, the final norm, the LM head and sampling on the last, and
-``step_overhead_s`` of host work. Pipeline stages hold contiguous layer ranges and send
+``layer_overhead_s``; LoRA adapters in the step add their low-rank matmuls, each
+adapter's weights read once (``lora_operators.py``); a mixture of experts' sparse layers
+price their MLP expert by expert, with expert parallelism's all-to-alls (``experts.py``);
+a step adds the embedding on the first pipeline stage, the final norm, the LM head and
+sampling on the last, and ``step_overhead_s`` of host work. Pipeline stages hold contiguous layer ranges and send
 their activations to the next stage (``StepCost.transfer_time``). The efficiencies are the
 hardware's (``conf/hardware/*.yaml``, calibrated against measured operator times); the
 overheads are this config's. Decoder linear weights quantized by ``model.quantization``
@@ -29,6 +30,7 @@ from servelab.core.model import ModelShape
 from servelab.plugins.cost_model.collectives import (all_gather_time, all_reduce_time, pipeline_crosses_nodes,
                                                      send_time, stage_layer_counts)
 from servelab.plugins.cost_model.experts import dispatch_bytes, sparse_mlp_operators
+from servelab.plugins.cost_model.lora_operators import adapter_bytes, lora_operators, merge_operators
 from servelab.plugins.cost_model.operators import (Operator, Widths, attention_operators, first_stage_operators,
                                                    last_stage_operators, layer_operators)
 
@@ -102,6 +104,22 @@ class RooflineCostModel(CostModel):
         ``window`` (None: the whole context)."""
         return tuple((op.name, self.operator_time(op)) for op in attention_operators(batch, self.widths, window))
 
+    def lora_times(self, batch: BatchShape) -> tuple[tuple[str, float], ...]:
+        """(name, seconds) of one layer's LoRA shrink and expand launches for the batch's
+        adapters (``lora_operators.py``)."""
+        return tuple((op.name, self.operator_time(op)) for op in lora_operators(batch.adapters, self.widths))
+
+    def adapter_load_time(self, rank: int, projections: tuple[str, ...]) -> float:
+        """One device's share of the adapter (its layers of every pipeline stage) over
+        ``hardware.host_bandwidth``, the link swaps and the host KV tier use."""
+        layers = max(self.stage_layers)
+        return adapter_bytes(rank, projections, self.widths, layers) / self.context.hardware.host_bandwidth
+
+    def adapter_merge_time(self, rank: int, projections: tuple[str, ...]) -> float:
+        """``W += B A`` in every layer of the busiest stage, each projection one operator."""
+        per_layer = sum(self.operator_time(op) for op in merge_operators(rank, projections, self.widths))
+        return max(self.stage_layers) * per_layer
+
     def all_reduce(self, num_bytes: float) -> float:
         """Seconds of one all-reduce of ``num_bytes`` among the tensor-parallel ranks."""
         return all_reduce_time(num_bytes, self.tp, self.context.hardware)
@@ -127,9 +145,9 @@ class RooflineCostModel(CostModel):
     # -- one step ------------------------------------------------------------------------------
     def layer_times(self, batch: BatchShape, layer: int = 0) -> list[tuple[str, float]]:
         """(name, seconds) of decoder layer ``layer``: its operators, attention within
-        its window, the two all-reduces under tensor parallelism (a sparse layer under
-        expert parallelism: one, and the dispatch and combine all-to-alls) and the layer
-        overhead."""
+        its window, the LoRA adapters' low-rank matmuls, the two all-reduces under
+        tensor parallelism (a sparse layer under expert parallelism: one, and the dispatch
+        and combine all-to-alls) and the layer overhead."""
         return self._layer_times(batch, layer_kind(self.context.model, layer))
 
     def _layer_times(self, batch: BatchShape, kind: LayerKind) -> list[tuple[str, float]]:
@@ -142,6 +160,8 @@ class RooflineCostModel(CostModel):
             dense = self._dense[tokens, sparse] = self.sparse_times(tokens) if sparse else self.dense_times(tokens)
         times = list(dense)
         times += self.attention_times(batch, window)
+        if batch.adapters:
+            times += self.lora_times(batch)
         activations = tokens * self.widths.hidden * self.widths.ab
         if sparse and self.ep > 1:
             times.append(("all_reduce", self.all_reduce(activations)))

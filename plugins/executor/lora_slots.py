@@ -1,8 +1,9 @@
 """The model's LoRA adapter slots: a fixed memory budget on the device that adapters are
 paged into when a step needs them, least recently used out first.
 
-``LoRASlots`` wraps the model's projections (``LoRALinear``), keeps which adapter is in
-which slot, and runs a step: its adapters paged in, each token's slot set, the forward
+``LoRASlots`` wraps the model's projections (``LoRALinear``), pages adapters into them
+as ``LoRASlotTable`` decides (``lora_slot_table.py``, shared with the simulator), and runs
+a step: its adapters paged in, each token's slot set, the forward
 pass. A step whose requests use more adapters than there are slots runs as several
 forward passes, each over the requests of as many adapters as there are slots (every
 request's attention reads only its own cache, so the split changes no token), their
@@ -13,8 +14,6 @@ every slot change (``peers``, ``lora_peers.py``).
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -24,29 +23,9 @@ from servelab.core.batch_builder import PromptSpan, build_step_inputs, prompt_sp
 from servelab.core.errors import ConfigError
 from servelab.core.lora_adapter import LoRAAdapter
 from servelab.core.scheduler import ScheduledRequest
+from servelab.plugins.executor.lora_slot_table import LoRASlotTable
 from servelab.plugins.models.lora_linear import LoRABatch, LoRALinear, projections, wrap_projections
 from servelab.plugins.models.lora_targets import LoRAPlacement, lora_placements
-
-
-@dataclass(frozen=True, slots=True)
-class LoRAStats:
-    """Adapter paging so far: ``slots`` on the device, ``resident`` adapters in them,
-    ``hits`` (a step's adapter already in a slot), ``misses`` (paged in), ``evictions``,
-    ``load_seconds`` spent paging in, ``split_steps`` (steps run as several passes)."""
-
-    slots: int
-    resident: int
-    hits: int
-    misses: int
-    evictions: int
-    load_seconds: float
-    split_steps: int
-
-    @property
-    def hit_rate(self) -> float:
-        """Hits over every adapter use by a step (0 before any)."""
-        uses = self.hits + self.misses
-        return self.hits / uses if uses else 0.0
 
 
 def slot_count(lora_cfg: Any, slot_bytes: int) -> int:
@@ -65,9 +44,10 @@ def slot_count(lora_cfg: Any, slot_bytes: int) -> int:
     return lora_cfg.max_adapters
 
 
-class LoRASlots:
+class LoRASlots(LoRASlotTable):
     """``model``'s decoder projections wrapped with adapter slots (see the module
-    docstring) of ``slot_bytes`` each; ``layers``: the wrapped projections by full name."""
+    docstring) of ``slot_bytes`` each, paged as ``LoRASlotTable`` pages them; ``layers``:
+    the wrapped projections by full name."""
 
     def __init__(self, model: torch.nn.Module, lora_cfg: Any, dtype: torch.dtype, device: torch.device):
         self.model, self.device = model, device
@@ -80,11 +60,10 @@ class LoRASlots:
         slot_bytes = sum((module.in_features + module.out_features) * lora_cfg.max_rank * fused * element
                          for _, _, module, fused in projections(layers))
         self.slot_bytes = slot_bytes
-        self.num_slots = slot_count(lora_cfg, slot_bytes)
+        super().__init__(slot_count(lora_cfg, slot_bytes))
         self.batch = LoRABatch()
         self.layers: dict[str, LoRALinear] = wrap_projections(layers, self.batch, self.num_slots, lora_cfg.max_rank,
                                                               dtype, device, prefix)
-        self.resident: OrderedDict[int, int] = OrderedDict()  # load id -> slot, least recently used first
         self.unloaded: set[int] = set()  # load ids of adapters no new request can name
         self.placements: dict[int, list[LoRAPlacement]] = {}  # by load id, worked out once per load
         self.segmented = device.type == "cuda"
@@ -92,8 +71,6 @@ class LoRASlots:
         self.peers: Any = None
         """Under tensor parallelism, the worker ranks' mirrors of these slots (``LoRAPeers``)."""
         self._paged: list[tuple[int, int]] = []  # (load id, slot) paged in for the next forward pass
-        self.hits = self.misses = self.evictions = self.split_steps = 0
-        self.load_seconds = 0.0
 
     def check(self, adapter: LoRAAdapter) -> None:
         """``InvalidRequestError`` naming the field unless every module of ``adapter``
@@ -126,45 +103,21 @@ class LoRASlots:
             layer.place(slot, placement.first_row, placement.a.to(layer.lora_a.device, layer.lora_a.dtype),
                         placement.b.to(layer.lora_b.device, layer.lora_b.dtype))
 
-    @property
-    def stats(self) -> LoRAStats:
-        """Paging counters so far."""
-        return LoRAStats(self.num_slots, len(self.resident), self.hits, self.misses, self.evictions,
-                         self.load_seconds, self.split_steps)
-
-    def _page_in(self, adapters: dict[int, LoRAAdapter]) -> dict[int, int]:
-        """Slots for ``adapters`` (by load id, at most ``num_slots``), paging in the missing
-        ones over free slots, then over the least recently used adapters not needed."""
-        for load_id in adapters:
-            if load_id in self.resident:
-                self.resident.move_to_end(load_id)
-                self.hits += 1
-        taken = set(self.resident.values())
-        free = [slot for slot in range(self.num_slots) if slot not in taken]
-        for load_id, adapter in adapters.items():
-            if load_id in self.resident:
-                continue
-            started = time.perf_counter()
-            if free:
-                slot = free.pop()
-            else:
-                victim = next(old for old in self.resident if old not in adapters)
-                slot = self.resident.pop(victim)
-                self.evictions += 1
-            if load_id not in self.placements:  # unloaded, then needed again by a request still running
-                self.check(adapter)
-            self.place(load_id, slot)
-            self._paged.append((load_id, slot))
-            self.resident[load_id] = slot
-            self.misses += 1
-            self.load_seconds += time.perf_counter() - started
-        return {load_id: self.resident[load_id] for load_id in adapters}
+    def load(self, load_id: int, adapter: LoRAAdapter, slot: int) -> float:
+        """Write ``adapter`` into ``slot`` (checked again if it was unloaded and a running
+        request needs it back); the wall seconds it took."""
+        started = time.perf_counter()
+        if load_id not in self.placements:  # unloaded, then needed again by a request still running
+            self.check(adapter)
+        self.place(load_id, slot)
+        self._paged.append((load_id, slot))
+        return time.perf_counter() - started
 
     def _set_groups(self, adapters: Sequence[LoRAAdapter | None], query_lens: Sequence[int]) -> None:
         """Page in ``adapters`` (one per request, None: the base model) and group the step's
         tokens by slot (``use_slots``), on the worker ranks too."""
         used = {adapter.load_id: adapter for adapter in adapters if adapter is not None}
-        slots = self._page_in(used) if used else {}
+        slots = self.page_in(used) if used else {}
         request_slots = np.array([-1 if a is None else slots[a.load_id] for a in adapters], dtype=np.int32)
         if self.peers is not None:
             self.peers.run_pass(self._paged, request_slots)
@@ -194,21 +147,6 @@ class LoRASlots:
         self.batch.groups = [(int(ordered_slots[start]), start, end) for start, end in zip(bounds, bounds[1:])]
         in_place = len(order) == len(token_slots) and bool((order == np.arange(len(order))).all())
         self.batch.rows = None if in_place else torch.from_numpy(order).to(self.device)
-
-    def chunks(self, grants: Sequence[ScheduledRequest]) -> list[list[int]]:
-        """The grants (by index, each list in the step's order) of each forward pass: the
-        adapters in first-use order, the resident ones first, ``num_slots`` per pass; the
-        base model's grants ride with the first."""
-        order: dict[int, list[int]] = {}
-        for index, grant in enumerate(grants):
-            adapter = grant.request.lora
-            order.setdefault(-1 if adapter is None else adapter.load_id, []).append(index)
-        base = order.pop(-1, [])
-        adapters = sorted(order, key=lambda load_id: load_id not in self.resident)
-        passes = [adapters[i:i + self.num_slots] for i in range(0, len(adapters), self.num_slots)] or [[]]
-        return [sorted(base + [i for load_id in group for i in order[load_id]]) if first else
-                sorted(i for load_id in group for i in order[load_id]) for first, group in
-                zip([True] + [False] * (len(passes) - 1), passes)]
 
     def _forward(self, worker: Any, grants: Sequence[ScheduledRequest], inputs: Any, send: Any) -> torch.Tensor | None:
         """One forward pass over ``grants``' ``inputs`` with their adapters."""

@@ -30,6 +30,7 @@ from servelab.core.errors import ConfigError
 from servelab.core.executor import ExecutedStep, Executor, ExecutorContext
 from servelab.core.kv_cache import KVCacheManager, KVCacheSpec
 from servelab.core.kv_cache_dtype import SCALE_BYTES, is_quantized
+from servelab.core.lora_registry import lora_enabled
 from servelab.core.model import ModelShape
 from servelab.core.outputs import Logprob
 from servelab.core.quantization import WeightQuantization, weight_memory_bytes
@@ -50,11 +51,17 @@ class SimulatedExecutorConfig:
     row's end 0). Each step keeps, from the root, the child of that rank while the tree has
     it; a chain is the rank-0 column. None (the default): the strategy's
     ``simulated_acceptance_rate`` a as ``a (1 - a)^r`` at every depth, which keeps a
-    chain's drafts at a each, as before, and tries every sibling at a."""
+    chain's drafts at a each, as before, and tries every sibling at a.
+
+    ``lora_serving`` (with ``lora.enabled``): ``batched``, a step's LoRA adapters applied
+    unmerged in one pass through the slots as ``executor=model`` does; ``merged``, the
+    baseline that merges one adapter at a time into the base weights
+    (``simulated_lora.py``)."""
 
     seed: int = 0
     eos_probability: float = 0.0
     tree_acceptance: Optional[List[List[float]]] = None
+    lora_serving: str = "batched"
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +93,13 @@ class SimulatedExecutor(Executor):
         self.parallel = OmegaConf.to_object(cfg.parallel)
         self.element_bytes = context.dtype.itemsize
         self.cost_model = self._cost_model(context.shape, context.checkpoint.quantization)
+        self.lora = None
+        if lora_enabled(cfg.get("lora")):
+            from servelab.plugins.executor.simulated_lora import SimulatedLoRA
+
+            self.lora = SimulatedLoRA(cfg.lora, config.lora_serving, self.cost_model, context.shape,
+                                      self.element_bytes, self.parallel.tensor_parallel_size,
+                                      self.parallel.pipeline_parallel_size)
         self.max_steps_in_flight = self.parallel.pipeline_parallel_size
         self.random = Random(config.seed)
         tokenizer = context.checkpoint.tokenizer
@@ -110,10 +124,13 @@ class SimulatedExecutor(Executor):
 
     def kv_cache_budget_bytes(self, spec: KVCacheSpec) -> int:
         """Device memory times ``memory_utilization``, less one device's share of the
-        weights (at their stored width) and the activation reserve."""
+        weights (at their stored width), of the LoRA adapter slots and the activation
+        reserve."""
         hw, shape = self.hardware, self.context.shape
         weights = weight_memory_bytes(shape, self.context.checkpoint.quantization,
                                       self.element_bytes) / self.parallel.num_devices
+        if self.lora is not None:
+            weights += self.lora.num_slots * self.lora.slot_bytes
         usable = hw.memory_bytes * hw.memory_utilization
         left = usable - weights - hw.activation_reserve_bytes
         if left < spec.bytes_per_token * spec.max_model_len:
@@ -147,6 +164,23 @@ class SimulatedExecutor(Executor):
         if self.acceptance is not None and strategy.num_lookahead_tokens:
             self.tree = tree_shape(strategy.config, self.acceptance)
 
+    def add_lora(self, adapter) -> None:
+        """Keep ``adapter``'s rank and projections for pricing (``InvalidRequestError`` on
+        ``target_modules`` for one the model lacks); ``ConfigError`` without ``lora.enabled``."""
+        if self.lora is None:
+            raise ConfigError(["lora: this engine serves no LoRA adapters; set lora.enabled=true"])
+        self.lora.add(adapter)
+
+    def remove_lora(self, adapter) -> None:
+        """Free ``adapter``'s slot."""
+        if self.lora is not None:
+            self.lora.remove(adapter)
+
+    def lora_stats(self):
+        """The simulated slots' paging counters (``LoRAStats``; None without LoRA), load
+        seconds on the virtual clock."""
+        return None if self.lora is None else self.lora.stats
+
     def local_kv_caches(self) -> list[torch.Tensor]:
         """The whole model's KV cache as it would be stored, with no storage: one meta
         tensor per layer (every pipeline stage's), ``[num_blocks, 2, block_size,
@@ -171,8 +205,11 @@ class SimulatedExecutor(Executor):
         stage_times: tuple[float, ...] = (0.0,) * len(self.stage_free)
         transfer = 0.0
         if output.scheduled:
-            cost = self.cost_model.forward_cost(replace(batch, start_s=start))
-            stage_times, transfer = cost.stage_times, cost.transfer_time
+            passes = self._passes(output, batch, allowances)
+            start += sum(seconds for _, seconds in passes)
+            costs = [self.cost_model.forward_cost(replace(shape, start_s=start)) for shape, _ in passes]
+            stage_times = tuple(map(sum, zip(*(cost.stage_times for cost in costs))))
+            transfer = max(cost.transfer_time for cost in costs)
         moment = start
         for stage, busy in enumerate(stage_times):
             begin = max(moment, self.stage_free[stage])
@@ -216,6 +253,19 @@ class SimulatedExecutor(Executor):
             logprobs = [[{t: Logprob(t, uniform, 1)} for t in tokens] for tokens in token_ids]
         result = DecodeResult(token_ids, logprobs, allowances if kept is not None else None, kept)
         return result, batch, allowances
+
+    def _passes(self, output: SchedulerOutput, batch: BatchShape,
+                allowances: tuple[int, ...]) -> list[tuple[BatchShape, float]]:
+        """The forward passes the step runs as, each with the seconds of adapter loads and
+        merges before it: the whole batch in one, or with LoRA the passes
+        ``SimulatedLoRA.passes`` gives (each with its requests' rows and its adapters)."""
+        if self.lora is None:
+            return [(batch, 0.0)]
+        extras = iter(allowances)
+        rows = [1 + next(extras) if grant.samples else 0 for grant in output.scheduled]
+        return [(BatchShape(tuple(batch.query_lens[i] for i in chunk), tuple(batch.context_lens[i] for i in chunk),
+                            sum(rows[i] for i in chunk), adapters=adapters), seconds)
+                for chunk, seconds, adapters in self.lora.passes(output.scheduled, batch.query_lens)]
 
     def _kept_drafts(self, allowances: tuple[int, ...]) -> list[int] | None:
         """Drafts each request keeps: along the path ``self.acceptance`` draws through its
