@@ -16,7 +16,10 @@ class StepObserver:
     of the memory held over the run that holds nothing attention reads (empty slots, and
     windowed layers' tokens before the window: ``KVCacheUsage.unread_slots``). With pipeline stages,
     each stage's busy seconds add up and its bubble fraction is the share of the engine's
-    busy time the stage sat idle.
+    busy time the stage sat idle. Speculative steps' kept ranks give the acceptance table
+    ``executor.tree_acceptance`` reads: ``spec_rank_acceptance[d][r]``, the share of the
+    verifications that reached depth d (``spec_depth_reached[d]``, drafts to try there)
+    which kept the rank-r draft.
     """
 
     def __init__(self, engine: Any = None) -> None:
@@ -36,6 +39,8 @@ class StepObserver:
         self.spec_proposed = 0
         self.spec_accepted = 0
         self.spec_verified = 0
+        self.rank_hits: list[list[int]] = []
+        self.depth_reached: list[int] = []
         self.stage_busy_s: list[float] = []
         self._evicted_blocks: dict[int, int] = {}
         self._tier_hits: dict[int, dict[str, int]] = {}
@@ -64,10 +69,25 @@ class StepObserver:
         self.spec_proposed += stats.spec_proposed
         self.spec_accepted += stats.spec_accepted
         self.spec_verified += stats.spec_verified
+        for ranks in stats.spec_ranks:
+            self._count_ranks(ranks)
         if len(self.stage_busy_s) < len(stats.stage_busy_s):
             self.stage_busy_s += [0.0] * (len(stats.stage_busy_s) - len(self.stage_busy_s))
         for stage, busy in enumerate(stats.stage_busy_s):
             self.stage_busy_s[stage] += busy
+
+    def _count_ranks(self, ranks: list[int]) -> None:
+        """One verified request's kept ranks (``StepStats.spec_ranks``): each depth it
+        reached, and the rank kept there (-1: none)."""
+        for depth, rank in enumerate(ranks):
+            if depth == len(self.depth_reached):
+                self.depth_reached.append(0)
+                self.rank_hits.append([])
+            self.depth_reached[depth] += 1
+            if rank >= 0:
+                hits = self.rank_hits[depth]
+                hits += [0] * (rank + 1 - len(hits))
+                hits[rank] += 1
 
     def summary(self) -> dict[str, Any]:
         """The aggregated statistics as plain values for ``metrics.json``."""
@@ -90,6 +110,9 @@ class StepObserver:
                                 for tier in sorted({t for hits in self._tier_hits.values() for t in hits})},
             "step_spec_acceptance_rate": self.spec_accepted / self.spec_proposed if self.spec_proposed else None,
             "spec_accepted_length": 1 + self.spec_accepted / self.spec_verified if self.spec_verified else None,
+            "spec_rank_acceptance": [[hit / reached for hit in hits] for hits, reached in
+                                     zip(self.rank_hits, self.depth_reached)] or None,
+            "spec_depth_reached": list(self.depth_reached) or None,
             "stage_busy_s": list(self.stage_busy_s),
             "stage_bubble_fraction": [1 - busy / self.busy_s if self.busy_s else None for busy in self.stage_busy_s],
         }

@@ -19,6 +19,10 @@ class DecodeResult:
     and how many of them it kept (None without speculation).
     ``accepted_nodes[i]``: the draft nodes request i kept, root to leaf, when its drafts
     were a token tree (None for chains: the first ``num_accepted_drafts[i]``).
+    ``accepted_ranks[i]``: the rank among its drafted siblings (0: the first) of each
+    node request i kept, root to leaf, then -1 when the target's token after them was
+    none of the next depth's drafts (nothing more when the kept path ends at a leaf):
+    one entry per depth the verification reached with drafts to try (None: not reported).
     """
 
     token_ids: list[list[int]]
@@ -26,3 +30,4 @@ class DecodeResult:
     num_draft_tokens: tuple[int, ...] | None = None
     num_accepted_drafts: list[int] | None = None
     accepted_nodes: list[list[int]] | None = None
+    accepted_ranks: list[list[int]] | None = None

@@ -55,13 +55,34 @@ class Proposal:
 
 
 @dataclass(frozen=True, slots=True)
+class HiddenStates:
+    """The target's last hidden states (its final norm's output, the LM head's input) of
+    the tokens one step kept, for a strategy that sets ``reads_hidden_states``.
+
+    ``requests[i]``'s kept tokens sit at positions ``first_positions[i]`` ..
+    ``first_positions[i] + counts[i] - 1``, their states at rows ``sum(counts[:i])`` on of
+    ``states`` [sum(counts), hidden]: every token the step ran for the request (a prefill
+    chunk's, a decode step's last token) and the drafts it kept (a tree's kept path, root
+    to leaf). The token sampled last has none yet: the next step runs it.
+    """
+
+    requests: tuple[Request, ...]
+    first_positions: tuple[int, ...]
+    counts: tuple[int, ...]
+    states: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
 class DecodingContext:
     """What the engine hands a decoding strategy: the engine's ``registry`` (to build a
     draft model and its attention backend), the target's ``device``, compute ``dtype``,
     ``vocab_size``, ``max_model_len`` and ``tokenizer``, ``attention_config``, the resolved
     config of the target's attention backend (a draft model uses the same), and
     ``runs_model``: False under ``executor=simulated``, where no logits exist and a
-    strategy must not load weights (``simulated_acceptance`` stands in for ``accept``)."""
+    strategy must not load weights (``simulated_acceptance`` stands in for ``accept``).
+    ``checkpoint``: the target's ``Checkpoint`` (config and lazy weights), for a strategy
+    that reuses the target's weights (an EAGLE head: its embedding and LM head); None
+    where the engine gives none."""
 
     registry: ComponentBuilder
     device: torch.device
@@ -71,6 +92,7 @@ class DecodingContext:
     tokenizer: Any
     attention_config: Any
     runs_model: bool = True
+    checkpoint: Any = None
 
 
 def lookahead_allowances(output: SchedulerOutput, max_model_len: int, block_size: int | None = None) -> tuple[int, ...]:
@@ -106,6 +128,10 @@ class DecodingStrategy(abc.ABC):
     #: The shape of the model that drafts, priced by ``executor=simulated`` (None: drafts
     #: cost nothing or there are none).
     draft_model_shape: ModelShape | None = None
+    #: True when the strategy reads the target's last hidden states: the executor hands it
+    #: those of every step's kept tokens (``observe_hidden_states``), and refuses, when the
+    #: engine is built, a setup it cannot take them from (pipeline stages, LoRA).
+    reads_hidden_states: bool = False
 
     def __init__(self, config: Any, context: DecodingContext | None = None):
         self.config = config
@@ -129,6 +155,11 @@ class DecodingStrategy(abc.ABC):
                    f"grammar checked" if self.num_lookahead_tokens else "it does not mask logits with a grammar")
             raise InvalidRequestError(spec.param, f"structured output is not supported by the decoding strategy "
                                                   f"{type(self).__name__}: {why}; use decoding=sampling or greedy")
+
+    def observe_hidden_states(self, hidden: HiddenStates) -> None:
+        """Take the target's hidden states of the tokens a step kept; called after
+        ``accept`` (after every step that ran a request, sampling or not) when
+        ``reads_hidden_states``. Nothing by default."""
 
     def on_request_finished(self, request: Request) -> None:
         """Release whatever per-request state the strategy keeps (draft caches, ...)."""

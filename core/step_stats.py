@@ -19,7 +19,9 @@ class StepStats:
     ``step_time_s`` is the time the
     step took on the engine's clock (virtual under ``executor=simulated``);
     ``stage_busy_s``: seconds each pipeline stage computed for it (empty when the
-    executor does not measure stages); ``clock_s``: the clock when the step ended.
+    executor does not measure stages); ``clock_s``: the clock when the step ended;
+    ``spec_ranks``: per verified request, the sibling rank of each kept draft and -1 for
+    a depth where none was kept (``DecodeResult.accepted_ranks``; empty when not reported).
     """
 
     step_index: int
@@ -39,3 +41,4 @@ class StepStats:
     stage_busy_s: tuple[float, ...] = ()
     clock_s: float = 0.0
     spec_verified: int = 0
+    spec_ranks: tuple[list[int], ...] = ()

@@ -34,10 +34,10 @@ def servelab_register_attention_backends():
 
 @hookimpl
 def servelab_register_decoding_strategies():
-    """greedy, sampling, and speculative (draft model, n-gram) decoding."""
-    from servelab.plugins.decoding import greedy, ngram, sampling, speculative
+    """greedy, sampling, and speculative (draft model, n-gram, EAGLE-style head) decoding."""
+    from servelab.plugins.decoding import eagle, greedy, ngram, sampling, speculative
 
-    return [greedy.SPEC, sampling.SPEC, speculative.SPEC, ngram.SPEC]
+    return [greedy.SPEC, sampling.SPEC, speculative.SPEC, ngram.SPEC, eagle.SPEC]
 
 
 @hookimpl

@@ -119,7 +119,7 @@ class LLMEngine:
             "cache", cfg.cache, CacheContext(kv_spec, registry, budget, fingerprint))) if executor else None
         strategy = build_collecting(problems, lambda: registry.build("decoding", cfg.decoding, DecodingContext(
             registry, self.device, self.dtype, self.vocab_size, self.max_model_len, self.tokenizer, cfg.attention,
-            executor_cls.runs_model)))
+            executor_cls.runs_model, checkpoint)))
         self.stop_checker = StopChecker(self.tokenizer, self.max_model_len)
         self.slo_classes, slo_problems = SLOClass.parse(_plain(cfg.get("slo_classes") or {}))
         problems += slo_problems
@@ -496,7 +496,8 @@ class LLMEngine:
             num_generated_tokens=update.num_generated_tokens, kv=self.cache.usage, step_time_s=now - started,
             prefix_hit_tokens=output.num_prefix_hit_tokens, spec_proposed=sum(drafts or ()),
             spec_accepted=sum(accepted or ()), stage_busy_s=executed.stage_busy_s, clock_s=now,
-            spec_verified=sum(1 for d in drafts or () if d)))
+            spec_verified=sum(1 for d in drafts or () if d),
+            spec_ranks=tuple(result.accepted_ranks or ()) if result else ()))
         return outputs
 
     def _idle_until(self, wakeup: float | None, now: float) -> None:

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
 from servelab.core.batch_builder import build_step_inputs
-from servelab.core.checkpoint import load_checkpoint
+from servelab.core.checkpoint import Checkpoint
 from servelab.core.decoding import DecodingContext
 from servelab.core.errors import ConfigError
 from servelab.core.kv_cache import CacheContext
@@ -39,13 +39,12 @@ class DraftSequence:
 
 
 class DraftModel:
-    """Loads the draft checkpoint beside the target (same vocabulary) into a
+    """Loads the draft ``checkpoint`` beside the target (same vocabulary) into a
     ``DeviceWorker`` of its own and runs its forward passes over a private paged cache
     (``cache=paged``, built from the registry), catching up on each request's accepted
     tokens before drafting."""
 
-    def __init__(self, model_config: Any, context: DecodingContext, block_size: int, memory_bytes: int):
-        checkpoint = load_checkpoint(model_config)
+    def __init__(self, checkpoint: Checkpoint, context: DecodingContext, block_size: int, memory_bytes: int):
         registry = context.registry
         model_cls = registry.get("model", checkpoint.architecture).cls
         shape = model_cls.shape_of(checkpoint.hf_config)

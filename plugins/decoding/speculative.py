@@ -60,7 +60,7 @@ class SpeculativeDecoding(DecodingStrategy):
         self.proposes_trees = bool(config.tree or config.tree_nodes)
         self.trees = None
         if context.runs_model:
-            self.draft = DraftModel(self._draft_model_config(), context, config.draft_block_size,
+            self.draft = DraftModel(load_checkpoint(self._draft_model_config()), context, config.draft_block_size,
                                     config.draft_memory_bytes)
             self.draft_model_shape = self.draft.shape
             if config.tree or config.tree_nodes:

@@ -73,16 +73,18 @@ def verify(logits: torch.Tensor, batch: DecodeBatch, proposal: Proposal | None) 
     uniforms = _uniforms(requests, counts, probs.device)
     token_ids: list[list[int]] = []
     paths: list[list[int]] = []
+    ranks: list[list[int]] = []
     residuals: list[torch.Tensor] = []
     for i, (draft, tree) in enumerate(zip(drafts, parents)):
         children: dict[int, list[int]] = {}
         for node, parent in enumerate(tree):
             children.setdefault(parent, []).append(node)
         path: list[int] = []
+        rank: list[int] = []
         node, residual = -1, None
         while node in children:
             residual, chosen = None, None
-            for child in children[node]:
+            for sibling, child in enumerate(children[node]):
                 flat = draft_starts[i] + child
                 p = p_draft[flat] if residual is None else float(residual[draft[child]])
                 if uniforms[i][child] * q_draft[flat] <= p and p > 0.0:
@@ -92,12 +94,14 @@ def verify(logits: torch.Tensor, batch: DecodeBatch, proposal: Proposal | None) 
                 left = (current - q[flat]).clamp_min(0.0)
                 total = left.sum()
                 residual = left / total if total > 0 else current
+            rank.append(sibling if chosen is not None else -1)
             if chosen is None:
                 break
             path.append(chosen)
             node, residual = chosen, None
         residuals.append(probs[starts[i] + 1 + node] if residual is None else residual)
         paths.append(path)
+        ranks.append(rank)
         token_ids.append([draft[n] for n in path])
     final = torch.stack(residuals)
     final = final / final.sum(dim=-1, keepdim=True)
@@ -110,7 +114,7 @@ def verify(logits: torch.Tensor, batch: DecodeBatch, proposal: Proposal | None) 
         token_ids[k].append(token)
     rows = [[starts[i]] + [starts[i] + 1 + n for n in path] for i, path in enumerate(paths)]
     return DecodeResult(token_ids, None if raw is None else _logprobs(raw, rows, token_ids, requests),
-                        tuple(counts), [len(path) for path in paths], paths if trees is not None else None)
+                        tuple(counts), [len(path) for path in paths], paths if trees is not None else None, ranks)
 
 
 def _logprobs(raw: torch.Tensor, token_rows: list[list[int]], token_ids: list[list[int]],

@@ -129,10 +129,16 @@ class DeviceWorker:
     def logits(self, inputs: StepInputs) -> torch.Tensor | None:
         """The whole model over one step's ``inputs`` on this device: float32 logits
         [N, vocab] at ``inputs.logits_indices`` (None when no row needs them)."""
-        hidden = self.forward(inputs.input_ids, inputs.positions, inputs.layouts)
+        return self.hidden_and_logits(inputs)[1]
+
+    @torch.inference_mode()
+    def hidden_and_logits(self, inputs: StepInputs, carried: tuple | None = None) -> tuple[torch.Tensor, Any]:
+        """The last hidden states of every token of ``inputs`` [T, hidden] and ``logits``'s
+        rows; ``carried``: the first layer's input state instead of the embedded tokens."""
+        hidden = self.forward(inputs.input_ids, inputs.positions, inputs.layouts, carried)
         if not inputs.logits_indices.numel():
-            return None
-        return self.model.compute_logits(hidden[inputs.logits_indices])
+            return hidden, None
+        return hidden, self.model.compute_logits(hidden[inputs.logits_indices])
 
     def release(self) -> None:
         """Drop the model, the attention backend and the KV tensors."""

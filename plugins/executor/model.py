@@ -195,6 +195,10 @@ class ModelExecutor(Executor):
         self.strategy = strategy
         if strategy.proposes_trees:
             self._check_trees()
+        if strategy.reads_hidden_states and (self.topology.pp > 1 or self.lora is not None):
+            raise ConfigError([f"decoding strategy {type(strategy).__name__} reads the target's hidden states: "
+                               f"they are handed over on one pipeline stage (parallel.pipeline_parallel_size=1) "
+                               f"without LoRA adapters"])
         if self.device.type == "cpu":
             retain_freed_heap_memory()
         sizes = (cache.num_blocks, cache.block_size, cache.num_host_blocks)
@@ -260,9 +264,13 @@ class ModelExecutor(Executor):
             self._pending.append(PendingStep(output, executed))
             return
         if self.topology.pp == 1:
-            logits = self._guarded(lambda: self.worker.logits(inputs))
+            hidden = None
+            if self.strategy.reads_hidden_states:
+                hidden, logits = self._guarded(lambda: self.worker.hidden_and_logits(inputs))
+            else:
+                logits = self._guarded(lambda: self.worker.logits(inputs))
             executed = self._finished(output, logits, batch, proposal, inputs.prompt_spans,
-                                      (time.perf_counter() - started,))
+                                      (time.perf_counter() - started,), hidden)
             self._pending.append(PendingStep(output, executed))
             return
         hidden = self._guarded(lambda: self.worker.forward(inputs.input_ids, inputs.positions, inputs.layouts))
@@ -274,14 +282,21 @@ class ModelExecutor(Executor):
                                          num_logits=inputs.logits_indices.numel()))
 
     def _finished(self, output: SchedulerOutput, logits: torch.Tensor | None, batch: DecodeBatch | None,
-                  proposal: Any, spans: tuple[PromptSpan, ...], stage_busy_s: tuple[float, ...]) -> ExecutedStep:
+                  proposal: Any, spans: tuple[PromptSpan, ...], stage_busy_s: tuple[float, ...],
+                  hidden: torch.Tensor | None = None) -> ExecutedStep:
         """The step's result from its logits: the leading rows give the prompt logprobs,
-        the decoding strategy chooses tokens from the rest."""
+        the decoding strategy chooses tokens from the rest (and gets the kept tokens'
+        ``hidden`` states when it reads them)."""
         num_prompt = sum(span.count for span in spans)
         computed = prompt_logprobs(logits[:num_prompt], spans) if num_prompt else ()
         result = None if batch is None else self.strategy.accept(logits[num_prompt:], batch, proposal)
         if result is not None and result.accepted_nodes is not None:
             self._keep_paths(output, result.accepted_nodes)
+        if hidden is not None:
+            from servelab.core.hidden_states import kept_hidden_states
+
+            drafts = proposal.draft_token_ids if proposal is not None else ()
+            self.strategy.observe_hidden_states(kept_hidden_states(output, hidden, drafts, result))
         return ExecutedStep(output, result, stage_busy_s, computed)
 
     def _with_trees(self, inputs: Any, output: SchedulerOutput, proposal: Any, allowances: tuple[int, ...]) -> Any:

@@ -23,7 +23,9 @@ class DecodingConformance(EngineKit):
     engine's ``shutdown`` the strategy reaches no draft model or KV tensors, and a second
     ``shutdown`` does nothing. Proposals (chains or token trees) keep the tree rules
     (``core/token_tree.py``) within each request's lookahead, and each request keeps its
-    drafts along one path from the root."""
+    drafts along one path from the root. A strategy that reads the target's hidden states
+    gets, after every step, those of each scheduled request's kept tokens: positions that
+    follow on from the ones it got before, up to the token before the last."""
 
     kind = "decoding"
 
@@ -122,4 +124,30 @@ class DecodingConformance(EngineKit):
                     f"request {request.request_id} kept nodes {path}, not a path of the tree {parents}"
                 assert result.token_ids[i][:len(path)] == [drafts[n] for n in path]
                 assert result.num_accepted_drafts[i] == len(path)
+        assert engine.cache.usage.used_blocks == 0
+
+    def test_hidden_states_follow_the_kept_tokens(self, component, kit_checkpoint, kit_draft):
+        from servelab.core.engine.registry import get_registry
+
+        if not get_registry().get("decoding", component).cls.reads_hidden_states:
+            return
+        engine = self.llm(component, kit_checkpoint, kit_draft).engine
+        handed: dict[str, int] = {}
+        observe = engine.strategy.observe_hidden_states
+
+        def recorded(hidden):
+            assert hidden.states.shape[0] == sum(hidden.counts), "one state per kept token"
+            for request, first, count in zip(hidden.requests, hidden.first_positions, hidden.counts):
+                assert first == handed.get(request.request_id, 0), \
+                    f"{request.request_id}: states from position {first}, expected {handed.get(request.request_id, 0)}"
+                handed[request.request_id] = first + count
+            observe(hidden)
+
+        engine.strategy.observe_hidden_states = recorded
+        prompts = self.prompts(engine.vocab_size, LENGTHS[:4])
+        for i, prompt in enumerate(prompts):
+            engine.add_request(prompt * 2, SamplingParams(temperature=0.8 * (i % 2), seed=i, max_tokens=10,
+                                                          ignore_eos=True))
+        for output in run_to_completion(engine):
+            assert handed[output.request_id] >= len(output.prompt_token_ids) + len(output.outputs[0].token_ids) - 1
         assert engine.cache.usage.used_blocks == 0

@@ -66,10 +66,15 @@ class EngineKit(ConformanceKit):
     @pytest.fixture(scope="class")
     @classmethod
     def kit_checkpoint(cls, tmp_path_factory) -> str:
-        """A tiny random checkpoint of ``family``."""
+        """A tiny random checkpoint of ``family``, with a random EAGLE-style head beside it
+        (``<target>-eagle``, where ``decoding=eagle`` looks for one)."""
+        from servelab.testing.eagle_head import random_eagle_head
         from servelab.testing.oracle import tiny_checkpoint
 
-        return tiny_checkpoint(tmp_path_factory.mktemp("kit") / "target", cls.family)
+        target = tiny_checkpoint(tmp_path_factory.mktemp("kit") / "target", cls.family)
+        if cls.family == "llama":
+            random_eagle_head(target)
+        return target
 
     @pytest.fixture(scope="class")
     @classmethod
