@@ -23,7 +23,8 @@ class DecodingConformance(EngineKit):
     engine's ``shutdown`` the strategy reaches no draft model or KV tensors, and a second
     ``shutdown`` does nothing. Proposals (chains or token trees) keep the tree rules
     (``core/token_tree.py``) within each request's lookahead, and each request keeps its
-    drafts along one path from the root. A strategy that reads the target's hidden states
+    drafts along one path from the root (with, when reported, each kept draft's rank among
+    its siblings). A strategy that reads the target's hidden states
     gets, after every step, those of each scheduled request's kept tokens: positions that
     follow on from the ones it got before, up to the token before the last."""
 
@@ -124,6 +125,11 @@ class DecodingConformance(EngineKit):
                     f"request {request.request_id} kept nodes {path}, not a path of the tree {parents}"
                 assert result.token_ids[i][:len(path)] == [drafts[n] for n in path]
                 assert result.num_accepted_drafts[i] == len(path)
+                if result.accepted_ranks is not None:
+                    ranks = [[n for n, p in enumerate(parents) if p == (path[d - 1] if d else -1)].index(node)
+                             for d, node in enumerate(path)]
+                    assert result.accepted_ranks[i] in (ranks, ranks + [-1]), \
+                        f"request {request.request_id}: ranks {result.accepted_ranks[i]} for the kept path {path}"
         assert engine.cache.usage.used_blocks == 0
 
     def test_hidden_states_follow_the_kept_tokens(self, component, kit_checkpoint, kit_draft):

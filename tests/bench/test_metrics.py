@@ -120,6 +120,18 @@ def test_step_observer_reports_the_accepted_length():
     assert "accepted length" in summary_table(m) and "2.33" in summary_table(m)
 
 
+def test_step_observer_tables_the_rank_of_each_kept_draft():
+    """Per depth reached with drafts to try, the share that kept each sibling rank (the
+    table executor.tree_acceptance reads)."""
+    observer = StepObserver()
+    ranks = ([0, 1, -1], [1, -1], [0, 0], [])  # ranks kept per depth (-1: none); the last verified nothing
+    observer.servelab_step_end(None, StepStats(**{**{f: getattr(stats(10, 10, 1.0), f) for f in StepStats.__slots__},
+                                                  "spec_ranks": ranks}))
+    summary = observer.summary()
+    assert summary["spec_depth_reached"] == [3, 3, 1]
+    assert summary["spec_rank_acceptance"] == [[2 / 3, 1 / 3], [1 / 3, 1 / 3], []]
+
+
 def test_tables_render_every_present_metric():
     m = {**summarize([A, B, C], SloConfig()), "system": {"name": "servelab", "kv_waste": 0.25},
          "workload": {"rate": 4.0}, "job": {"label": "cache=paged"}}
