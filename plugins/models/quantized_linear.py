@@ -5,14 +5,13 @@ checkpoint holds). On the CPU, int8 layers multiply through servelab's native we
 kernel (``servelab/kernels/quantized_cpu.py``: a copy of the weight repacked once, widened to
 float32 in registers, any number of rows), or, with ``int8_activations`` (w8a8), its int8
 x int8 kernel (``servelab/kernels/w8a8_cpu.py``: each input row quantized to int8, int8 dot
-products; its torch reference where the kernel is missing); int4 layers through torch's
-``aten._weight_int4pack_mm_for_cpu`` (a copy repacked once by
-``aten._convert_weight_to_int4pack_for_cpu``, groups of 32, 64, 128 or 256) for single
-rows (``INT4_KERNEL_MAX_ROWS``). On CUDA, servelab's Triton kernel
-(``servelab/kernels/quantized_matmul.py``, int4 groups of multiples of 32) dequantizes the weight
-tile by tile inside the matmul. Elsewhere (more int4 rows, another device or dtype, no
-native CPU ops or ``SERVELAB_NATIVE_CPU=0`` on the CPU) the reference runs: dequantize
-the whole weight, then ``F.linear``; tests use it as the oracle.
+products; its torch reference where the kernel is missing); int4 layers through servelab's
+native int4 kernel (``servelab/kernels/int4_cpu.py``: a copy repacked once, the nibbles
+widened to float32 in registers, any number of rows and any even group size). On CUDA,
+servelab's Triton kernel (``servelab/kernels/quantized_matmul.py``, int4 groups of multiples
+of 32) dequantizes the weight tile by tile inside the matmul. Elsewhere (another device or
+dtype, no native CPU ops or ``SERVELAB_NATIVE_CPU=0`` on the CPU) the reference runs:
+dequantize the whole weight, then ``F.linear``; tests use it as the oracle.
 """
 
 from __future__ import annotations
@@ -26,19 +25,13 @@ from torch import nn
 from servelab.core.errors import ConfigError
 from servelab.core.quantization import WeightQuantization, group_problems, is_quantized_tensor
 from servelab.kernels.cpu_ops import native_cpu_available, native_cpu_enabled
+from servelab.kernels.int4_cpu import int4_linear, pack_int4_blocks
 from servelab.kernels.quantized_cpu import int8_linear, pack_int8
-from servelab.kernels.quantized_weights import dequantize_int4, dequantize_int8, quantize_int8, unpack_int4
+from servelab.kernels.quantized_weights import dequantize_int4, dequantize_int8, quantize_int8
 from servelab.kernels.w8a8_cpu import pack_w8a8, w8a8_linear, w8a8_linear_reference, w8a8_unavailable_reason
 
 BITS = (8, 4)
 FAST_DTYPES = (torch.float32, torch.bfloat16)
-INT4_KERNEL_GROUP_SIZES = (32, 64, 128, 256)
-"""The group sizes ``aten._weight_int4pack_mm_for_cpu`` supports."""
-INT4_KERNEL_MAX_ROWS = 1
-"""Rows up to which torch's int4 CPU kernel multiplies. It takes one input row at a time
-(its time grows linearly with the rows); from two rows on, dequantizing the weight and
-one oneDNN float matmul is as fast or faster on the machine measured
-(docs/results/quantization.md)."""
 TRITON_GROUP_MULTIPLE = 32
 """int4 group sizes the Triton kernel takes: multiples of its K tile."""
 
@@ -94,8 +87,7 @@ class QuantizedLinear(nn.Module):
         if self.int8_activations:
             return self._w8a8(x, rows)
         triton = x.device.type == "cuda" and (self.bits == 8 or self.group_size % TRITON_GROUP_MULTIPLE == 0)
-        fits_kernel = self.bits == 8 or rows.shape[0] <= INT4_KERNEL_MAX_ROWS
-        packed = self.packed_kernel_weights(x) if not triton and fits_kernel else None
+        packed = self.packed_kernel_weights(x) if not triton else None
         if not triton and packed is None:
             return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
         if triton:
@@ -103,10 +95,9 @@ class QuantizedLinear(nn.Module):
 
             out = quantized_matmul(rows.contiguous(), self.qweight, self.scales,
                                    self.zeros if self.bits == 4 else None, self.group_size)
-        elif self.bits == 8:
-            out = int8_linear(rows.float().contiguous(), *packed, self.out_features).to(x.dtype)
         else:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.contiguous(), packed[0], self.group_size, packed[1])
+            multiply = int8_linear if self.bits == 8 else int4_linear
+            out = multiply(rows.float().contiguous(), *packed, self.out_features).to(x.dtype)
         if self.bias is not None:
             out += self.bias
         return out.view(*x.shape[:-1], self.out_features)
@@ -124,8 +115,8 @@ class QuantizedLinear(nn.Module):
 
     def packed_kernel_weights(self, x: torch.Tensor) -> tuple | None:
         """What the CPU kernel multiplies ``x`` with: ``pack_int8``'s (packed weight,
-        scales) for int8, ``pack_w8a8``'s for w8a8, (packed weight, scales and zeros
-        [groups, N, 2]) for int4; None where the reference runs."""
+        scales) for int8, ``pack_w8a8``'s for w8a8, ``pack_int4_blocks``' for int4; None
+        where the reference runs."""
         if x.device.type != "cpu" or x.dtype not in FAST_DTYPES or x.dtype != self.scales.dtype:
             return None
         if not native_cpu_enabled():
@@ -137,26 +128,17 @@ class QuantizedLinear(nn.Module):
         return self._packed[1]
 
     def _pack(self) -> tuple | None:
-        aten = torch.ops.aten
         if self.int8_activations:
             if w8a8_unavailable_reason() is not None:
                 return None
             with torch.inference_mode(False):  # normal tensors, usable in and out of inference mode
                 return pack_w8a8(self.qweight, self.scales)
-        if self.bits == 8:
-            if not native_cpu_available():
-                return None
-            with torch.inference_mode(False):
-                return pack_int8(self.qweight, self.scales)
-        if self.group_size not in INT4_KERNEL_GROUP_SIZES or not hasattr(aten, "_weight_int4pack_mm_for_cpu"):
+        if not native_cpu_available():
             return None
         with torch.inference_mode(False):  # normal tensors, usable in and out of inference mode
-            try:
-                packed = aten._convert_weight_to_int4pack_for_cpu(unpack_int4(self.qweight).to(torch.int32), 1)
-            except RuntimeError:  # a shape the kernel does not take: the reference runs
-                return None
-            scales_and_zeros = torch.stack((self.scales, self.zeros), dim=-1).transpose(0, 1).contiguous()
-        return packed, scales_and_zeros
+            if self.bits == 8:
+                return pack_int8(self.qweight, self.scales)
+            return pack_int4_blocks(self.qweight, self.scales, self.zeros)
 
 
 class QuantizedHead(nn.Module):

@@ -21,97 +21,12 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <type_traits>
 
+#include "blocked_tile.h"
 #include "ops.h"
-#include "vec.h"
 
 namespace servelab_cpu {
 namespace {
-
-constexpr int64_t kBlock = 16;          // output channels per packed block
-constexpr int64_t kPackChannels = 64;   // the packed channel count is a multiple of this
-constexpr int kTileVecs = 4;            // vectors of output channels per tile
-constexpr int64_t kTileChannels = kTileVecs * kLanes;
-static_assert(kBlock % kLanes == 0 && kPackChannels % kTileChannels == 0, "tile must split the packed blocks");
-#if defined(CPU_CAPABILITY_AVX512)
-constexpr int kMaxRows = 6;  // 24 accumulators of 32 registers
-#elif defined(CPU_CAPABILITY_AVX2)
-constexpr int kMaxRows = 3;  // 12 accumulators of 16 registers
-#else
-constexpr int kMaxRows = 2;
-#endif
-constexpr int64_t kSliceBytes = 512 * 1024;  // the weight bytes of one tile's K slice (half an L2)
-
-// The kLanes weights at p, as float32.
-inline VecRegister load_weights(const float* p) { return Vec::loadu(p); }
-
-inline VecRegister load_weights(const int8_t* p) {
-#if defined(CPU_CAPABILITY_AVX512)
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-#elif defined(CPU_CAPABILITY_AVX2)
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-#else
-  float values[kLanes];
-  for (int64_t i = 0; i < kLanes; ++i) values[i] = p[i];
-  return Vec::loadu(values);
-#endif
-}
-
-// Where one call of the kernel works: the packed weight of a tile, its K slice, and what
-// the slice's epilogue does with the sums.
-template <typename W>
-struct Slice {
-  const W* tile;          // the tile's first block (packed + first channel * K)
-  int64_t K;              // the full input width (the stride between blocks is K * kBlock)
-  int64_t k_begin, k_end;
-  const float* scales;    // per-channel scales of the tile, applied by the last slice; null for none
-  int64_t channels;       // real channels of the tile (<= kTileChannels)
-  bool first, last;       // the first slice starts the sums, later ones add to `out`
-};
-
-// out[r, 0:channels] (+)= x[r] . W[c] over the slice, for R rows of x (row stride ldx) and
-// out (row stride ldo).
-template <int R, typename W>
-void tile_rows(const float* x, int64_t ldx, const Slice<W>& s, float* out, int64_t ldo) {
-  VecRegister acc[R][kTileVecs];
-  for (int r = 0; r < R; ++r) {
-    if (s.first) {
-      for (int v = 0; v < kTileVecs; ++v) acc[r][v] = Vec(0.f);
-    } else {
-      float partial[kTileChannels] = {};
-      std::copy(out + r * ldo, out + r * ldo + s.channels, partial);
-      for (int v = 0; v < kTileVecs; ++v) acc[r][v] = Vec::loadu(partial + v * kLanes);
-    }
-  }
-  const W* column[kTileVecs];
-  for (int v = 0; v < kTileVecs; ++v)
-    column[v] = s.tile + (v * kLanes / kBlock) * s.K * kBlock + (v * kLanes) % kBlock;
-  for (int64_t k = s.k_begin; k < s.k_end; ++k) {
-    for (int v = 0; v < kTileVecs; ++v) {
-      const VecRegister weights = load_weights(column[v] + k * kBlock);
-      for (int r = 0; r < R; ++r) acc[r][v] = fmadd_register(x[r * ldx + k], weights, acc[r][v]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    float result[kTileChannels];
-    for (int v = 0; v < kTileVecs; ++v) {
-      Vec sums(acc[r][v]);
-      if (s.last && s.scales != nullptr) sums = sums * Vec::loadu(s.scales + v * kLanes);
-      sums.store(result + v * kLanes);
-    }
-    std::copy(result, result + s.channels, out + r * ldo);
-  }
-}
-
-// The last `rows` (< kMaxRows) rows of a group against one slice.
-template <int R, typename W>
-void slice_remainder(int64_t rows, const float* x, int64_t ldx, const Slice<W>& s, float* out, int64_t ldo) {
-  if constexpr (R > 0) {
-    if (rows == R) return tile_rows<R>(x, ldx, s, out, ldo);
-    slice_remainder<R - 1>(rows, x, ldx, s, out, ldo);
-  }
-}
 
 // out = x @ W.T (times the channel scales where given) for x [M, K] and the packed W.
 template <typename W>

@@ -12,8 +12,10 @@
 //   blocked_linear.cpp    float_linear, int8_linear (float32 and weight-only int8 matmuls on a
 //                         weight repacked into blocks of 16 channels)
 //   w8a8_linear.cpp       w8a8_linear, supports_w8a8 (int8 weights and per-row int8 activations)
+//   int4_linear.cpp       int4_linear (group-wise int4 weights, any number of rows)
 //
-// Shared helpers: vec.h (SIMD, dtype conversions and dispatch), amx.h (the tile unit).
+// Shared helpers: vec.h (SIMD, dtype conversions and dispatch), amx.h (the tile unit),
+// blocked_tile.h (the register tile of the blocked matmuls).
 // servelab/kernels/cpu_ops.py compiles all of them into one extension.
 #pragma once
 
@@ -41,5 +43,6 @@ void int8_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
 bool supports_w8a8();
 void w8a8_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& offsets,
                  const at::Tensor& scales);
+void int4_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& params);
 
 }  // namespace servelab_cpu

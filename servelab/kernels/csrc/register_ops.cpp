@@ -1,7 +1,7 @@
 // Native CPU kernels for servelab: paged attention over the block table, fresh-prefill
 // attention, the fused element-wise ops of a Llama layer (residual add + RMSNorm, rotary
-// embedding, SiLU x up, greedy argmax) and the int8 matmuls (weight-only, and with int8
-// activations), registered as torch.ops.servelab_cpu.*.
+// embedding, SiLU x up, greedy argmax) and the quantized matmuls (weight-only int8 and int4,
+// and int8 with int8 activations), registered as torch.ops.servelab_cpu.*.
 //
 // Built on first use by servelab/kernels/cpu_ops.py (torch.utils.cpp_extension, -O3 -march=native,
 // CPU_CAPABILITY set to torch's so at::vec::Vectorized uses the widest SIMD of the host)
@@ -25,6 +25,7 @@ TORCH_LIBRARY(servelab_cpu, m) {
   m.def("argmax_rows(Tensor(a!) out, Tensor logits) -> ()");
   m.def("float_linear(Tensor(a!) out, Tensor x, Tensor packed) -> ()");
   m.def("int8_linear(Tensor(a!) out, Tensor x, Tensor packed, Tensor scales) -> ()");
+  m.def("int4_linear(Tensor(a!) out, Tensor x, Tensor packed, Tensor params) -> ()");
   m.def("supports_w8a8() -> bool");
   m.def("w8a8_linear(Tensor(a!) out, Tensor x, Tensor packed, Tensor offsets, Tensor scales) -> ()");
   m.def("causal_prefill_attention(Tensor(a!) out, Tensor q, Tensor k, Tensor v, int[] starts, int[] lengths, "
@@ -48,5 +49,6 @@ TORCH_LIBRARY_IMPL(servelab_cpu, CPU, m) {
   m.impl("float_linear", &servelab_cpu::float_linear);
   m.impl("int8_linear", &servelab_cpu::int8_linear);
   m.impl("w8a8_linear", &servelab_cpu::w8a8_linear);
+  m.impl("int4_linear", &servelab_cpu::int4_linear);
   m.impl("causal_prefill_attention", &servelab_cpu::causal_prefill_attention);
 }
