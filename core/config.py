@@ -228,13 +228,21 @@ class LoRAConfig:
     without splitting its forward pass; ``memory_bytes``: instead, the bytes the slots may
     take (as many slots as fit). More adapters can be registered than there are slots:
     they wait in host memory and are paged into a slot, least recently used out first,
-    when a step needs them."""
+    when a step needs them. ``admission``: admit a waiting request only
+    while the adapters of the requests holding cache fit the slots, preferring requests
+    that need no adapter load; the request first in line is overtaken by at most
+    ``max_bypass`` others (false: the policy alone admits, and a step that needs more
+    adapters than slots runs as several passes). ``unified_pool``: adapters hold pages of
+    the KV cache's block pool, one budget for both (S-LoRA; needs cache=paged)."""
 
     enabled: bool = False
     adapters: Any = None
     max_rank: int = 16
     max_adapters: int = 4
     memory_bytes: Optional[int] = None
+    admission: bool = True
+    max_bypass: int = 64
+    unified_pool: bool = False
 
 
 @dataclass

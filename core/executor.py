@@ -12,7 +12,7 @@ from __future__ import annotations
 import abc
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Collection
 
 import torch
 
@@ -164,6 +164,14 @@ class Executor(abc.ABC):
     def lora_stats(self) -> Any:
         """Adapter paging counters (``LoRAStats``), or None where no adapter is served."""
         return None
+
+    def lora_resident(self) -> Collection[int]:
+        """The load ids of the adapters in the slots now (none where no adapter is served)."""
+        return ()
+
+    def evict_lora(self, load_id: int) -> None:
+        """Adapter ``load_id`` left the device (a unified pool took its pages back): its
+        slot is free, and its next use pages it in again."""
 
     def shutdown(self) -> None:
         """Release what the executor holds (worker processes, process groups, the model,

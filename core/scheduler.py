@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Callable
 from servelab.core.request import Request
 
 if TYPE_CHECKING:
+    from servelab.core.lora_admission import AdapterAdmission
     from servelab.core.policy import SchedulingPolicy
     from servelab.core.clock import Clock
     from servelab.core.decode_result import DecodeResult
@@ -138,7 +139,9 @@ class SchedulerContext:
     per finished or aborted request, after its cache is freed (the decoding strategy drops
     its per-request state). ``clock``: the engine's time, for timestamps and timers.
     ``policy``: the engine's scheduling policy (``policy=...``), which orders the requests
-    (None: first come, first served; ``QueueScheduler`` builds that one).
+    (None: first come, first served; ``QueueScheduler`` builds that one). ``adapters``:
+    with LoRA, the adapter-aware admission that keeps a step's adapters within the slots
+    (``AdapterAdmission``; None: admission ignores adapters).
     """
 
     cache: KVCacheManager
@@ -148,6 +151,7 @@ class SchedulerContext:
     on_request_finished: Callable[[Request], None]
     clock: Clock
     policy: SchedulingPolicy | None = None
+    adapters: AdapterAdmission | None = None
 
 
 class Scheduler(abc.ABC):

@@ -126,12 +126,18 @@ class LLMEngine:
         policy_cfg = cfg.get("policy")
         self.policy = build_collecting(problems, lambda: registry.build(
             "policy", policy_cfg, PolicyContext(self.clock, self.slo_classes))) if policy_cfg is not None else None
+        lora_cfg = cfg.get("lora")
+        self.adapter_admission = None
+        """With LoRA, the adapter-aware admission (``AdapterAdmission``; its ``pool``: the
+        unified pool, when ``lora.unified_pool``)."""
+        if cache is not None and lora_enabled(lora_cfg):
+            self.adapter_admission = build_collecting(problems, lambda: self._adapter_admission(
+                lora_cfg, executor, cache, kv_spec))
         scheduler = None
         if cache is not None and strategy is not None:
             scheduler = build_collecting(problems, lambda: registry.build("scheduler", cfg.scheduler, SchedulerContext(
                 cache, self.max_model_len, strategy.num_lookahead_tokens, self.stop_checker,
-                strategy.on_request_finished, self.clock, self.policy)))
-        lora_cfg = cfg.get("lora")
+                strategy.on_request_finished, self.clock, self.policy, self.adapter_admission)))
         self.lora = build_collecting(problems, lambda: LoRARegistry.of(lora_cfg, executor)) if (
             executor is not None and lora_enabled(lora_cfg)) else None
         problems += validate(self.max_model_len, shape.max_positions, cache, kv_spec, cfg.get("role", "mixed"))
@@ -150,6 +156,20 @@ class LLMEngine:
         self.is_shut_down = False
         self.hooks = registry.hook
         self.hooks.servelab_engine_started(engine=self)
+
+    def _adapter_admission(self, lora_cfg: Any, executor: Any, cache: Any, kv_spec: Any) -> Any:
+        """The LoRA admission (and unified pool) ``lora_cfg`` asks for over ``executor``'s
+        slots and ``cache``'s blocks (core/lora_admission.py)."""
+        import torch
+
+        from servelab.core.lora_admission import adapter_admission
+
+        if executor.lora_stats() is None:
+            return None  # the registry refuses this executor, naming it
+        block_bytes = kv_spec.block_bytes(cache.block_size, cache.groups or None)
+        return adapter_admission(lora_cfg, executor, cache, block_bytes,
+                                 torch.empty((), dtype=self.dtype).element_size(),
+                                 self.cfg.parallel.tensor_parallel_size, self.max_model_len)
 
     # -- requests ----------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -248,7 +268,10 @@ class LLMEngine:
         if self.lora is None:
             raise InvalidRequestError("lora", f"this engine serves no LoRA adapters (asked for {name!r}): start it "
                                               f"with lora.enabled=true or lora.adapters")
-        return self.lora.get(name)
+        adapter = self.lora.get(name)
+        if self.adapter_admission is not None and self.adapter_admission.pool is not None:
+            self.adapter_admission.pool.check(adapter)
+        return adapter
 
     def load_lora_adapter(self, name: str, path: str) -> None:
         """Serve the PEFT adapter folder ``path`` as ``name`` from the next request on;
@@ -265,7 +288,9 @@ class LLMEngine:
         self._ensure_running("unload_lora_adapter")
         if self.lora is None:
             raise InvalidRequestError("lora_name", f"unknown LoRA adapter {name!r}: this engine serves none")
-        self.lora.unload(name)
+        adapter = self.lora.unload(name)
+        if self.adapter_admission is not None and self.adapter_admission.pool is not None:
+            self.adapter_admission.pool.drop(adapter)
 
     def lora_adapters(self) -> dict[str, str]:
         """The loaded LoRA adapters: name to folder (empty without LoRA)."""
@@ -533,6 +558,8 @@ class LLMEngine:
             return
         self.abort_request(list(self.outputs.groups))
         self.is_shut_down = True
+        if self.adapter_admission is not None and self.adapter_admission.pool is not None:
+            self.adapter_admission.pool.close()
         for component in (self.executor, self.strategy, self.cache):
             component.shutdown()
         self.lora = None

@@ -95,6 +95,8 @@ class PagedKVCacheManager(KVCacheManager):
         self.null_block = num_blocks if self._windowed else None
         self.num_blocks = num_blocks + bool(self._windowed)
         self.pool = BlockPool(num_blocks)
+        self.lent_blocks = 0
+        """Blocks lent out of the pool (``lend_blocks``), in none of ``usage``'s counts but the total."""
         self._tables: dict[str, list[list[int]]] = {}
         self._window_starts: dict[str, list[int]] = {}
         self._used_slots: dict[str, int] = {}
@@ -200,6 +202,20 @@ class PagedKVCacheManager(KVCacheManager):
                 return None
             self.pool.put_free([self.prefix.evict() for _ in range(shortfall)])
         return self.pool.take(count)
+
+    def lend_blocks(self, count: int) -> list[int] | None:
+        """``count`` blocks out of the pool for another use than a request's KV (a LoRA
+        adapter's pages in a unified pool, ``core/lora_pool.py``), evicting prefix-cached
+        blocks as an allocation would; None, with nothing taken, when too few are free."""
+        blocks = self._take(count)
+        if blocks is not None:
+            self.lent_blocks += count
+        return blocks
+
+    def return_blocks(self, blocks: list[int]) -> None:
+        """Give back blocks ``lend_blocks`` handed out."""
+        self.pool.put_free(self.pool.release(blocks))
+        self.lent_blocks -= len(blocks)
 
     def _take_host(self, count: int) -> list[int] | None:
         """``count`` host blocks, evicting the host tier's least recently used when the pool
@@ -470,7 +486,7 @@ class PagedKVCacheManager(KVCacheManager):
         ``_unread_slots``."""
         cached = self.prefix.num_evictable if self.prefix else 0
         total = self.pool.num_blocks
-        used_blocks = total - self.pool.num_free - cached
+        used_blocks = total - self.pool.num_free - cached - self.lent_blocks
         reserved = used_blocks * self.block_size
         return KVCacheUsage(
             total_slots=total * self.block_size,

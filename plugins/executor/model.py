@@ -148,6 +148,16 @@ class ModelExecutor(Executor):
         """The adapter slots' paging counters (None without LoRA)."""
         return None if self.lora is None else self.lora.stats
 
+    def lora_resident(self) -> Any:
+        """The load ids of the adapters in the slots now."""
+        return () if self.lora is None else self.lora.resident.keys()
+
+    def evict_lora(self, load_id: int) -> None:
+        """Free adapter ``load_id``'s slot (its weights stay until another adapter is
+        written over them; its next use pages it in again)."""
+        if self.lora is not None and self.lora.resident.pop(load_id, None) is not None:
+            self.lora.evictions += 1
+
     def _start_workers(self, parallel_cfg: Any) -> ModelParallel:
         """Spawn ranks 1.. (or find them started by torchrun) and join the group as rank 0."""
         from servelab.core.config import resolved

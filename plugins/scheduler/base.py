@@ -143,8 +143,13 @@ class QueueScheduler(Scheduler):
             self.running.append(request)
 
     def _allocate(self, request: Request, num_new_tokens: int, num_lookahead_tokens: int = 0) -> bool:
-        """Ask the cache for room; remember copy-on-write work for this step."""
+        """Ask the cache for room (idle LoRA adapters of a unified pool give theirs back
+        first); remember copy-on-write work for this step."""
         allocation: Allocation | None = self.cache.allocate(request, num_new_tokens, num_lookahead_tokens)
+        adapters = self.context.adapters
+        while allocation is None and adapters is not None and adapters.pool is not None and adapters.relieve(
+                (*self.running, *self.swapped), request):
+            allocation = self.cache.allocate(request, num_new_tokens, num_lookahead_tokens)
         if allocation is None:
             return False
         self._copies += allocation.blocks_to_copy
@@ -199,13 +204,23 @@ class QueueScheduler(Scheduler):
         ``budget`` and the cache allow, after refusing those the policy finds hopeless.
         Whole prompts only, unless ``chunk`` lets the last one take part of its prompt.
         When the next request does not fit, the policy may preempt a running request for
-        it (``preemption_victim``). Returns (grants, tokens used)."""
+        it (``preemption_victim``). With LoRA, ``context.adapters`` picks among the policy's
+        choices so that the adapters of the requests holding cache fit the slots.
+        Returns (grants, tokens used)."""
         grants: list[ScheduledRequest] = []
         used = 0
         self._refuse_hopeless()
         policy = self.policy
+        adapters = self.context.adapters
+        if adapters is not None and self.waiting:
+            adapters.start((*self.running, *self.swapped))
         while self.waiting:
-            request = policy.pick(self.waiting) if policy is not None else self.waiting[0]
+            if adapters is None:
+                request = policy.pick(self.waiting) if policy is not None else self.waiting[0]
+            else:
+                request = adapters.pick(self.waiting, policy)
+                if request is None:
+                    break
             while len(self.running) + request.num_sequences > max_running:
                 if not self._preempt_for(request):
                     return grants, used
@@ -231,6 +246,8 @@ class QueueScheduler(Scheduler):
             self.running.append(request)
             if policy is not None:
                 policy.on_admitted(request)
+            if adapters is not None:
+                adapters.admitted(request)
             grants.append(self._grant(request, num_new))
             used += num_new + lookahead
         return grants, used

@@ -27,7 +27,8 @@ def test_requests_spread_over_adapters_and_paging_is_reported(tmp_path, bench_co
             r=2, target_modules=["q_proj"], init_lora_weights=False)).save_pretrained(tmp_path / name)
     cfg = bench_config("model=local", f"model.path={base}", "model.dtype=float32", "device=cpu",
                        f"lora.adapters={{a: '{tmp_path / 'a'}', b: '{tmp_path / 'b'}'}}", "lora.max_adapters=1",
-                       "workload.adapters=[a,b]", "workload.num_requests=6", "workload.input_range=[8,8]",
+                       "lora.admission=false", "workload.adapters=[a,b]", "workload.num_requests=6",
+                       "workload.input_range=[8,8]",
                        "workload.output_range=[4,4]", "warmup_requests=1")
     space = TokenSpace(257, 256, None)
     drawn = [r.lora for r in build_workload(cfg.workload, space)]

@@ -94,9 +94,10 @@ def test_mixed_adapters_in_one_batch_equal_peft_merged_models(lora_setup, overri
 
 
 def test_more_adapters_than_slots_page_in_and_out(lora_setup):
-    """One slot for three adapters: each step runs one pass per adapter, paging the least
-    recently used out; output is unchanged and the counters say what happened."""
-    llm = lora_llm(lora_setup, "lora.max_adapters=1")
+    """One slot for three adapters, admission by the scheduler alone: each step runs one
+    pass per adapter, paging the least recently used out; output is unchanged and the
+    counters say what happened."""
+    llm = lora_llm(lora_setup, "lora.max_adapters=1", "lora.admission=false")
     assert_matches(llm, lora_setup)
     stats = llm.engine.executor.lora_stats()
     assert stats.slots == 1 and stats.misses >= 3 and stats.evictions >= 2 and stats.split_steps > 0
@@ -259,7 +260,7 @@ def test_prompt_logprobs_and_parallel_sequences_survive_split_steps(lora_setup):
     params = SamplingParams(temperature=0.0, max_tokens=4, n=2, prompt_logprobs=1)
     runs = []
     for slots in (1, 4):
-        outputs = lora_llm(setup, f"lora.max_adapters={slots}").generate(
+        outputs = lora_llm(setup, f"lora.max_adapters={slots}", "lora.admission=false").generate(
             setup["prompts"][:4], params, use_tqdm=False, lora=setup["loras"][:4])
         for output, expected in zip(outputs, setup["expected"]):
             assert [c.token_ids for c in output.outputs] == [expected[:4]] * 2
@@ -339,7 +340,7 @@ def test_tensor_parallelism_splits_adapters_as_it_splits_the_base_layers(lora_se
     (q/k/v, gate/up) and its input columns of A for the row-parallel ones (o, down); the
     driver pages adapters into two slots for three adapters and the workers mirror it,
     an adapter unloaded and loaded again included."""
-    llm = lora_llm(lora_setup, "parallel.tensor_parallel_size=2", "lora.max_adapters=2")
+    llm = lora_llm(lora_setup, "parallel.tensor_parallel_size=2", "lora.max_adapters=2", "lora.admission=false")
     try:
         assert_matches(llm, lora_setup)
         llm.engine.unload_lora_adapter("b")
