@@ -95,10 +95,6 @@ class ModelExecutor(Executor):
         if parallel_cfg.init_method not in INIT_METHODS:
             problems.append(f"parallel.init_method must be one of {', '.join(INIT_METHODS)}, "
                             f"got {parallel_cfg.init_method!r}")
-        lora_cfg = context.engine_cfg.get("lora")
-        if lora_enabled(lora_cfg) and topology.pp > 1:
-            problems.append("lora: adapters are not split over pipeline stages (parallel.pipeline_parallel_size=1); "
-                            "tensor parallelism splits them as it splits the base layers")
         if problems:
             raise ConfigError(problems)
         self.device = context.device
@@ -124,6 +120,7 @@ class ModelExecutor(Executor):
         self.model, self.attention = self.worker.model, self.worker.attention
         self.max_steps_in_flight = topology.pp
         self.lora = None
+        lora_cfg = context.engine_cfg.get("lora")
         if lora_enabled(lora_cfg):
             from servelab.plugins.executor.lora_slots import LoRASlots
 
@@ -268,9 +265,15 @@ class ModelExecutor(Executor):
         batch = DecodeBatch(sampling, counts, output) if sampling else None
         if self.lora is not None:  # each forward pass is sent to the workers after its adapters' slots
             send = (lambda step: self._broadcast(*pack_step(step))) if self.worker_ranks else None
-            logits, spans = self._guarded(lambda: self.lora.logits(self.worker, output.scheduled, drafts,
+            stages = None
+            if self.topology.pp > 1:
+                from servelab.plugins.executor.pipeline_pass import PipelinePass
+
+                stages = PipelinePass(self.worker, self.topology, self.context.shape.vocab_size)
+            logits, spans = self._guarded(lambda: self.lora.logits(stages or self.worker, output.scheduled, drafts,
                                                                    self.cache.block_size, send))
-            executed = self._finished(output, logits, batch, proposal, spans, (time.perf_counter() - started,))
+            busy = (time.perf_counter() - started,) if stages is None else tuple(stages.busy_s.tolist())
+            executed = self._finished(output, logits, batch, proposal, spans, busy)
             self._pending.append(PendingStep(output, executed))
             return
         if self.topology.pp == 1:

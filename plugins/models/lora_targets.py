@@ -11,6 +11,12 @@ give this rank's ``B`` rows of a fused column-parallel layer, an unfused column-
 layer (the model's ``COLUMN_PARALLEL``) keeps this rank's rows of ``B``, and a row-parallel
 one (``ROW_PARALLEL``) this rank's input columns of ``A``, whose partial products the
 layer's all-reduce sums with the base layer's.
+
+Under pipeline parallelism a stage keeps the modules of its own layers (renumbered as
+the stage numbers them, from 0) and checks the others' shapes against its first layer,
+so the driver (the first stage) refuses an adapter that another stage could not hold.
+That assumes the stages' layers alike: of a model whose layers differ (DeepSeek's dense
+layers before sparse ones) an adapter of the other kind of layer is refused there.
 """
 
 from __future__ import annotations
@@ -36,9 +42,27 @@ class LoRAPlacement:
     b: torch.Tensor
 
 
+def _stage_name(model: nn.Module, name: str, adapter: LoRAAdapter) -> tuple[str, bool]:
+    """``name`` as this pipeline stage numbers its layers and whether the stage holds it; a
+    module of another stage's layer maps onto this stage's first layer (checked there,
+    not kept)."""
+    prefix, indices = getattr(model, "LAYER_PREFIX", None), getattr(model, "layer_indices", None)
+    index, _, rest = name[len(prefix):].partition(".") if prefix and name.startswith(prefix) else ("", "", "")
+    if indices is None or not index.isdigit():
+        return name, True
+    if int(index) in indices:
+        return f"{prefix}{int(index) - indices.start}.{rest}", True
+    if int(index) >= model.hf_config.num_hidden_layers:
+        raise InvalidRequestError("target_modules", (
+            f"adapter {adapter.name!r} ({adapter.path}) adapts {name!r}, past this model's "
+            f"{model.hf_config.num_hidden_layers} layers (an adapter for another base model?)"))
+    return f"{prefix}0.{rest}", False
+
+
 def _placements(model: nn.Module, layers: dict[str, LoRALinear], module: LoRAModule,
                 adapter: LoRAAdapter) -> list[LoRAPlacement]:
-    path, _, child = module.name.rpartition(".")
+    name, kept = _stage_name(model, module.name, adapter)
+    path, _, child = name.rpartition(".")
     try:
         parent = model.get_submodule(path)
     except AttributeError:
@@ -47,7 +71,7 @@ def _placements(model: nn.Module, layers: dict[str, LoRALinear], module: LoRAMod
     if pieces is not None:
         found = [(f"{path}.{piece.param.rpartition('.')[0]}", piece.start, piece.tensor) for piece in pieces]
     else:
-        found = [(module.name, 0, module.b)]
+        found = [(name, 0, module.b)]
     parallel = getattr(model, "parallel", None)
     ranks, rank = (parallel.tp_size, parallel.tp_rank) if parallel is not None else (1, 0)
     placements = []
@@ -71,7 +95,7 @@ def _placements(model: nn.Module, layers: dict[str, LoRALinear], module: LoRAMod
                 f"{module.b.shape[0]} outputs, which does not fit this model's {layer_name} ({in_features} in, "
                 f"{layer.out_features} out on this device): an adapter for another base model?"))
         placements.append(LoRAPlacement(layer_name, first_row, a, rows))
-    return placements
+    return placements if kept else []
 
 
 def lora_placements(model: nn.Module, layers: dict[str, LoRALinear], adapter: LoRAAdapter) -> list[LoRAPlacement]:

@@ -349,3 +349,22 @@ def test_tensor_parallelism_splits_adapters_as_it_splits_the_base_layers(lora_se
         assert llm.engine.executor.lora_stats().split_steps > 0
     finally:
         llm.shutdown()
+
+
+def test_pipeline_parallelism_keeps_each_stages_layers_of_the_adapters(lora_setup):
+    """Two stages (gloo), one layer each: every stage holds the adapters' weights of its own
+    layer only; two slots for three adapters, so steps split into passes, each run
+    through both stages before the next."""
+    llm = lora_llm(lora_setup, "parallel.pipeline_parallel_size=2", "lora.max_adapters=2", "lora.admission=false")
+    try:
+        assert_matches(llm, lora_setup)
+        placed = {p.layer.split(".")[2] for load_id in llm.engine.executor.lora.placements
+                  for p in llm.engine.executor.lora.placements[load_id]}
+        assert placed == {"0"}  # the first stage's one layer (layer 1 is the second stage's)
+        assert llm.engine.executor.lora_stats().split_steps > 0
+        with pytest.raises(InvalidRequestError, match="target_modules"):
+            llm.engine.load_lora_adapter("deep", save_adapter(
+                tiny_checkpoint(lora_setup["root"] / "deeper", num_hidden_layers=3), str(lora_setup["root"] / "deep"),
+                2, ["q_proj"], 0))
+    finally:
+        llm.shutdown()
