@@ -1,4 +1,5 @@
-"""Chain vs static tree vs dynamic tree on the trained tiny pair (target `tiny`, draft `tiny-draft`).
+"""Chain vs static tree vs dynamic tree on the trained tiny pair (target `tiny`, draft `tiny-draft`),
+and the same shapes drafted by the EAGLE-style head of `tiny` (`checkpoints/tiny-eagle`).
 
 Each configuration decodes the same prompts greedily at batch 1 (one request at a time)
 or at a larger batch, after a warm-up; reported: output tokens/s, speed-up over
@@ -30,6 +31,11 @@ CONFIGS = {
                                               "[0,0,1],[0,1,0],[0,0,0,0],[0,0,0,1],[0,0,0,0,0]]"]),
     "dynamic tree, 8 nodes": ("speculative", ["decoding.tree_nodes=8", "decoding.tree_depth=5", "decoding.tree_top_k=2"]),
     "dynamic tree, 14 nodes": ("speculative", ["decoding.tree_nodes=14", "decoding.tree_depth=6",
+                                               "decoding.tree_top_k=3"]),
+    "EAGLE chain k=3": ("eagle", ["decoding.num_speculative_tokens=3"]),
+    "EAGLE static tree, 8 nodes": ("eagle", ["decoding.tree=[[0],[1],[0,0],[0,1],[1,0],[0,0,0],[0,0,1],[0,0,0,0]]"]),
+    "EAGLE dynamic tree, 8 nodes": ("eagle", ["decoding.tree_nodes=8", "decoding.tree_depth=5", "decoding.tree_top_k=2"]),
+    "EAGLE dynamic tree, 14 nodes": ("eagle", ["decoding.tree_nodes=14", "decoding.tree_depth=6",
                                                "decoding.tree_top_k=3"]),
 }
 HEADER = ["batch", "decoding", "tok/s", "speed-up", "accepted length", "nodes / verification", "drafting %"]
@@ -79,7 +85,7 @@ def main() -> None:
         for name, (decoding, overrides) in CONFIGS.items():
             llm = LLM("tiny", decoding=decoding, overrides=[*common, *overrides])
             prompts = stdlib_file_openings(args.prompts, llm.get_tokenizer(), args.prompt_tokens)
-            counter = Verifications(llm.engine.strategy) if decoding == "speculative" else None
+            counter = Verifications(llm.engine.strategy) if decoding != "sampling" else None
             run(llm, prompts[:batch], batch, 8)  # warm-up
             with counter.counting() if counter is not None else contextlib.nullcontext():
                 seconds = run(llm, prompts, batch, args.max_tokens)

@@ -42,6 +42,16 @@ def test_speculative_decoding_with_the_shipped_pair_matches_the_target():
                                        prompts=encoded_prompts(folder), max_tokens=48)
 
 
+def test_the_shipped_eagle_head_keeps_the_targets_output_and_drafts_accepted_tokens(step_recorder):
+    folder = checkpoint_path("tiny")
+    overrides = ["decoding=eagle", "decoding.tree_nodes=8", "decoding.tree_depth=4", "decoding.tree_top_k=2"]
+    llm = LLM(folder, overrides=["model.dtype=float32", "device=cpu", *overrides])
+    recorder = step_recorder(llm.engine)
+    assert_engine_matches_transformers(folder, overrides, prompts=encoded_prompts(folder), max_tokens=48, llm=llm)
+    assert llm.engine.strategy.head.fc.shape == (256, 512)
+    assert sum(s.spec_accepted for s in recorder.stats) > 0.2 * sum(s.spec_verified for s in recorder.stats)
+
+
 def test_target_and_draft_share_one_tokenizer():
     target, draft = (json.loads((pathlib.Path(checkpoint_path(n)) / "tokenizer.json").read_text())
                      for n in ("tiny", "tiny-draft"))
@@ -88,6 +98,6 @@ def test_default_preset_is_tiny_and_writes_python():
 
 
 def test_both_checkpoints_fit_the_size_budget():
-    total = sum(f.stat().st_size for name in ("tiny", "tiny-draft")
+    total = sum(f.stat().st_size for name in ("tiny", "tiny-draft", "tiny-eagle")
                 for f in pathlib.Path(checkpoint_path(name)).iterdir())
     assert total <= 24_000_000
