@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 KINDS = ("scheduler", "cache", "attention", "decoding", "model", "eviction", "executor", "cost_model", "router",
-         "kv_transfer", "policy", "kv_tier")
-"""Component kinds; each but ``model``, ``eviction`` and ``kv_tier`` is a Hydra config
-group of the same name."""
+         "kv_transfer", "policy", "kv_tier", "lora_store")
+"""Component kinds; each but ``model``, ``eviction``, ``kv_tier`` and ``lora_store`` is a
+Hydra config group of the same name."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -228,7 +228,10 @@ class LoRAConfig:
     without splitting its forward pass; ``memory_bytes``: instead, the bytes the slots may
     take (as many slots as fit). More adapters can be registered than there are slots:
     they wait in host memory and are paged into a slot, least recently used out first,
-    when a step needs them. ``admission``: admit a waiting request only
+    when a step needs them. ``store``: the adapter store loads read from (a registered
+    ``lora_store``: ``local``, the folder each load names; ``directory``, every adapter
+    folder under ``store_path`` by name, so an entry of ``adapters`` or a load may give
+    only a name). ``admission``: admit a waiting request only
     while the adapters of the requests holding cache fit the slots, preferring requests
     that need no adapter load; the request first in line is overtaken by at most
     ``max_bypass`` others (false: the policy alone admits, and a step that needs more
@@ -240,6 +243,8 @@ class LoRAConfig:
     max_rank: int = 16
     max_adapters: int = 4
     memory_bytes: Optional[int] = None
+    store: str = "local"
+    store_path: Optional[str] = None
     admission: bool = True
     max_bypass: int = 64
     unified_pool: bool = False

@@ -61,6 +61,12 @@ def servelab_register_kv_tiers() -> list[ComponentSpec]:
 
 
 @hookspec
+def servelab_register_lora_stores() -> list[ComponentSpec]:
+    """Return ``ComponentSpec(kind="lora_store", ...)`` entries; each class implements
+    ``servelab.core.lora_store.LoRAStore`` and is built as ``cls(LoRAStoreContext)`` (API 1.11)."""
+
+
+@hookspec
 def servelab_register_executors() -> list[ComponentSpec]:
     """Return ``ComponentSpec(kind="executor", ...)`` entries; each class implements
     ``servelab.core.executor.Executor`` and is built as ``cls(config, ExecutorContext)``."""

@@ -1,5 +1,5 @@
-"""LoRA adapters in PEFT's format: a folder with ``adapter_config.json`` and
-``adapter_model.safetensors`` (or ``adapter_model.bin``), read into host tensors.
+"""LoRA adapters in PEFT's format (``adapter_config.json`` and its weights, as a
+``LoRAStore`` reads them), checked and turned into host tensors per module.
 
 Each adapted module ``m`` adds ``scale * B(A(x))`` to its output, with ``A`` [r, in],
 ``B`` [out, r] and ``scale = lora_alpha / r`` (``lora_alpha / sqrt(r)`` with
@@ -11,18 +11,18 @@ refused, naming the field.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from servelab.core.errors import InvalidRequestError
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+if TYPE_CHECKING:
+    from servelab.core.lora_store import StoredAdapter
+
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<part>[AB])(?:\.[^.]+)?\.weight$")
 _REFUSED_FLAGS = (("use_dora", "DoRA adapters"), ("fan_in_fan_out", "fan_in_fan_out (Conv1D) adapters"),
                   ("lora_bias", "adapters with trained LoRA biases"))
@@ -84,58 +84,29 @@ def _pattern_value(patterns: dict, module: str, default: float) -> float:
     return default
 
 
-def _read_config(path: str) -> dict:
-    """``adapter_config.json``, checked for what servelab applies."""
-    config_file = os.path.join(path, CONFIG_FILE)
-    if not os.path.isdir(path):
-        raise InvalidRequestError("lora_path", f"{path!r} is not a folder")
-    if not os.path.isfile(config_file):
-        raise InvalidRequestError("lora_path", f"{path!r} is not a PEFT adapter folder: it has no {CONFIG_FILE}")
-    try:
-        with open(config_file) as handle:
-            config = json.load(handle)
-    except (OSError, ValueError) as exc:
-        raise InvalidRequestError("lora_path", f"{config_file} is not valid JSON: {exc}") from exc
+def _check_config(config: dict, source: str) -> None:
+    """``adapter_config.json`` (read from ``source``) checked for what servelab applies."""
     if not isinstance(config, dict) or config.get("peft_type") != "LORA":
         kind = config.get("peft_type") if isinstance(config, dict) else None
-        raise InvalidRequestError("peft_type", f"{config_file}: only LoRA adapters are served (peft_type 'LORA'), "
+        raise InvalidRequestError("peft_type", f"{source}: only LoRA adapters are served (peft_type 'LORA'), "
                                                f"got {kind!r}")
     for flag, what in _REFUSED_FLAGS:
         if config.get(flag):
-            raise InvalidRequestError(flag, f"{config_file}: {what} are not supported")
+            raise InvalidRequestError(flag, f"{source}: {what} are not supported")
     if config.get("bias", "none") != "none":
-        raise InvalidRequestError("bias", f"{config_file}: adapters that train biases are not supported "
+        raise InvalidRequestError("bias", f"{source}: adapters that train biases are not supported "
                                           f"(bias must be 'none', got {config['bias']!r})")
     if config.get("modules_to_save"):
-        raise InvalidRequestError("modules_to_save", f"{config_file}: adapters that replace whole modules "
+        raise InvalidRequestError("modules_to_save", f"{source}: adapters that replace whole modules "
                                                      f"({config['modules_to_save']}) are not supported")
-    return config
 
 
-def _read_tensors(path: str) -> dict[str, torch.Tensor]:
-    """The adapter's weight file (safetensors first)."""
-    for file_name in WEIGHT_FILES:
-        weight_file = os.path.join(path, file_name)
-        if not os.path.isfile(weight_file):
-            continue
-        try:
-            if file_name.endswith(".safetensors"):
-                from safetensors.torch import load_file
-
-                return load_file(weight_file)
-            return torch.load(weight_file, map_location="cpu", weights_only=True)
-        except Exception as exc:  # a truncated or foreign file: say which
-            raise InvalidRequestError("lora_path", f"cannot read {weight_file}: {exc}") from exc
-    raise InvalidRequestError("lora_path", f"{path!r} is not a PEFT adapter folder: it has none of "
-                                           f"{', '.join(WEIGHT_FILES)}")
-
-
-def read_peft_adapter(name: str, path: str, max_rank: int, load_id: int = 0) -> LoRAAdapter:
-    """Read the PEFT adapter folder ``path`` as ``name``; ``InvalidRequestError`` naming the
-    field for a folder that is not a LoRA adapter, a feature servelab does not apply, or a
-    rank above ``max_rank``."""
-    config = _read_config(path)
-    tensors = _read_tensors(path)
+def adapter_from_peft(name: str, stored: StoredAdapter, max_rank: int, load_id: int = 0) -> LoRAAdapter:
+    """The adapter ``stored`` (as a ``LoRAStore`` read it) registered as ``name``;
+    ``InvalidRequestError`` naming the field for a config or weights that are not a LoRA
+    adapter, a feature servelab does not apply, or a rank above ``max_rank``."""
+    config, tensors, path = stored.config, stored.tensors, stored.source
+    _check_config(config, path)
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         match = _KEY.match(key)
@@ -159,4 +130,4 @@ def read_peft_adapter(name: str, path: str, max_rank: int, load_id: int = 0) -> 
         alpha = _pattern_value(config.get("alpha_pattern") or {}, module, config.get("lora_alpha", 8))
         scale = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
         modules.append(LoRAModule(module, pair["A"].float().contiguous(), (pair["B"].float() * scale).contiguous()))
-    return LoRAAdapter(name, os.path.abspath(path), load_id, tuple(modules))
+    return LoRAAdapter(name, path, load_id, tuple(modules))

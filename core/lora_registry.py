@@ -1,5 +1,6 @@
-"""The LoRA adapters an engine serves, by name: loaded at start-up from ``lora.adapters``
-or at run time (``load``), removed with ``unload``. A request names one (``lora=``) and
+"""The LoRA adapters an engine serves, by name: read from the adapter store
+(``lora.store``) at start-up for ``lora.adapters`` or at run time (``load``), removed
+with ``unload``. A request names one (``lora=``) and
 carries the loaded adapter itself, so a request already running when its adapter is
 unloaded finishes with it; new requests for the name are refused."""
 
@@ -9,7 +10,7 @@ import itertools
 from typing import Any
 
 from servelab.core.errors import ConfigError, InvalidRequestError
-from servelab.core.lora_adapter import LoRAAdapter, read_peft_adapter
+from servelab.core.lora_adapter import LoRAAdapter, adapter_from_peft
 
 
 def lora_enabled(lora_cfg: Any) -> bool:
@@ -19,26 +20,31 @@ def lora_enabled(lora_cfg: Any) -> bool:
 
 
 class LoRARegistry:
-    """Adapters by name. ``executor`` checks each against the model and pages it into its
-    slots (``add_lora``, ``remove_lora``); ``max_rank`` bounds their ranks."""
+    """Adapters by name, read from ``store`` (a ``LoRAStore``). ``executor`` checks each
+    against the model and pages it into its slots (``add_lora``, ``remove_lora``);
+    ``max_rank`` bounds their ranks."""
 
-    def __init__(self, executor: Any, max_rank: int):
+    def __init__(self, executor: Any, max_rank: int, store: Any):
         self.executor = executor
         self.max_rank = max_rank
+        self.store = store
         self.adapters: dict[str, LoRAAdapter] = {}
         self._load_ids = itertools.count(1)
 
     @classmethod
     def of(cls, lora_cfg: Any, executor: Any) -> "LoRARegistry":
-        """The registry of an engine config's ``lora`` node with its ``adapters`` loaded;
+        """The registry of an engine config's ``lora`` node with its ``adapters`` loaded
+        from the store ``lora.store`` names (built by the executor's registry);
         ``ConfigError`` naming ``lora.adapters.<name>`` for each one that cannot load."""
+        from servelab.core.lora_store import open_lora_store
+
         if executor.lora_stats() is None:
             raise ConfigError([f"lora: {type(executor).__name__} does not serve LoRA adapters; use executor=model"])
-        registry = cls(executor, lora_cfg.max_rank)
+        registry = cls(executor, lora_cfg.max_rank, open_lora_store(lora_cfg, executor.context.registry))
         adapters = lora_cfg.adapters or {}
         if not hasattr(adapters, "items"):
-            raise ConfigError([f"lora.adapters must map names to PEFT adapter folders ({{name: path}}), got "
-                               f"{adapters!r}"])
+            raise ConfigError([f"lora.adapters must map names to PEFT adapter folders ({{name: path}}; a null "
+                               f"path: the store's adapter of that name), got {adapters!r}"])
         problems = []
         for name, path in adapters.items():
             try:
@@ -49,17 +55,18 @@ class LoRARegistry:
             raise ConfigError(problems)
         return registry
 
-    def load(self, name: str, path: str) -> LoRAAdapter:
-        """Read the PEFT folder ``path``, check it against the model and register it as
-        ``name``; ``InvalidRequestError`` naming the field when it cannot be served (the
-        name taken, not an adapter folder, a rank above ``max_rank``, modules the model
-        lacks or of other shapes)."""
+    def load(self, name: str, path: str | None = None) -> LoRAAdapter:
+        """Read adapter ``name`` at ``path`` (None: by name alone) from the store, check it
+        against the model and register it as ``name``; ``InvalidRequestError`` naming the
+        field when it cannot be served (the name taken, not in the store, not an adapter,
+        a rank above ``max_rank``, modules the model lacks or of other shapes)."""
         if not isinstance(name, str) or not name.strip():
             raise InvalidRequestError("lora_name", f"must be a non-empty string, got {name!r}")
         if name in self.adapters:
             raise InvalidRequestError("lora_name", f"an adapter named {name!r} is already loaded "
                                                    f"({self.adapters[name].path}); unload it first")
-        adapter = read_peft_adapter(name, str(path), self.max_rank, next(self._load_ids))
+        stored = self.store.fetch(name, None if path is None else str(path))
+        adapter = adapter_from_peft(name, stored, self.max_rank, next(self._load_ids))
         self.executor.add_lora(adapter)
         self.adapters[name] = adapter
         return adapter

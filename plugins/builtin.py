@@ -67,6 +67,14 @@ def servelab_register_kv_tiers():
 
 
 @hookimpl
+def servelab_register_lora_stores():
+    """local (the folder each load names) and directory (every adapter folder under a root, by name)."""
+    from servelab.plugins.lora_store import directory, local
+
+    return [local.SPEC, directory.SPEC]
+
+
+@hookimpl
 def servelab_register_executors():
     """model (the forward pass) and simulated (a cost model on a virtual clock)."""
     from servelab.plugins.executor import model, simulated

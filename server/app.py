@@ -85,7 +85,8 @@ async def models(request: Request) -> dict:
 
 @guarded.post("/v1/load_lora_adapter", responses=RESPONSES)
 async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> PlainTextResponse:
-    """Serve a PEFT adapter folder under a name (``model`` selects it), as vLLM does."""
+    """Serve an adapter under a name (``model`` selects it), as vLLM does: the PEFT folder
+    ``lora_path``, or with only ``lora_name`` the adapter store's adapter of that name."""
     state = _state(request)
     if body.lora_name == state.model_name or body.lora_name in state.engine.lora_adapters:
         raise APIError(400, f"The lora adapter '{body.lora_name}' has already been loaded.", param="lora_name")
@@ -100,7 +101,7 @@ async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request) 
     if body.lora_name not in state.engine.lora_adapters:
         raise APIError(404, f"The lora adapter '{body.lora_name}' cannot be found.", "not_found_error",
                        param="lora_name", code="model_not_found")
-    await state.engine.update_lora(body.lora_name, None)
+    await state.engine.update_lora(body.lora_name, None, load=False)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 

@@ -253,27 +253,29 @@ class AsyncEngine:
         self.metrics.prompt_tokens.labels(tenant=tenant).inc(length)
         return length
 
-    async def update_lora(self, name: str, path: str | None) -> None:
-        """Load the PEFT adapter folder ``path`` as ``name`` on every instance, or unload
-        ``name`` (``path`` None); raises the first instance's ``InvalidRequestError``."""
+    async def update_lora(self, name: str, path: str | None, load: bool = True) -> None:
+        """Load the adapter store's adapter at ``path`` (None: the one it serves as
+        ``name``) as ``name`` on every instance, or unload ``name`` (``load`` False);
+        raises the first instance's ``InvalidRequestError``."""
         self._check_alive()
         command_id = next(self._lora_commands)
         waits = []
         for instance in self.instances:
             waits.append(self._loop.create_future())
             self._lora_updates[(command_id, instance.index)] = waits[-1]
-            self._send(instance, UpdateLoRA(command_id, name, path))
+            self._send(instance, UpdateLoRA(command_id, name, path, load))
         try:
-            errors = [error for error in await asyncio.gather(*waits) if error is not None]
+            results = await asyncio.gather(*waits)
         finally:
             for instance in self.instances:
                 self._lora_updates.pop((command_id, instance.index), None)
+        errors = [result.error for result in results if result.error is not None]
         if errors:
             raise errors[0]
-        if path is None:
-            self.lora_adapters.pop(name, None)
+        if load:
+            self.lora_adapters[name] = results[0].source
         else:
-            self.lora_adapters[name] = path
+            self.lora_adapters.pop(name, None)
 
     def abort(self, request_ids: list[str]) -> None:
         """Abort requests (unknown or finished ids are ignored) on the instances that hold
@@ -356,7 +358,7 @@ class AsyncEngine:
         elif isinstance(message, LoRAUpdated):
             future = self._lora_updates.get((message.command_id, instance.index))
             if future is not None and not future.done():
-                future.set_result(message.error)
+                future.set_result(message)
         elif isinstance(message, RequestFailed):
             stream = self._streams.get(message.request_id)
             self._forget(message.request_id)

@@ -115,15 +115,17 @@ class EngineLoop:
             self.conn.send(RequestAdded(request_id, engine.outputs.groups[request_id].children[0].num_prompt_tokens))
 
     def _update_lora(self, command: UpdateLoRA) -> None:
+        source = None
         try:
-            if command.path is None:
-                self.engine.unload_lora_adapter(command.name)
-            else:
+            if command.load:
                 self.engine.load_lora_adapter(command.name, command.path)
+                source = self.engine.lora_adapters()[command.name]
+            else:
+                self.engine.unload_lora_adapter(command.name)
         except InvalidRequestError as exc:
             self.conn.send(LoRAUpdated(command.command_id, exc))
         else:
-            self.conn.send(LoRAUpdated(command.command_id))
+            self.conn.send(LoRAUpdated(command.command_id, source=source))
 
     def _abort(self, request_ids: list[str]) -> None:
         groups = self.engine.outputs.groups

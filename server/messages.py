@@ -67,21 +67,24 @@ class AddRequest:
 
 @dataclass(frozen=True, slots=True)
 class UpdateLoRA:
-    """Load the PEFT adapter folder ``path`` as ``name``, or unload ``name`` (``path``
-    None); answered by ``LoRAUpdated`` with the same ``command_id``."""
+    """Load the engine's adapter store's adapter at ``path`` (None: the one it serves as
+    ``name``) as ``name``, or unload ``name`` (``load`` False); answered by
+    ``LoRAUpdated`` with the same ``command_id``."""
 
     command_id: int
     name: str
     path: str | None
+    load: bool = True
 
 
 @dataclass(frozen=True, slots=True)
 class LoRAUpdated:
     """The result of ``UpdateLoRA`` ``command_id``: ``error`` (an ``InvalidRequestError``)
-    or None when done."""
+    or None when done; ``source``, where a loaded adapter was read."""
 
     command_id: int
     error: Exception | None = None
+    source: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

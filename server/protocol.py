@@ -341,10 +341,11 @@ class DetokenizeRequest(StrictModel):
 
 class LoadLoRAAdapterRequest(StrictModel):
     """``POST /v1/load_lora_adapter`` (vLLM's): serve the PEFT adapter folder ``lora_path``
-    as ``lora_name``."""
+    as ``lora_name``; without ``lora_path``, the adapter store's (``lora.store``) adapter
+    named ``lora_name``."""
 
     lora_name: str = Field(min_length=1)
-    lora_path: str = Field(min_length=1)
+    lora_path: Optional[str] = Field(default=None, min_length=1)
 
 
 class UnloadLoRAAdapterRequest(StrictModel):

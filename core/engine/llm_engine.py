@@ -273,9 +273,11 @@ class LLMEngine:
             self.adapter_admission.pool.check(adapter)
         return adapter
 
-    def load_lora_adapter(self, name: str, path: str) -> None:
-        """Serve the PEFT adapter folder ``path`` as ``name`` from the next request on;
-        ``InvalidRequestError`` naming the field when it cannot (docs/lora.md)."""
+    def load_lora_adapter(self, name: str, path: str | None) -> None:
+        """Serve the adapter store's (``lora.store``) adapter at ``path`` as ``name`` from
+        the next request on (``path`` None: the store's adapter named ``name``; the default
+        store reads the PEFT folder ``path``); ``InvalidRequestError`` naming the field
+        when it cannot (docs/lora.md)."""
         self._ensure_running("load_lora_adapter")
         if self.lora is None:
             raise InvalidRequestError("lora_name", "this engine serves no LoRA adapters: start it with "
@@ -293,7 +295,7 @@ class LLMEngine:
             self.adapter_admission.pool.drop(adapter)
 
     def lora_adapters(self) -> dict[str, str]:
-        """The loaded LoRA adapters: name to folder (empty without LoRA)."""
+        """The loaded LoRA adapters: name to where its store read it (empty without LoRA)."""
         return {} if self.lora is None else {name: a.path for name, a in self.lora.adapters.items()}
 
     def _queue(self, request_id: str, children: list[Request], output_kind: str) -> None:

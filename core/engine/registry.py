@@ -36,11 +36,13 @@ REGISTER_HOOKS = {
     "kv_transfer": "servelab_register_kv_transfers",
     "policy": "servelab_register_policies",
     "kv_tier": "servelab_register_kv_tiers",
+    "lora_store": "servelab_register_lora_stores",
 }
 CONFIG_GROUPS = ("cache", "attention", "scheduler", "decoding", "executor", "cost_model", "router", "kv_transfer",
                  "policy")
 """Kinds that are Hydra config groups (models are picked from ``config.json``; eviction
-policies by name with ``cache.eviction``, KV tiers with ``cache.lower_tier``)."""
+policies by name with ``cache.eviction``, KV tiers with ``cache.lower_tier``, adapter
+stores with ``lora.store``)."""
 
 
 class Registry:

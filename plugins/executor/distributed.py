@@ -219,9 +219,12 @@ def run_worker(cfg: Any, topology: Topology, rank: int, groups: list[Any]) -> No
     worker = DeviceWorker.for_rank(cfg, topology.parallel(rank, groups), rank)
     lora = None
     if lora_enabled(cfg.get("lora")):
+        from servelab.core.engine.registry import get_registry
+        from servelab.core.lora_store import open_lora_store
         from servelab.plugins.executor.lora_peers import WorkerLoRA
 
-        lora = WorkerLoRA(worker.model, cfg.lora, worker.dtype, worker.device)
+        store = open_lora_store(cfg.lora, get_registry())
+        lora = WorkerLoRA(worker.model, cfg.lora, worker.dtype, worker.device, store)
     header = torch.zeros(HEADER_SIZE, dtype=torch.int64)
     try:
         while True:

@@ -1,12 +1,14 @@
-"""LoRA adapter slots under tensor parallelism: the driver (rank 0) decides what each slot
-holds (``LoRASlots``) and every worker rank mirrors it on its share of the model.
+"""LoRA adapter slots under tensor and pipeline parallelism: the driver (rank 0) decides
+what each slot holds (``LoRASlots``) and every worker rank mirrors it on its share of the
+model (its rows or columns, its pipeline stage's layers).
 
 Three messages, each an int64 header and payload like the step's (``distributed.py``):
-``LORA_LOAD`` (read the adapter folder, its path's bytes in the payload, and keep this
-rank's share of it under its load id), ``LORA_FORGET`` (drop it) and ``LORA_PASS`` (the
-adapters paged into slots and each request's slot for the next forward pass; the step
-message follows). Workers read adapter folders themselves, so the folder must be readable
-at the same path on every node.
+``LORA_LOAD`` (read the adapter from the adapter store, its name and source's bytes in
+the payload, and keep this rank's share of it under its load id), ``LORA_FORGET`` (drop
+it) and ``LORA_PASS`` (the adapters paged into slots and each request's slot for the next
+forward pass; the step message follows). Workers read adapters from their own store
+(``lora.store``), so its source must be readable the same way on every node (a folder at
+the same path for the built-in stores).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from servelab.core.lora_adapter import LoRAAdapter, read_peft_adapter
+from servelab.core.lora_adapter import LoRAAdapter, adapter_from_peft
+from servelab.core.lora_store import LoRAStore
 from servelab.plugins.executor.distributed import HEADER_SIZE, LORA_FORGET, LORA_LOAD, LORA_PASS
 from servelab.plugins.executor.lora_slots import LoRASlots
 
@@ -36,9 +39,9 @@ class LoRAPeers:
         self.broadcast = broadcast
 
     def load(self, adapter: LoRAAdapter) -> None:
-        """Every worker reads ``adapter``'s folder and keeps its share."""
-        path = torch.tensor(list(adapter.path.encode()), dtype=torch.int64)
-        self.broadcast(_header(LORA_LOAD, adapter.load_id, path.numel()), path)
+        """Every worker reads ``adapter`` from its source and keeps its share."""
+        text = torch.tensor(list(f"{adapter.name}\0{adapter.path}".encode()), dtype=torch.int64)
+        self.broadcast(_header(LORA_LOAD, adapter.load_id, text.numel()), text)
 
     def forget(self, load_id: int) -> None:
         """Every worker drops adapter ``load_id``."""
@@ -53,10 +56,13 @@ class LoRAPeers:
 
 class WorkerLoRA:
     """A worker rank's side: ``LoRASlots`` over its share of ``model`` (``lora_cfg``: the
-    engine config's ``lora`` node), kept as the driver's messages say."""
+    engine config's ``lora`` node), kept as the driver's messages say, its adapters read
+    from ``store``."""
 
-    def __init__(self, model: torch.nn.Module, lora_cfg: Any, dtype: torch.dtype, device: torch.device):
+    def __init__(self, model: torch.nn.Module, lora_cfg: Any, dtype: torch.dtype, device: torch.device,
+                 store: LoRAStore):
         self.slots = LoRASlots(model, lora_cfg, dtype, device)
+        self.store = store
         self.max_rank = lora_cfg.max_rank
         self.request_slots = np.zeros(0, dtype=np.int32)
 
@@ -67,8 +73,8 @@ class WorkerLoRA:
         payload = torch.empty(size, dtype=torch.int64)
         dist.recv(payload, 0)
         if kind == LORA_LOAD:
-            path = bytes(payload.tolist()).decode()
-            self.slots.check(read_peft_adapter(str(first), path, self.max_rank, first))
+            name, _, source = bytes(payload.tolist()).decode().partition("\0")
+            self.slots.check(adapter_from_peft(name, self.store.fetch(name, source), self.max_rank, first))
         elif kind == LORA_FORGET:
             self.slots.placements.pop(first, None)
         else:

@@ -15,7 +15,7 @@ one line per kit in its tests::
 
 ``KVCacheConformance``, ``AttentionConformance``, ``SchedulerConformance``,
 ``DecodingConformance``, ``ExecutorConformance``, ``KVTransferConformance``, ``PolicyConformance``, ``EvictionConformance``,
-``KVTierConformance``,
+``KVTierConformance``, ``LoRAStoreConformance``,
 ``EntryPointConformance`` and
 ``StressConformance``; see docs/plugins.md for what each checks. ``ProcessResources``
 and ``assert_released`` check that an engine left nothing in the process.
@@ -44,6 +44,7 @@ _EXPORTS = {
     "PolicyConformance": "servelab.testing.policy_kit",
     "EvictionConformance": "servelab.testing.eviction_kit",
     "KVTierConformance": "servelab.testing.kv_tier_kit",
+    "LoRAStoreConformance": "servelab.testing.lora_store_kit",
     "ProcessResources": "servelab.testing.lifecycle",
     "assert_released": "servelab.testing.lifecycle",
     "EntryPointConformance": "servelab.testing.entry_point_kit",

@@ -6,7 +6,8 @@ from __future__ import annotations
 from servelab.platform import free_port
 from servelab.testing import (AttentionConformance, DecodingConformance, EntryPointConformance,
                               EvictionConformance, ExecutorConformance, KVCacheConformance, KVTierConformance,
-                              KVTransferConformance, PolicyConformance, SchedulerConformance, StressConformance)
+                              KVTransferConformance, LoRAStoreConformance, PolicyConformance, SchedulerConformance,
+                              StressConformance)
 
 
 class TestKVCaches(KVCacheConformance):
@@ -41,6 +42,10 @@ class TestEvictionPolicies(EvictionConformance):
 
 class TestKVTiers(KVTierConformance):
     """Every KV tier below the host."""
+
+
+class TestLoRAStores(LoRAStoreConformance):
+    """Every adapter store."""
 
 
 class TestPolicies(PolicyConformance):

@@ -1,6 +1,7 @@
-"""LoRA adapters over HTTP: loaded and unloaded at run time (vLLM's endpoints), listed by
-``/v1/models``, selected by the request's ``model``; an unknown one is a 404 like an
-unknown model; the adapter slots' paging in ``/metrics``."""
+"""LoRA adapters over HTTP: loaded and unloaded at run time (vLLM's endpoints), by folder
+or, from the ``directory`` store, by name alone; listed by ``/v1/models``, selected by
+the request's ``model``; an unknown one is a 404 like an unknown model; the adapter
+slots' paging in ``/metrics``."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ PROMPT = "def add(a, b):"
 
 @pytest.fixture(scope="module")
 def lora_server(tmp_path_factory):
-    """A server of a tiny Llama with LoRA on and adapter ``a`` loaded at start-up; the
-    folder of a second adapter ``b``; the offline engine with both, the reference."""
+    """A server of a tiny Llama serving the adapter folders under one root
+    (``lora.store=directory``), adapter ``a`` loaded by name at start-up; the folder of a
+    second adapter ``b``; the offline engine with both, the reference."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -32,8 +34,8 @@ def lora_server(tmp_path_factory):
             r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
         folders[name] = str(root / name)
         model.save_pretrained(folders[name])
-    engine = ("model=local", f"model.path='{base}'", "model.dtype=float32", f"lora.adapters={{a: '{folders['a']}'}}",
-              "lora.max_adapters=1")
+    engine = ("model=local", f"model.path='{base}'", "model.dtype=float32", "lora.store=directory",
+              f"lora.store_path='{root}'", "lora.adapters={a: null}", "lora.max_adapters=1")
     proc = ServerProcess(root / "server.log", "server.served_model_name=base", engine=engine)
     offline = LLM(base, overrides=["model.dtype=float32", "device=cpu",
                                    f"lora.adapters={{a: '{folders['a']}', b: '{folders['b']}'}}"])
@@ -68,6 +70,14 @@ def test_adapters_load_list_select_and_unload(lora_server):
         assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
         assert "`a`" in gone.json()["error"]["message"]
         assert http.post("/v1/unload_lora_adapter", json={"lora_name": "b"}).status_code == 404
+        assert http.post("/v1/load_lora_adapter", json={"lora_name": "b"}).status_code == 200
+        assert [m["root"] for m in http.get("/v1/models").json()["data"]][2] == folders["b"]
+        assert complete(http, "b").json()["choices"][0]["text"] == expected["b"]
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "b"}).status_code == 200
+        unknown = http.post("/v1/load_lora_adapter", json={"lora_name": "zzz"})
+        assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "lora_name"
+        outside = http.post("/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": "/"})
+        assert outside.status_code == 400 and outside.json()["error"]["param"] == "lora_path"
         twice = http.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": folders["a"]})
         assert twice.status_code == 400 and "already been loaded" in twice.json()["error"]["message"]
         not_adapter = http.post("/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": str(proc.log_path)})

@@ -36,7 +36,8 @@ def public_members(cls: type) -> set[str]:
 def test_every_contract_is_documented():
     assert {name for name, _, _ in CONTRACTS} == {"Scheduler", "KVCacheManager", "AttentionBackend",
                                                  "DecodingStrategy", "CausalLM", "EvictionPolicy", "Executor",
-                                                 "CostModel", "Router", "KVTransfer", "SchedulingPolicy", "KVTier"}
+                                                 "CostModel", "Router", "KVTransfer", "SchedulingPolicy", "KVTier",
+                                                 "LoRAStore"}
 
 
 @pytest.mark.parametrize("name,path,body", CONTRACTS, ids=[c[0] for c in CONTRACTS])
@@ -66,7 +67,7 @@ CONTEXTS = {"SchedulerContext": "servelab.core.scheduler", "CacheContext": "serv
             "AttentionSpec": "servelab.core.attention", "DecodingContext": "servelab.core.decoding",
             "ExecutorContext": "servelab.core.executor", "CostModelContext": "servelab.core.cost_model",
             "RouterContext": "servelab.core.router", "KVTransferContext": "servelab.core.kv_transfer",
-            "PolicyContext": "servelab.core.policy"}
+            "PolicyContext": "servelab.core.policy", "LoRAStoreContext": "servelab.core.lora_store"}
 
 
 def documented_signature(name: str) -> list[str]:
