@@ -1,7 +1,7 @@
 """servelab's int8 x int8 CPU matmul (``torch.ops.servelab_cpu.w8a8_linear``,
 ``csrc/w8a8_linear.cpp``): int8 weights, activations quantized to int8 per row at each
-call, int8 dot products (AVX512-VNNI); the weight layout it reads, built once at load;
-and its torch reference."""
+call, int8 dot products (AVX512-VNNI; AMX tiles from a few rows on, where the CPU has
+them); the weight layout it reads, built once at load; and its torch reference."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ BLOCK = 16
 """Output channels per packed block (``kBlock`` in csrc/w8a8_linear.cpp)."""
 PACK_CHANNELS = 64
 """The packed channel count is padded to a multiple of this (``kPackChannels``)."""
+PACK_INPUTS = 64
+"""The packed input count is padded to a multiple of this (``kPackInputs``: one AMX tile row)."""
 ACTIVATION_OFFSET = 128
 """The kernel stores a quantized activation q as the unsigned byte q + 128."""
 
@@ -34,9 +36,9 @@ def w8a8_unavailable_reason() -> str | None:
 def pack_w8a8(qweight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(qweight int8 [N, K], scales [N]) -> (packed int8 [N' / 16, K' / 4, 64], offsets int32
     [N'] = 128 * sum_k qweight[n, k], scales float32 [N']), N' and K' = N and K rounded up to
-    multiples of 64 and 4 (zeros past them): ``packed[b, k4, 4 j + i] = qweight[16 b + j, 4 k4 + i]``."""
+    multiples of 64 (zeros past them): ``packed[b, k4, 4 j + i] = qweight[16 b + j, 4 k4 + i]``."""
     rows, columns = qweight.shape
-    padded = F.pad(qweight, (0, -columns % 4, 0, -rows % PACK_CHANNELS))
+    padded = F.pad(qweight, (0, -columns % PACK_INPUTS, 0, -rows % PACK_CHANNELS))
     packed = padded.view(-1, BLOCK, padded.shape[1] // 4, 4).transpose(1, 2).reshape(-1, padded.shape[1] // 4,
                                                                                       4 * BLOCK)
     offsets = ACTIVATION_OFFSET * padded.sum(dim=1, dtype=torch.int32)

@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from servelab.kernels.quantized_weights import dequantize_int8, quantize_int8
-from servelab.kernels.w8a8_cpu import (ACTIVATION_OFFSET, BLOCK, PACK_CHANNELS, pack_w8a8, quantize_rows,
-                                       w8a8_linear, w8a8_linear_reference, w8a8_unavailable_reason)
+from servelab.kernels.w8a8_cpu import (ACTIVATION_OFFSET, BLOCK, PACK_CHANNELS, PACK_INPUTS, pack_w8a8,
+                                       quantize_rows, w8a8_linear, w8a8_linear_reference, w8a8_unavailable_reason)
 
 needs_kernel = pytest.mark.skipif(w8a8_unavailable_reason() is not None, reason=str(w8a8_unavailable_reason()))
 
 # (out_features, in_features): one channel, K not a multiple of 4 or 16, partial and several tiles.
 SHAPES = [(1, 1), (5, 3), (17, 31), (64, 64), (100, 37), (200, 130)]
-ROWS = [1, 2, 5, 6, 7, 13, 40]  # every path through the 6-row tiles
+ROWS = [1, 2, 3, 4, 5, 6, 7, 13, 16, 17, 40]  # the 6-row VNNI tiles; 16-row AMX tiles from 4 rows
 
 
 def quantized(out_features: int, in_features: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,7 +32,7 @@ def test_rows_quantize_to_their_own_scale_and_zero_rows_stay_zero():
 def test_packing_puts_4_inputs_of_16_channels_in_64_bytes_and_offsets_hold_128_times_the_row_sums():
     qweight, scales = quantized(70, 9)
     packed, offsets, padded_scales = pack_w8a8(qweight, scales)
-    assert packed.shape == (2 * PACK_CHANNELS // BLOCK, 3, 4 * BLOCK) and offsets.dtype == torch.int32
+    assert packed.shape == (2 * PACK_CHANNELS // BLOCK, PACK_INPUTS // 4, 4 * BLOCK) and offsets.dtype == torch.int32
     assert int(packed[1, 1, 4 * 3 + 2]) == int(qweight[BLOCK + 3, 4 + 2])
     assert int(packed[0, 2, 4 * 5 + 0]) == int(qweight[5, 8]) and int(packed[0, 2, 4 * 5 + 1]) == 0
     assert torch.equal(offsets[:70], ACTIVATION_OFFSET * qweight.sum(dim=1, dtype=torch.int32))
@@ -74,6 +74,6 @@ def test_refuses_a_packed_weight_of_the_wrong_layout():
     qweight, scales = quantized(64, 32)
     packed, offsets, padded_scales = pack_w8a8(qweight, scales)
     with pytest.raises(RuntimeError, match="packed must be a contiguous int8"):
-        w8a8_linear(torch.randn(2, 36), packed, offsets, padded_scales, 64)
+        w8a8_linear(torch.randn(2, 68), packed, offsets, padded_scales, 64)
     with pytest.raises(RuntimeError, match="offsets \\(int32\\)"):
         w8a8_linear(torch.randn(2, 32), packed, offsets.float(), padded_scales, 64)

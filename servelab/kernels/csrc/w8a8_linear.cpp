@@ -9,8 +9,15 @@
 //
 // Packed layout (servelab/kernels/w8a8_cpu.py builds it): blocks of 16 output channels, each a
 // run of K / 4 groups of [16 channels][4 consecutive k], packed[b][k4][j][i] =
-// q[16 b + j][4 k4 + i]; channels padded to a multiple of 64 and K to a multiple of 4
-// with zeros. One 64-byte load feeds one vpdpbusd for 16 channels.
+// q[16 b + j][4 k4 + i]; channels padded to a multiple of 64 and K to a multiple of 64
+// with zeros. One 64-byte load feeds one vpdpbusd for 16 channels, and 16 consecutive
+// groups of a block are the B operand of one AMX tile product (16 rows of 64 bytes).
+//
+// Two paths, picked at run time: a few rows (decode) run on AVX512-VNNI, every weight
+// vector multiplied into up to 6 rows; from kTileUnitRows rows on, CPUs with AMX (Intel
+// Sapphire Rapids and later, where Linux grants the tile state) multiply 16 rows x 16
+// channels x 64 inputs per tdpbusd, 4 channel blocks at a time. Both sum the same exact
+// int32 products and share the epilogue, so their results are identical.
 
 #include <ATen/Parallel.h>
 
@@ -18,8 +25,13 @@
 #include <cmath>
 #include <vector>
 
+#include "amx.h"
 #include "ops.h"
 #include "vec.h"
+
+#if defined(SERVELAB_AMX) && defined(__AMX_INT8__)
+#define SERVELAB_AMX_INT8 1
+#endif
 
 namespace servelab_cpu {
 
@@ -28,8 +40,11 @@ namespace {
 
 constexpr int64_t kBlock = 16;         // output channels per packed block (one int32 vector)
 constexpr int64_t kPackChannels = 64;  // the packed channel count is a multiple of this
+constexpr int64_t kPackInputs = 64;    // the packed input count is a multiple of this
 constexpr int kTileVecs = 4;           // blocks per tile: 64 channels
 constexpr int kMaxRows = 6;            // 24 int32 accumulators of 32 registers
+constexpr int64_t kTileUnitRows = 4;   // rows from which AMX multiplies, where it can
+constexpr int64_t kTileRows = 16;      // rows of an AMX tile
 
 // xu[m, 0:K4 * 4] = round(x[m] / scale[m]) + 128 (128 past K), scale[m] = max |x[m]| / 127.
 void quantize_rows(const float* x, int64_t M, int64_t K, int64_t padded_k, uint8_t* xu, float* scale) {
@@ -55,6 +70,22 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t padded_k, uint8
       for (; k < padded_k; ++k) out[k] = 128;
     }
   });
+}
+
+// out[r, 0:channels] = (sums[r] - offsets) * x_scale[r] * w_scale for `rows` rows of a
+// tile's exact int32 dot products (row stride lds).
+void finish_rows(int64_t rows, const int32_t* sums, int64_t lds, const float* x_scale, const int32_t* offsets,
+                 const float* w_scale, float* out, int64_t ldo, int64_t channels) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float result[kTileVecs * kBlock];
+    for (int v = 0; v < kTileVecs; ++v) {
+      const __m512i exact = _mm512_sub_epi32(_mm512_loadu_si512(sums + r * lds + v * kBlock),
+                                             _mm512_loadu_si512(offsets + v * kBlock));
+      const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(x_scale[r]), _mm512_loadu_ps(w_scale + v * kBlock));
+      _mm512_storeu_ps(result + v * kBlock, _mm512_mul_ps(_mm512_cvtepi32_ps(exact), scale));
+    }
+    std::copy(result, result + channels, out + r * ldo);
+  }
 }
 
 // out[r, 0:channels] for R rows of xu against the tile whose first block starts at w.
@@ -87,16 +118,7 @@ void tile_rows(const uint8_t* xu, int64_t padded_k, const float* x_scale, const 
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
     for (int v = 0; v < kTileVecs; ++v) _mm512_store_si512(sums[r] + v * kBlock, acc[r][v]);
-  for (int r = 0; r < R; ++r) {
-    float result[kTileVecs * kBlock];
-    for (int v = 0; v < kTileVecs; ++v) {
-      const __m512i exact = _mm512_sub_epi32(_mm512_load_si512(sums[r] + v * kBlock),
-                                             _mm512_loadu_si512(offsets + v * kBlock));
-      const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(x_scale[r]), _mm512_loadu_ps(w_scale + v * kBlock));
-      _mm512_storeu_ps(result + v * kBlock, _mm512_mul_ps(_mm512_cvtepi32_ps(exact), scale));
-    }
-    std::copy(result, result + channels, out + r * ldo);
-  }
+  finish_rows(R, sums[0], kTileVecs * kBlock, x_scale, offsets, w_scale, out, ldo, channels);
 }
 
 template <int R>
@@ -108,6 +130,51 @@ void tile_remainder(int64_t rows, const uint8_t* xu, int64_t padded_k, const flo
   }
 }
 
+#ifdef SERVELAB_AMX_INT8
+// All eight tiles 16 rows x 64 bytes: tmm0-3 the sums of four channel blocks (C), tmm4 the
+// rows (A), tmm5 and tmm6 a block's weights (B), loaded in turn.
+void configure_w8a8_tiles() {
+  static const struct alignas(64) {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+    uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+  } config;
+  _tile_loadconfig(&config);
+}
+
+// out[m0 + r, n:n + channels] for the 16 rows of xu from m0 (rows past M are padding) and the
+// tile of 64 channels at n.
+void tile_unit_rows(const uint8_t* xu, int64_t padded_k, int64_t m0, int64_t M, const float* x_scale,
+                    const int8_t* w, const int32_t* offsets, const float* w_scale, float* out, int64_t ldo,
+                    int64_t channels) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const int64_t block_stride = padded_k * kBlock;
+  const uint8_t* rows = xu + m0 * padded_k;
+  for (int64_t k = 0; k < padded_k; k += kPackInputs) {
+    const int8_t* weights = w + k * kBlock;
+    _tile_loadd(4, rows + k, padded_k);
+    _tile_loadd(5, weights, 4 * kBlock);
+    _tile_dpbusd(0, 4, 5);
+    _tile_loadd(6, weights + block_stride, 4 * kBlock);
+    _tile_dpbusd(1, 4, 6);
+    _tile_loadd(5, weights + 2 * block_stride, 4 * kBlock);
+    _tile_dpbusd(2, 4, 5);
+    _tile_loadd(6, weights + 3 * block_stride, 4 * kBlock);
+    _tile_dpbusd(3, 4, 6);
+  }
+  alignas(64) int32_t sums[kTileRows][kTileVecs * kBlock];
+  _tile_stored(0, sums[0], kTileVecs * kBlock * 4);
+  _tile_stored(1, sums[0] + kBlock, kTileVecs * kBlock * 4);
+  _tile_stored(2, sums[0] + 2 * kBlock, kTileVecs * kBlock * 4);
+  _tile_stored(3, sums[0] + 3 * kBlock, kTileVecs * kBlock * 4);
+  finish_rows(std::min(kTileRows, M - m0), sums[0], kTileVecs * kBlock, x_scale + m0, offsets, w_scale,
+              out + m0 * ldo, ldo, channels);
+}
+#endif
+
 }  // namespace
 
 bool supports_w8a8() { return true; }
@@ -116,11 +183,11 @@ void w8a8_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
                  const at::Tensor& scales) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
               "w8a8_linear: x must be a contiguous float32 [M, K] tensor");
-  const int64_t M = x.size(0), K = x.size(1), padded_k = (K + 3) / 4 * 4;
+  const int64_t M = x.size(0), K = x.size(1), padded_k = (K + kPackInputs - 1) / kPackInputs * kPackInputs;
   TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == at::kChar &&
                   packed.size(1) == padded_k / 4 && packed.size(2) == 4 * kBlock &&
                   (packed.size(0) * kBlock) % kPackChannels == 0,
-              "w8a8_linear: packed must be a contiguous int8 [N / 16, ceil(K / 4), 64] tensor with N a multiple of ",
+              "w8a8_linear: packed must be a contiguous int8 [N / 16, K' / 4, 64] tensor, N and K' multiples of ",
               kPackChannels);
   const int64_t padded_n = packed.size(0) * kBlock;
   TORCH_CHECK(offsets.dim() == 1 && offsets.is_contiguous() && offsets.scalar_type() == at::kInt &&
@@ -131,24 +198,51 @@ void w8a8_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
                   out.size(1) <= padded_n && out.size(1) > padded_n - kPackChannels,
               "w8a8_linear: out must be a contiguous float32 [M, N] tensor");
   const int64_t N = out.size(1);
-  std::vector<uint8_t> xu(M * padded_k);
-  std::vector<float> x_scale(M);
+  constexpr int64_t tile_channels = kTileVecs * kBlock;
+  const int64_t tiles = (N + tile_channels - 1) / tile_channels;
+#ifdef SERVELAB_AMX_INT8
+  const bool tile_unit = M >= kTileUnitRows && amx_available();
+#else
+  constexpr bool tile_unit = false;
+#endif
+  // The rows, quantized once per call into per-thread buffers that outlive it; rows
+  // padded to a multiple of 16 for the tile unit (zero activations: 128).
+  const int64_t rows = tile_unit ? (M + kTileRows - 1) / kTileRows * kTileRows : M;
+  thread_local std::vector<uint8_t> xu;
+  thread_local std::vector<float> x_scale;
+  xu.resize(rows * padded_k);
+  x_scale.resize(M);
+  std::fill(xu.begin() + M * padded_k, xu.end(), uint8_t{128});
   quantize_rows(x.data_ptr<float>(), M, K, padded_k, xu.data(), x_scale.data());
+  const uint8_t* xs = xu.data();  // this thread's buffers, read by every thread below
+  const float* x_scales = x_scale.data();
   const int8_t* ws = packed.data_ptr<int8_t>();
   const int32_t* os = offsets.data_ptr<int32_t>();
   const float* ss = scales.data_ptr<float>();
   float* ys = out.data_ptr<float>();
-  constexpr int64_t tile_channels = kTileVecs * kBlock;
-  const int64_t tiles = (N + tile_channels - 1) / tile_channels;
+#ifdef SERVELAB_AMX_INT8
+  if (tile_unit) {
+    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+      configure_w8a8_tiles();
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t n = t * tile_channels, channels = std::min(tile_channels, N - n);
+        for (int64_t m0 = 0; m0 < M; m0 += kTileRows)
+          tile_unit_rows(xs, padded_k, m0, M, x_scales, ws + n * padded_k, os + n, ss + n, ys + n, N, channels);
+      }
+      _tile_release();
+    });
+    return;
+  }
+#endif
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n = t * tile_channels, channels = std::min(tile_channels, N - n);
       const int8_t* w = ws + n * padded_k;
       int64_t m = 0;
       for (; m + kMaxRows <= M; m += kMaxRows)
-        tile_rows<kMaxRows>(xu.data() + m * padded_k, padded_k, x_scale.data() + m, w, os + n, ss + n, ys + m * N + n,
+        tile_rows<kMaxRows>(xs + m * padded_k, padded_k, x_scales + m, w, os + n, ss + n, ys + m * N + n,
                             N, channels);
-      tile_remainder<kMaxRows - 1>(M - m, xu.data() + m * padded_k, padded_k, x_scale.data() + m, w, os + n, ss + n,
+      tile_remainder<kMaxRows - 1>(M - m, xs + m * padded_k, padded_k, x_scales + m, w, os + n, ss + n,
                                    ys + m * N + n, N, channels);
     }
   });
