@@ -104,7 +104,12 @@ class WorkloadConfig:
     resends the context with the previous output (bench/sessions.py); ``num_requests`` is
     then unused, and the shared prefixes start every session. ``adapters``: LoRA adapter
     names (of the engine's ``lora.adapters``, or a server's adapters) each request draws
-    one of uniformly; empty = the base model (docs/lora.md).
+    one of; or ``num_adapters`` names ``adapter0`` ...; neither = the base model
+    (docs/lora.md). ``adapter_popularity``: ``uniform``, ``zipf`` (adapter i weighs
+    (i + 1)^-``adapter_alpha``) or ``power`` (S-LoRA's traces; bench/adapter_popularity.py).
+    Under ``executor=simulated`` (with ``lora.enabled``) the ``num_adapters`` adapters are
+    registered without weights: adapter i of rank ``adapter_ranks[i % len]`` on
+    ``adapter_projections`` of every layer.
     """
 
     num_requests: int = 32
@@ -131,6 +136,11 @@ class WorkloadConfig:
     multi_turn: Optional[MultiTurnConfig] = None
     agentic: Optional[AgenticConfig] = None
     adapters: list[str] = field(default_factory=list)
+    num_adapters: int = 0
+    adapter_popularity: str = "uniform"
+    adapter_alpha: float = 1.0
+    adapter_ranks: list[int] = field(default_factory=lambda: [16])
+    adapter_projections: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
 
 
 @dataclass

@@ -6,6 +6,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from servelab.bench.adapter_popularity import adapter_draw, adapter_names
 from servelab.bench.arrivals import arrival_offsets
 from servelab.bench.lengths import clamp_lengths, sample_lengths
 from servelab.bench.prompts import PromptSource
@@ -99,15 +100,14 @@ def client_requests(cfg: Any, space: TokenSpace, rate: float | None, prefix: str
         pairs = sample_lengths(cfg, space.max_model_len, random.Random(f"{seed}:lengths"))
     source = PromptSource(cfg.prompts, space.vocab_size, space.tokenizer, cfg.corpus_file, random.Random(f"{seed}:prompts"))
     shared_prefix = shared_prefixes(cfg, source, seed)
-    adapters, adapter_draws = list(getattr(cfg, "adapters", None) or ()), random.Random(f"{seed}:adapters")
+    next_adapter = adapter_draw(cfg, adapter_names(cfg), random.Random(f"{seed}:adapters"))
     requests = []
     for i, (offset, (unique_len, output_len)) in enumerate(zip(offsets, pairs)):
         shared = shared_prefix()
         prompt_len, output_len = clamp_lengths(len(shared) + unique_len, output_len, space.max_model_len)
         head = shared[:prompt_len]
         prompt = head + source.draw(prompt_len - len(head))
-        lora = adapter_draws.choice(adapters) if adapters else None
-        requests.append(BenchRequest(f"{prefix}{i}", tuple(prompt), output_len, offset, metadata, lora))
+        requests.append(BenchRequest(f"{prefix}{i}", tuple(prompt), output_len, offset, metadata, next_adapter()))
     return requests
 
 

@@ -27,7 +27,9 @@ def record_from_output(output: Any) -> RequestRecord:
 
 class ServelabSystem(SteppedSystem):
     """Builds an ``LLMEngine`` from the composed bench config and drives it step by step;
-    a ``StepObserver`` is registered for the measured requests only."""
+    a ``StepObserver`` is registered for the measured requests only. A simulated engine
+    serves the workload's ``num_adapters`` adapters without weights
+    (``register_shape_only``)."""
 
     name = "servelab"
 
@@ -39,6 +41,12 @@ class ServelabSystem(SteppedSystem):
         self.simulated = self.clock.is_virtual
         self.space = TokenSpace(self.engine.vocab_size, self.engine.max_model_len, self.engine.tokenizer)
         self.workload = cfg.workload
+        if self.simulated and cfg.workload.get("num_adapters"):
+            from servelab.bench.adapter_popularity import adapter_names
+            from servelab.plugins.executor.simulated_lora import register_shape_only
+
+            register_shape_only(self.engine, adapter_names(cfg.workload), list(cfg.workload.adapter_ranks),
+                                list(cfg.workload.adapter_projections))
         self.observer: StepObserver | None = None
         self.experts_before = None
         self.lora_before = None
