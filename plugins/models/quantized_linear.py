@@ -66,6 +66,7 @@ class QuantizedLinear(nn.Module):
             self.zeros = _frozen(torch.zeros(out_features, groups, dtype=dtype))
         self.bias = _frozen(torch.zeros(out_features, dtype=dtype)) if bias else None
         self._packed: tuple[tuple, tuple | None] | None = None
+        self._kernel = w8a8_linear if int8_activations else int8_linear if bits == 8 else int4_linear
 
     def extra_repr(self) -> str:
         """``in_features, out_features, bits, group_size, bias``."""
@@ -84,45 +85,39 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., in_features] -> [..., out_features] in x's dtype."""
         rows = x.reshape(-1, self.in_features)
-        if self.int8_activations:
-            return self._w8a8(x, rows)
-        triton = x.device.type == "cuda" and (self.bits == 8 or self.group_size % TRITON_GROUP_MULTIPLE == 0)
-        packed = self.packed_kernel_weights(x) if not triton else None
-        if not triton and packed is None:
-            return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
-        if triton:
+        packed = self.packed_kernel_weights(x)
+        if packed is not None:  # a CPU kernel: float32 rows in, float32 out
+            out = self._kernel(rows.float().contiguous(), *packed, self.out_features)
+        elif self.int8_activations:
+            out = w8a8_linear_reference(rows.float().contiguous(), self.qweight, self.scales)
+        elif x.device.type == "cuda" and (self.bits == 8 or self.group_size % TRITON_GROUP_MULTIPLE == 0):
             from servelab.kernels.quantized_matmul import quantized_matmul
 
             out = quantized_matmul(rows.contiguous(), self.qweight, self.scales,
                                    self.zeros if self.bits == 4 else None, self.group_size)
         else:
-            multiply = int8_linear if self.bits == 8 else int4_linear
-            out = multiply(rows.float().contiguous(), *packed, self.out_features).to(x.dtype)
-        if self.bias is not None:
-            out += self.bias
-        return out.view(*x.shape[:-1], self.out_features)
-
-    def _w8a8(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        packed = self.packed_kernel_weights(x)
-        rows = rows.float().contiguous()
-        if packed is None:
-            out = w8a8_linear_reference(rows, self.qweight, self.scales)
-        else:
-            out = w8a8_linear(rows, *packed, self.out_features)
-        if self.bias is not None:
-            out += self.bias
+            return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
+        bias = self._parameters.get("bias")  # None: no bias (a plain attribute)
+        if bias is not None:
+            out += bias
         return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def packed_kernel_weights(self, x: torch.Tensor) -> tuple | None:
         """What the CPU kernel multiplies ``x`` with: ``pack_int8``'s (packed weight,
         scales) for int8, ``pack_w8a8``'s for w8a8, ``pack_int4_blocks``' for int4; None
         where the reference runs."""
-        if x.device.type != "cpu" or x.dtype not in FAST_DTYPES or x.dtype != self.scales.dtype:
+        if x.device.type != "cpu" or x.dtype not in FAST_DTYPES:
             return None
-        if not native_cpu_enabled():
+        # Read from the parameter dict: nn.Module's attribute lookup costs about a
+        # microsecond each, and this runs for every layer at every step.
+        parameters = self._parameters
+        qweight, scales = parameters["qweight"], parameters["scales"]
+        if x.dtype != scales.dtype or not native_cpu_enabled():
             return None
-        tensors = (self.qweight, self.scales) + ((self.zeros,) if self.bits == 4 else ())
-        key = tuple((t._version, t.data_ptr()) for t in tensors)
+        key = (qweight._version, qweight.data_ptr(), scales._version, scales.data_ptr())
+        if self.bits == 4:
+            zeros = parameters["zeros"]
+            key += (zeros._version, zeros.data_ptr())
         if self._packed is None or self._packed[0] != key:
             self._packed = (key, self._pack())
         return self._packed[1]
