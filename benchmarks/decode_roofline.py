@@ -13,6 +13,11 @@ that only decode. The fraction is (bytes per step / step time) / bandwidth.
 
     python benchmarks/decode_roofline.py --models 26m 05b --modes float32 bfloat16 int8 w8a8 --batches 1 4 16
 
+``--clock cpu`` times the bandwidth passes and the steps with the process's CPU time
+instead of the wall clock: on a machine shared with other work, the time the process
+was not running then does not count (memory contention still does); with ``--threads 1``
+it is the engine's own time.
+
 Models are ``servelab.bench.random_llama``'s (random weights, written once under
 ``--folder``); ``--modes`` are a dtype (``float32``, ``bfloat16``) or a weight
 quantization (``int8``, ``w8a8`` with the LM head quantized too; ``int4`` with a float32
@@ -26,7 +31,7 @@ import os
 import statistics
 import tempfile
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -35,20 +40,23 @@ from servelab.bench.random_llama import MODELS, VOCAB, make_checkpoint, matmul_p
 PROMPT_TOKENS = 16
 DECODE_TOKENS = 128
 QUANTIZATIONS = ("int8", "w8a8", "int4")
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+"""``--clock``: the wall clock, or the CPU time of this process (all its threads)."""
 
 
-def read_bandwidth(threads: int, gib: float = 1.0, repeats: int = 5) -> float:
+def read_bandwidth(threads: int, clock: Callable[[], float] = time.perf_counter, gib: float = 1.0,
+                   repeats: int = 5) -> float:
     """Bytes per second of the best of ``repeats`` passes of a matrix-vector product and
-    of a sum over a ``gib`` GiB float32 matrix."""
+    of a sum over a ``gib`` GiB float32 matrix, timed by ``clock``."""
     torch.set_num_threads(threads)
     matrix = torch.ones(int(gib * 2**30) // 4 // 4096, 4096)
     vector = torch.ones(4096)
     best = 0.0
     for read in (lambda: torch.mv(matrix, vector), matrix.sum):
         for _ in range(repeats):
-            started = time.perf_counter()
+            started = clock()
             read()
-            best = max(best, matrix.numel() * 4 / (time.perf_counter() - started))
+            best = max(best, matrix.numel() * 4 / (clock() - started))
     return best
 
 
@@ -79,8 +87,8 @@ def weight_bytes(name: str, mode: str, batch: int) -> float:
     return matmul_parameters(name) * WIDTH[mode] + batch * hidden * row
 
 
-def decode_step_seconds(llm: Any, batch: int) -> tuple[float, float]:
-    """Median seconds of the decode-only steps of ``batch`` requests decoding
+def decode_step_seconds(llm: Any, batch: int, clock: Callable[[], float]) -> tuple[float, float]:
+    """Median seconds (by ``clock``) of the decode-only steps of ``batch`` requests decoding
     ``DECODE_TOKENS`` tokens together, and their mean context length."""
     from servelab import SamplingParams
 
@@ -90,14 +98,14 @@ def decode_step_seconds(llm: Any, batch: int) -> tuple[float, float]:
         engine.add_request([2 + (i * 7 + j) % 1000 for j in range(PROMPT_TOKENS)], params)
     times: list[float] = []
     while engine.has_unfinished_requests():
-        started = time.perf_counter()
+        started = clock()
         engine.step()
-        times.append(time.perf_counter() - started)
+        times.append(clock() - started)
     return statistics.median(times[1:]), PROMPT_TOKENS + DECODE_TOKENS / 2  # the first step prefills them all
 
 
-def measure(name: str, folder: str, mode: str, batches: list[int], threads: int,
-            bandwidth: float) -> list[dict[str, Any]]:
+def measure(name: str, folder: str, mode: str, batches: list[int], threads: int, bandwidth: float,
+            clock: Callable[[], float]) -> list[dict[str, Any]]:
     """One row per batch size for model ``name`` (written in ``folder``) in ``mode``."""
     from servelab import LLM
 
@@ -106,7 +114,7 @@ def measure(name: str, folder: str, mode: str, batches: list[int], threads: int,
     llm.warm_up()
     rows = []
     for batch in batches:
-        seconds, context = decode_step_seconds(llm, batch)
+        seconds, context = decode_step_seconds(llm, batch, clock)
         read = weight_bytes(name, mode, batch) + batch * context * llm.engine.cache.spec.bytes_per_token
         rows.append({"mode": mode, "batch": batch, "step_ms": seconds * 1e3, "tokens_per_s": batch / seconds,
                      "mb_per_step": read / 1e6, "gb_per_s": read / seconds / 1e9,
@@ -122,19 +130,21 @@ def main() -> None:
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16])
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--folder", default=os.path.join(tempfile.gettempdir(), "servelab-random-llama"))
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
     args = parser.parse_args()
-    bandwidth = read_bandwidth(args.threads)
-    print(f"read bandwidth: {bandwidth / 1e9:.1f} GB/s ({args.threads} threads, best of 5 matrix-vector products "
-          f"and sums over 1 GiB)")
+    clock = CLOCKS[args.clock]
+    bandwidth = read_bandwidth(args.threads, clock)
+    print(f"read bandwidth: {bandwidth / 1e9:.1f} GB/s ({args.threads} threads, {args.clock} clock, best of 5 "
+          f"matrix-vector products and sums over 1 GiB)")
     print("| model | mode | batch | step ms | tok/s | MB read/step | GB/s | of bandwidth |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for name in args.models:
         folder = make_checkpoint(os.path.join(args.folder, name), name)
         for mode in args.modes:
-            for row in measure(name, folder, mode, args.batches, args.threads, bandwidth):
+            for row in measure(name, folder, mode, args.batches, args.threads, bandwidth, clock):
                 print(f"| {name} | {row['mode']} | {row['batch']} | {row['step_ms']:.2f} | {row['tokens_per_s']:.0f} "
                       f"| {row['mb_per_step']:.1f} | {row['gb_per_s']:.1f} | {row['fraction']:.0%} |", flush=True)
-    print(f"re-measured read bandwidth: {read_bandwidth(args.threads) / 1e9:.1f} GB/s")
+    print(f"re-measured read bandwidth: {read_bandwidth(args.threads, clock) / 1e9:.1f} GB/s")
 
 
 if __name__ == "__main__":
