@@ -6,6 +6,9 @@ against the base model without adapters.
 The model is the shipped ``tiny`` Llama (float32); each adapter is a random PEFT LoRA
 of rank ``--rank`` on every projection. Every request has ``--prompt`` random tokens
 and generates ``--output`` tokens greedily (EOS ignored); all requests arrive at once.
+With ``--slots`` slots the engine runs with adapter-aware admission off and on, and with
+the unified pool; with a slot per adapter, no paging at all. Those multi-LoRA engines run
+in turn, one run each per round, so that a shared machine's load falls on each alike.
 Each engine is warmed up first; each time is the best of ``--repeats`` runs on
 ``--threads`` torch threads (default one: the machine is shared, and a busy core stalls
 every thread of a multi-threaded matmul). Prints the markdown table of docs/results/lora.md.
@@ -28,7 +31,11 @@ import torch
 from servelab import LLM, SamplingParams
 from servelab.core.config import checkpoint_path
 
-SYSTEMS = ("base model", "multi-LoRA", "multi-LoRA, slot per adapter", "merge one at a time")
+SYSTEMS = ("base model", "multi-LoRA, admission off", "multi-LoRA", "multi-LoRA, unified pool",
+           "multi-LoRA, slot per adapter", "merge one at a time")
+SLOT_LIMITED = {"multi-LoRA, admission off": ["lora.admission=false"], "multi-LoRA": [],
+                "multi-LoRA, unified pool": ["lora.unified_pool=true"]}
+"""The systems with ``--slots`` slots and their settings; their runs alternate."""
 
 
 def make_adapters(base: str, count: int, rank: int, folder: Path) -> dict[str, str]:
@@ -112,32 +119,49 @@ def measure(num_adapters: int, args: argparse.Namespace, root: Path) -> dict[str
     seconds, tokens = best_of(args.repeats, lambda: timed_generate(llm, prompts, params, None))
     results["base model"] = dict(seconds=seconds, tokens=tokens)
     llm.shutdown()
-    for system, slots in (("multi-LoRA", args.slots), ("multi-LoRA, slot per adapter", num_adapters)):
-        if system != "multi-LoRA" and slots <= args.slots:
-            continue
+    def engine(slots: int, *extra: str) -> LLM:
         llm = LLM(base, overrides=[*common, f"lora.adapters={{{listed}}}", f"lora.max_rank={args.rank}",
-                                   f"lora.max_adapters={slots}"])
+                                   f"lora.max_adapters={slots}", *extra])
         llm.warm_up()
         llm.generate(prompts[:4], params, use_tqdm=False, lora=loras[:4])
-        before = llm.engine.executor.lora_stats()
-        seconds, tokens = best_of(args.repeats, lambda: timed_generate(llm, prompts, params, loras))
-        stats, runs = llm.engine.executor.lora_stats(), args.repeats
-        results[system] = dict(seconds=seconds, tokens=tokens, slots=slots, hits=(stats.hits - before.hits) / runs,
-                               misses=(stats.misses - before.misses) / runs,
-                               split_steps=(stats.split_steps - before.split_steps) / runs,
-                               load_seconds=(stats.load_seconds - before.load_seconds) / runs)
-        if system == "multi-LoRA":
-            seconds, tokens = best_of(args.repeats,
-                                      lambda: merged_one_at_a_time(llm, adapters, prompts, loras, params))
-            results["merge one at a time"] = dict(seconds=seconds, tokens=tokens)
+        return llm
+
+    engines = {system: engine(args.slots, *extra) for system, extra in SLOT_LIMITED.items()}
+    if num_adapters > args.slots:
+        engines["multi-LoRA, slot per adapter"] = engine(num_adapters)
+    before = {system: paging(llm) for system, llm in engines.items()}
+    runs: dict[str, list[tuple[float, int]]] = {system: [] for system in engines}
+    for _ in range(args.repeats):  # alternating, so that the machine's load falls on every system alike
+        for system, llm in engines.items():
+            runs[system].append(timed_generate(llm, prompts, params, loras))
+    for system, llm in engines.items():
+        seconds, tokens = min(runs[system], key=lambda result: result[0])
+        after = paging(llm)
+        results[system] = dict(seconds=seconds, tokens=tokens, slots=llm.engine.executor.lora_stats().slots,
+                               **{key: (after[key] - before[system][key]) / args.repeats for key in after})
+    llm = engines["multi-LoRA"]
+    seconds, tokens = best_of(args.repeats, lambda: merged_one_at_a_time(llm, adapters, prompts, loras, params))
+    results["merge one at a time"] = dict(seconds=seconds, tokens=tokens)
+    for llm in engines.values():
         llm.shutdown()
     return results
+
+
+def paging(llm: LLM) -> dict[str, float]:
+    """The engine's adapter paging counters so far (slots, and the unified pool's when it has one)."""
+    stats = llm.engine.executor.lora_stats()
+    counters = dict(hits=stats.hits, misses=stats.misses, split_steps=stats.split_steps,
+                    load_seconds=stats.load_seconds, steps=llm.engine.num_steps)
+    admission = llm.engine.adapter_admission
+    if admission is not None and admission.pool is not None:
+        counters["pressure_evictions"] = admission.pool.stats.pressure_evictions
+    return counters
 
 
 def table(all_results: dict[int, dict]) -> str:
     """The markdown table: throughput per system, relative to the base model."""
     lines = ["| adapters | system | slots | output tok/s | x base model | adapter hit rate | loads per run | "
-             "load ms per run | split steps |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "load ms per run | split steps | steps per run |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for count, results in all_results.items():
         base = results["base model"]["tokens"] / results["base model"]["seconds"]
         for system in SYSTEMS:
@@ -147,8 +171,8 @@ def table(all_results: dict[int, dict]) -> str:
             rate = r["tokens"] / r["seconds"]
             uses = r.get("hits", 0) + r.get("misses", 0)
             paging = (f"{r['hits'] / uses:.2f} | {r['misses']:.0f} | {1000 * r['load_seconds']:.0f} | "
-                      f"{r['split_steps']:.0f}"
-                      if uses else " | | | ")
+                      f"{r['split_steps']:.0f} | {r['steps']:.0f}"
+                      if uses else " | | | | ")
             lines.append(f"| {count} | {system} | {r.get('slots', '')} | {rate:.0f} | {rate / base:.2f} | {paging} |")
     return "\n".join(lines)
 
