@@ -129,15 +129,16 @@ class SimulatedExecutor(Executor):
         hw, shape = self.hardware, self.context.shape
         weights = weight_memory_bytes(shape, self.context.checkpoint.quantization,
                                       self.element_bytes) / self.parallel.num_devices
-        if self.lora is not None:
-            weights += self.lora.num_slots * self.lora.slot_bytes
+        slots = self.lora.num_slots * self.lora.slot_bytes if self.lora is not None else 0
         usable = hw.memory_bytes * hw.memory_utilization
-        left = usable - weights - hw.activation_reserve_bytes
+        left = usable - weights - slots - hw.activation_reserve_bytes
         if left < spec.bytes_per_token * spec.max_model_len:
+            adapters = (f", {slots / 2**30:.1f} GiB of {self.lora.num_slots} LoRA adapter slots (lora.max_adapters or "
+                        f"lora.memory_bytes)" if slots else "")
             raise ConfigError([
                 f"the model does not fit hardware={hw.name}: {weights / 2**30:.1f} GiB of weights per device "
-                f"({shape.num_parameters / 1e9:.1f}B parameters over {self.parallel.num_devices} device(s)) and "
-                f"{hw.activation_reserve_bytes / 2**30:.1f} GiB of activations leave "
+                f"({shape.num_parameters / 1e9:.1f}B parameters over {self.parallel.num_devices} device(s)){adapters} "
+                f"and {hw.activation_reserve_bytes / 2**30:.1f} GiB of activations leave "
                 f"{max(left, 0) / 2**30:.2f} GiB of the {usable / 2**30:.1f} GiB usable, less than one "
                 f"{spec.max_model_len}-token sequence of KV cache needs; add devices "
                 f"(parallel.tensor_parallel_size) or pick a larger device"])
@@ -180,6 +181,16 @@ class SimulatedExecutor(Executor):
         """The simulated slots' paging counters (``LoRAStats``; None without LoRA), load
         seconds on the virtual clock."""
         return None if self.lora is None else self.lora.stats
+
+    def lora_resident(self):
+        """The load ids of the adapters in the simulated slots now."""
+        return () if self.lora is None else self.lora.resident.keys()
+
+    def evict_lora(self, load_id: int) -> None:
+        """Free adapter ``load_id``'s slot (a unified pool took its pages back); its next
+        use pages it in again."""
+        if self.lora is not None and self.lora.resident.pop(load_id, None) is not None:
+            self.lora.evictions += 1
 
     def local_kv_caches(self) -> list[torch.Tensor]:
         """The whole model's KV cache as it would be stored, with no storage: one meta

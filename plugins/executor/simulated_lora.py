@@ -106,6 +106,7 @@ class SimulatedLoRA(LoRASlotTable):
         super().__init__(slot_count(lora_cfg, self.slot_bytes))
         self.merged = serving == "merged"
         self.cost_model = cost_model
+        cost_model.adapter_load_time(1, self.projections)  # a ConfigError now from one that prices no adapters
         self.works: dict[int, tuple[int, tuple[str, ...]]] = {}  # load id -> (rank, projections)
         self.merged_adapter: int | None = None  # load id of the adapter in the base weights
 
