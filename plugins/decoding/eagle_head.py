@@ -47,7 +47,8 @@ def head_checkpoint(path: str, target: Checkpoint, field: str = "decoding.head_p
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise ConfigError([f"{field}={path!r} is not an EAGLE head folder (no config.json)"])
-    config = json.loads(open(config_path).read())
+    with open(config_path) as config_file:
+        config = json.load(config_file)
     target_config = target.hf_config
     problems = [f"{field}: the head's {name} ({config.get(name)}) differs from the target's "
                 f"({getattr(target_config, name, None)})" for name in ("hidden_size", "vocab_size")
