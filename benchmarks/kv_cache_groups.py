@@ -33,7 +33,7 @@ SIMULATED = {
 VARIANTS = {
     "gemma-3-27b": {"groups": "cache.groups=true", "one group": "cache.groups=false"},
     "mistral-7b": {"groups": "cache.groups=true", "one group": "cache.groups=false"},
-    "deepseek-v2-lite": {"latent (MLA)": "", "multi-head K, V of 16 x 160": (
+    "deepseek-v2-lite": {"latent (MLA), stored once": "", "multi-head K, V of 16 x 160": (
         "model.shape.architecture=LlamaForCausalLM model.shape.latent=null model.shape.experts=null "
         "model.shape.head_dim=160 model.shape.intermediate_size=11264")},
 }

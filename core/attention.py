@@ -17,7 +17,10 @@ class AttentionSpec:
     optional ``sliding_window`` (None = full attention), ``kv_dtype``, the KV cache's
     element type (None = ``dtype``; int8 or float8_e4m3fn: quantized, ``cache.kv_dtype``),
     and ``softcap``: when set, scaled scores become ``softcap * tanh(scores / softcap)``
-    before masking and softmax (Gemma 2's attention logit soft-capping; None = none)."""
+    before masking and softmax (Gemma 2's attention logit soft-capping; None = none);
+    ``values_are_keys``: each token's value is its key, so the cache holds keys alone
+    (latent attention in its absorbed form: the output is the softmax-weighted keys, of
+    which the model keeps the latent part); ``forward`` then receives ``v`` equal to ``k``."""
 
     num_heads: int
     num_kv_heads: int
@@ -28,6 +31,12 @@ class AttentionSpec:
     sliding_window: int | None = None
     kv_dtype: torch.dtype | None = None
     softcap: float | None = None
+    values_are_keys: bool = False
+
+    @property
+    def kv_parts(self) -> int:
+        """Tensors cached per token and KV head: 2 (key and value), 1 (values are keys)."""
+        return 1 if self.values_are_keys else 2
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -118,13 +127,19 @@ class AttentionBackend(abc.ABC):
     #: True when ``forward`` masks the token trees of ``BatchLayout.tree`` and
     #: ``copy_slots`` fits ``kv_cache_shape``; the executor refuses token trees otherwise.
     reads_token_trees = False
+    #: True when ``forward`` and ``copy_slots`` handle a cache of keys alone whose values are
+    #: the keys (``AttentionSpec.values_are_keys``, latent attention); the executor refuses
+    #: such a model with a backend that does not.
+    reads_values_from_keys = False
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Shape of one layer's cache tensor (dtype ``spec.cache_dtype``): K and V stacked on
-        the first axis; a quantized cache's rows hold D values then the 4 bytes of their
-        float32 scale, so block copies, swapping and prefix caching carry the scales."""
+        the first axis (K alone when ``spec.values_are_keys``: values are read from it, so
+        ``[-1]`` is the values either way); a quantized cache's rows hold D values then the
+        4 bytes of their float32 scale, so block copies, swapping and prefix caching carry
+        the scales."""
         row = self.spec.head_dim + (SCALE_BYTES if self.spec.kv_quantized else 0)
-        return (2, num_blocks, block_size, self.spec.num_kv_heads, row)
+        return (self.spec.kv_parts, num_blocks, block_size, self.spec.num_kv_heads, row)
 
     def copy_slots(self, kv_cache: torch.Tensor, sources: torch.Tensor, destinations: torch.Tensor) -> None:
         """Copy the keys and values at cache slots ``sources`` [n] int64 to ``destinations``
@@ -132,7 +147,7 @@ class AttentionBackend(abc.ABC):
         is read before any destination is written. A backend with its own cache layout
         overrides it."""
         raw = kv_cache.view(torch.uint8) if self.spec.kv_quantized else kv_cache
-        flat = raw.view(2, -1, raw.shape[-2], raw.shape[-1])
+        flat = raw.view(raw.shape[0], -1, raw.shape[-2], raw.shape[-1])
         flat[:, destinations] = flat[:, sources]
 
     @classmethod

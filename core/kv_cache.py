@@ -40,7 +40,8 @@ class KVCacheSpec:
     float8_e4m3fn with a float32 scale per slot and KV head, ``cache.kv_dtype``);
     ``max_model_len`` tokens at most per sequence; ``layer_windows``: each layer's
     attention window (None: the whole context; empty: every layer attends to the whole
-    context).
+    context); ``values_are_keys``: the layers cache keys alone and read their values from
+    them (latent attention: one latent per token, ``AttentionSpec.values_are_keys``).
     """
 
     num_layers: int
@@ -49,13 +50,20 @@ class KVCacheSpec:
     dtype: torch.dtype
     max_model_len: int
     layer_windows: tuple[int | None, ...] = ()
+    values_are_keys: bool = False
+
+    @property
+    def kv_parts(self) -> int:
+        """Tensors cached per token and KV head: 2 (key and value), 1 (values are keys)."""
+        return 1 if self.values_are_keys else 2
 
     @property
     def layer_bytes_per_token(self) -> int:
-        """Bytes of K and V for one token in one layer (scales included)."""
+        """Bytes of K and V (K alone when values are keys) for one token in one layer,
+        scales included."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         row = self.head_dim * itemsize + (SCALE_BYTES if is_quantized(self.dtype) else 0)
-        return 2 * self.num_kv_heads * row
+        return self.kv_parts * self.num_kv_heads * row
 
     @property
     def bytes_per_token(self) -> int:

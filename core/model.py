@@ -196,14 +196,16 @@ class ModelShape:
         layer ``layer`` (None: with the model's ``sliding_window``; a window as long as the
         context is no window); ``kv_dtype``: the cache's element type (None: ``dtype``). A
         latent attention runs absorbed, as multi-query attention over one KV head of
-        ``cached_width`` (keys: latent and rotary key; values: the latent, zero-padded)."""
+        ``cached_width`` whose values are its keys (the latent and rotary key; the model
+        keeps the latent part of the output)."""
         window = self.sliding_window if layer is None else self.window_of(layer)
         window = window if window and window < max_model_len else None
         scale = self.head_dim ** -0.5 if self.attention_scale is None else self.attention_scale
         head_dim = self.head_dim if self.latent is None else self.latent.cached_width
         return AttentionSpec(self.num_heads // tensor_parallel_size, self.kv_heads_per_rank(tensor_parallel_size),
                              head_dim, scale, dtype, device, window,
-                             None if kv_dtype == dtype else kv_dtype, self.attention_softcap)
+                             None if kv_dtype == dtype else kv_dtype, self.attention_softcap,
+                             values_are_keys=self.latent is not None)
 
     def kv_cache_spec(self, dtype: torch.dtype, max_model_len: int, tensor_parallel_size: int = 1,
                       pipeline_parallel_size: int = 1) -> KVCacheSpec:
@@ -211,9 +213,8 @@ class ModelShape:
         of the largest pipeline stage and the KV heads of one tensor-parallel rank (see
         ``kv_heads_per_rank``), with each layer's window (``attention_windows``; under
         pipeline parallelism only when every layer shares it). A latent attention stores its
-        ``cached_width`` elements whole on every rank in both halves, as one KV head's key
-        and value (``attention_spec``): twice the latent's own bytes, which a backend reading
-        the values out of the keys would halve."""
+        ``cached_width`` elements once, whole on every rank, as one KV head whose values
+        are its keys (``attention_spec``)."""
         layers = -(-self.num_layers // pipeline_parallel_size)
         windows = self.attention_windows(max_model_len)
         if pipeline_parallel_size > 1 and len(set(windows)) > 1:
@@ -221,7 +222,7 @@ class ModelShape:
         else:
             windows = windows[:layers]
         if self.latent is not None:
-            return KVCacheSpec(layers, 1, self.latent.cached_width, dtype, max_model_len, windows)
+            return KVCacheSpec(layers, 1, self.latent.cached_width, dtype, max_model_len, windows, values_are_keys=True)
         return KVCacheSpec(layers, self.kv_heads_per_rank(tensor_parallel_size), self.head_dim, dtype, max_model_len,
                            windows)
 

@@ -1,5 +1,7 @@
-"""Torch operations on the ``[2, num_blocks, block_size, Hkv, D]`` cache layout (rows of
-``D + 4`` bytes, values then scale, when quantized: ``servelab/kernels/kv_quantization.py``)."""
+"""Torch operations on the ``[2, num_blocks, block_size, Hkv, D]`` cache layout (keys, then
+values; ``[1, ...]``, keys alone, when values are keys: ``AttentionSpec.values_are_keys``;
+rows of ``D + 4`` bytes, values then scale, when quantized:
+``servelab/kernels/kv_quantization.py``)."""
 
 from __future__ import annotations
 
@@ -10,14 +12,17 @@ from servelab.kernels.kv_quantization import dequantize_kv, quantize_kv
 
 
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store key/value rows [T, Hkv, D] at their slots [T] (int64), quantized when the cache is."""
+    """Store key/value rows [T, Hkv, D] at their slots [T] (int64), quantized when the cache
+    is; a cache of keys alone stores ``key``."""
+    parts = kv_cache.shape[0]
     if is_quantized(kv_cache.dtype):
         key = quantize_kv(key, kv_cache.dtype).view(torch.uint8)
-        value = quantize_kv(value, kv_cache.dtype).view(torch.uint8)
+        value = quantize_kv(value, kv_cache.dtype).view(torch.uint8) if parts == 2 else None
         kv_cache = kv_cache.view(torch.uint8)
-    flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
+    flat = kv_cache.view(parts, -1, kv_cache.shape[-2], kv_cache.shape[-1])
     flat[0].index_copy_(0, slot_mapping, key)
-    flat[1].index_copy_(0, slot_mapping, value)
+    if parts == 2:
+        flat[1].index_copy_(0, slot_mapping, value)
 
 
 def dequantized(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -32,11 +37,14 @@ def context_slots(block_row: torch.Tensor, block_size: int, length: int) -> torc
 
 
 def gather_kv(kv_cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values at ``slots`` (any shape S) -> two tensors [*S, Hkv, D] in ``dtype``."""
+    """Keys and values at ``slots`` (any shape S) -> two tensors [*S, Hkv, D] in ``dtype``
+    (the same tensor twice when values are keys)."""
     raw = kv_cache.view(torch.uint8) if is_quantized(kv_cache.dtype) else kv_cache
-    flat = raw.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
-    keys, values = flat[0][slots].view(kv_cache.dtype), flat[1][slots].view(kv_cache.dtype)
-    return dequantized(keys, dtype), dequantized(values, dtype)
+    flat = raw.view(kv_cache.shape[0], -1, kv_cache.shape[-2], kv_cache.shape[-1])
+    keys = dequantized(flat[0][slots].view(kv_cache.dtype), dtype)
+    if kv_cache.shape[0] == 1:
+        return keys, keys
+    return keys, dequantized(flat[1][slots].view(kv_cache.dtype), dtype)
 
 
 def attention_mask(query_len: int, seq_len: int, sliding_window: int | None, device: torch.device) -> torch.Tensor:

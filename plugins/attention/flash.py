@@ -31,6 +31,7 @@ class FlashAttention(AttentionBackend):
 
     reads_quantized_kv = True
     reads_token_trees = True
+    reads_values_from_keys = True
 
     def __init__(self, config: FlashAttentionConfig, spec: AttentionSpec):
         super().__init__(config, spec)

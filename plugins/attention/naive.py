@@ -25,6 +25,7 @@ class NaiveAttention(AttentionBackend):
 
     reads_quantized_kv = True
     reads_token_trees = True
+    reads_values_from_keys = True
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: BatchLayout, layer_index: int) -> torch.Tensor:

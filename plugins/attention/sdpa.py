@@ -92,10 +92,11 @@ class SdpaAttention(AttentionBackend):
 
     reads_quantized_kv = True
     reads_token_trees = True
+    reads_values_from_keys = True
 
     def __init__(self, config, spec):
         super().__init__(config, spec)
-        self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._workspace: tuple[torch.Tensor, ...] | None = None
 
     def build_metadata(self, layout: BatchLayout) -> SdpaMetadata:
         """Precompute the padded decode block lists, masks and per-prefill blocks."""
@@ -140,25 +141,26 @@ class SdpaAttention(AttentionBackend):
 
     def _gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of ``blocks`` (any shape S) -> two tensors [*S * block_size, Hkv, D]:
-        views into the workspace (valid until the next call), or dequantized copies."""
+        views into the workspace (valid until the next call), or dequantized copies; the
+        same tensor twice when values are keys."""
+        parts = kv_cache.shape[0]
+        tokens = (*blocks.shape[:-1], blocks.shape[-1] * kv_cache.shape[2], *kv_cache.shape[3:])
+        flat = blocks.reshape(-1)
         if self.spec.kv_quantized:
             raw = kv_cache.view(torch.uint8)
-            flat = blocks.reshape(-1)
-            tokens = (*blocks.shape[:-1], blocks.shape[-1] * kv_cache.shape[2], *kv_cache.shape[3:])
-            return tuple(dequantized(raw[i].index_select(0, flat).view(kv_cache.dtype).view(tokens), self.spec.dtype)
-                         for i in (0, 1))
+            gathered = tuple(dequantized(raw[i].index_select(0, flat).view(kv_cache.dtype).view(tokens),
+                                         self.spec.dtype) for i in range(parts))
+            return gathered[0], gathered[-1]
         count = blocks.numel()
-        if self._workspace is None or self._workspace[0].shape[0] < count or \
+        if self._workspace is None or self._workspace[0].shape[0] < count or len(self._workspace) != parts or \
                 self._workspace[0].dtype != kv_cache.dtype or self._workspace[0].device != kv_cache.device:
             capacity = max(count, 2 * self._workspace[0].shape[0] if self._workspace else 0)
             shape = (capacity, *kv_cache.shape[2:])
-            self._workspace = (torch.empty(shape, dtype=kv_cache.dtype, device=kv_cache.device),
-                               torch.empty(shape, dtype=kv_cache.dtype, device=kv_cache.device))
-        flat = blocks.reshape(-1)
-        keys = torch.index_select(kv_cache[0], 0, flat, out=self._workspace[0][:count])
-        values = torch.index_select(kv_cache[1], 0, flat, out=self._workspace[1][:count])
-        tokens = (*blocks.shape[:-1], blocks.shape[-1] * kv_cache.shape[2], *kv_cache.shape[3:])
-        return keys.view(tokens), values.view(tokens)
+            self._workspace = tuple(torch.empty(shape, dtype=kv_cache.dtype, device=kv_cache.device)
+                                    for _ in range(parts))
+        gathered = tuple(torch.index_select(kv_cache[i], 0, flat, out=self._workspace[i][:count]).view(tokens)
+                         for i in range(parts))
+        return gathered[0], gathered[-1]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: SdpaMetadata, layer_index: int) -> torch.Tensor:

@@ -88,6 +88,10 @@ class ModelExecutor(Executor):
         if spec.kv_quantized and not backend.cls.reads_quantized_kv:
             problems.append(f"cache.kv_dtype={kv_dtype_name(context.engine_cfg.cache)}: attention={backend.name} "
                             f"does not read a quantized KV cache; use attention=auto, cpu, sdpa, naive or flash")
+        if spec.values_are_keys and not backend.cls.reads_values_from_keys:
+            problems.append(f"attention={backend.name} does not read values out of the keys, as "
+                            f"{checkpoint.architecture}'s latent attention caches them (reads_values_from_keys "
+                            f"is False); use attention=auto, cpu, sdpa, naive or flash")
         if checkpoint.weights is None:
             problems.append(f"the model ({checkpoint.architecture} shape, {context.shape.num_parameters / 1e9:.1f}B "
                             f"parameters) has no weights: executor=model runs checkpoints; use executor=simulated "

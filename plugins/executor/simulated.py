@@ -117,7 +117,7 @@ class SimulatedExecutor(Executor):
         cfg = self.context.engine_cfg
         bytes_ = self.element_bytes
         kv_spec = shape.kv_cache_spec(self.context.kv_dtype or self.context.dtype, self.context.max_model_len)
-        kv_bytes = kv_spec.bytes_per_token / (2 * kv_spec.num_layers * kv_spec.num_kv_heads * kv_spec.head_dim)
+        kv_bytes = kv_spec.bytes_per_token / (kv_spec.kv_parts * kv_spec.num_layers * kv_spec.num_kv_heads * kv_spec.head_dim)
         return self.context.registry.build("cost_model", cfg.cost_model, CostModelContext(
             shape, self.hardware, self.parallel, weight_bytes=bytes_, kv_bytes=kv_bytes, activation_bytes=bytes_,
             quantization=quantization))

@@ -10,9 +10,10 @@ key and value rows of that head); instead of decompressing them, each query head
 non-rotary part into the latent space, ``q_nope W_UK``, so the scores are
 ``[q_nope W_UK | q_rope] . [c | k_rope]``, and the attention output over the latents is
 multiplied by ``W_UV`` afterwards. That is multi-query attention with one KV head of
-``kv_lora_rank + qk_rope_head_dim`` (``ModelShape.attention_spec``): the cached key is
-``[c | k_rope]`` and the cached value ``[c | 0]`` (the same width, so every backend that
-takes keys and values of one head size runs it unchanged, at twice the latent's bytes).
+``kv_lora_rank + qk_rope_head_dim`` (``ModelShape.attention_spec``) whose values are its
+keys: the cache holds ``[c | k_rope]`` once per token, every backend reads the values out
+of the keys (``AttentionSpec.values_are_keys``), and the layer keeps the first
+``kv_lora_rank`` features of the output (the softmax-weighted latents).
 The softmax scale is transformers': ``(qk_nope + qk_rope) ** -0.5``, times yarn's
 ``mscale ** 2`` when ``rope_parameters`` sets ``mscale_all_dim``.
 
@@ -133,8 +134,7 @@ class LatentAttentionBlock(nn.Module):
         q_rope, k_rope = self.rotary(positions, q_rope, k_rope.unsqueeze(1))
         query = torch.cat((self.kv_b_proj.absorb(q_nope), q_rope), dim=-1)
         key = torch.cat((c, k_rope.squeeze(1)), dim=-1).unsqueeze(1)
-        value = nn.functional.pad(c, (0, rope)).unsqueeze(1)
-        out = self.attention.forward(query, key, value, kv_cache, meta, self.layer_index)
+        out = self.attention.forward(query, key, key, kv_cache, meta, self.layer_index)
         out = self.o_proj(self.kv_b_proj.expand(out.view(tokens, self.num_heads, -1)[..., :rank]))
         return self.parallel.all_reduce(out) if self.parallel.tp_size > 1 else out
 

@@ -20,7 +20,8 @@ the pure-torch references live in the ``*_reference`` modules):
 
 KV cache layout, one tensor per layer:
 ``kv_cache[2, num_blocks, block_size, num_kv_heads, head_dim]`` with keys in
-``kv_cache[0]`` and values in ``kv_cache[1]``; slot = block_id * block_size +
+``kv_cache[0]`` and values in ``kv_cache[1]`` (``kv_cache[1, ...]``, keys alone, when
+each token's value is its key: latent attention); slot = block_id * block_size +
 offset.  A contiguous cache is the same layout with one block of
 ``max_model_len`` tokens per request.
 

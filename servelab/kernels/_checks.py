@@ -57,11 +57,13 @@ def check_same_device(device: torch.device, **tensors: torch.Tensor) -> None:
 
 
 def check_kv_cache(kv_cache: torch.Tensor) -> tuple[int, int, int, int]:
-    """Validate ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (``head_dim + 4``
-    bytes per row when int8 / float8_e4m3fn: values, then their float32 scale); return
-    (num_blocks, block_size, num_kv_heads, head_dim)."""
-    check(kv_cache.dim() == 5 and kv_cache.shape[0] == 2,
-          f"kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim], got {tuple(kv_cache.shape)}")
+    """Validate ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (``[1, ...]``: keys
+    alone, which are also the values; ``head_dim + 4`` bytes per row when int8 /
+    float8_e4m3fn: values, then their float32 scale); return (num_blocks, block_size,
+    num_kv_heads, head_dim)."""
+    check(kv_cache.dim() == 5 and kv_cache.shape[0] in (1, 2),
+          f"kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim] (or [1, ...] when values are "
+          f"keys), got {tuple(kv_cache.shape)}")
     allowed = FLOAT_DTYPES + quantized_kv_dtypes()
     check(kv_cache.dtype in allowed, f"kv_cache dtype {kv_cache.dtype} not in {allowed}")
     check(kv_cache.stride(-1) == 1, "kv_cache must be contiguous in head_dim (stride(-1) == 1)")

@@ -96,6 +96,12 @@ def kv_tile_size(block_d: int, num_warps: int) -> int:
     return max(16, min(64, 1024 * num_warps // block_d))
 
 
+def value_stride(kv_cache: torch.Tensor) -> int:
+    """The element offset from a slot's key row to its value row: ``stride(0)``, or 0 for a
+    cache of keys alone, whose values are its keys (``AttentionSpec.values_are_keys``)."""
+    return kv_cache.stride(0) if kv_cache.shape[0] == 2 else 0
+
+
 def offsets_i64(kv_cache: torch.Tensor) -> bool:
     """True when element offsets into ``kv_cache`` may overflow int32."""
     return kv_cache.numel() >= 2**31

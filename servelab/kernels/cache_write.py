@@ -35,6 +35,7 @@ def _write_kv_cache_kernel(
     BLOCK_SIZE: tl.constexpr,
     QUANTIZED: tl.constexpr,     # int8 / float8 cache: rows of D values, then a float32 scale
     IS_INT8: tl.constexpr,
+    WRITE_VALUE: tl.constexpr,   # False: a cache of keys alone (values are keys)
 ):
     """One program per token: copy its [Hkv, D] key and value into its slot (quantized
     per KV head when the cache is)."""
@@ -55,10 +56,12 @@ def _write_kv_cache_kernel(
     dst = rows[:, None] + offs_d[None, :]
     if QUANTIZED:
         _store_quantized(k, dst, rows, mask, offs_h < NUM_KV_HEADS, HEAD_DIM, IS_INT8)
-        _store_quantized(v, dst + stride_c0, rows + stride_c0, mask, offs_h < NUM_KV_HEADS, HEAD_DIM, IS_INT8)
+        if WRITE_VALUE:
+            _store_quantized(v, dst + stride_c0, rows + stride_c0, mask, offs_h < NUM_KV_HEADS, HEAD_DIM, IS_INT8)
     else:
         tl.store(dst, k.to(kv_ptr.dtype.element_ty), mask=mask)
-        tl.store(dst + stride_c0, v.to(kv_ptr.dtype.element_ty), mask=mask)
+        if WRITE_VALUE:
+            tl.store(dst + stride_c0, v.to(kv_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -103,7 +106,8 @@ def write_kv_cache(
 ) -> None:
     """Write ``key[t]``/``value[t]`` ([T, Hkv, D]) into slot ``slot_mapping[t]`` (int64 [T]).
 
-    ``kv_cache`` is ``[2, num_blocks, block_size, Hkv, D]``; slot = block_id *
+    ``kv_cache`` is ``[2, num_blocks, block_size, Hkv, D]`` (``[1, ...]``: keys alone,
+    ``value`` is not stored); slot = block_id *
     block_size + offset; a negative slot skips the row (e.g. padding).  In place.  An
     int8 / float8_e4m3fn cache has rows of D + 4 bytes: the quantized values, then their
     float32 scale (``kv_quantization.quantize_kv``).
@@ -136,5 +140,6 @@ def write_kv_cache(
         BLOCK_SIZE=block_size,
         QUANTIZED=is_quantized(kv_cache.dtype),
         IS_INT8=kv_cache.dtype == torch.int8,
+        WRITE_VALUE=kv_cache.shape[0] == 2,
         num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
     )

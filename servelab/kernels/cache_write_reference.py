@@ -13,7 +13,8 @@ def write_kv_cache_reference(
 ) -> None:
     """Write ``key[t]``/``value[t]`` ([T, Hkv, D]) into slot ``slot_mapping[t]`` of ``kv_cache``.
 
-    ``kv_cache`` is ``[2, num_blocks, block_size, Hkv, D]`` and slot = block_id *
+    ``kv_cache`` is ``[2, num_blocks, block_size, Hkv, D]`` (``[1, ...]``: keys alone,
+    ``value`` not stored) and slot = block_id *
     block_size + offset; rows whose slot is negative are skipped.  In place.  An int8 /
     float8_e4m3fn cache (rows of D + 4) gets ``kv_quantization.quantize_kv``'s rows.
     """
@@ -28,4 +29,5 @@ def write_kv_cache_reference(
         raise ValueError("slot_mapping has a slot beyond the cache")
     blocks, offsets = slots // block_size, slots % block_size
     kv_cache[0, blocks, offsets] = key[keep].to(kv_cache.dtype)
-    kv_cache[1, blocks, offsets] = value[keep].to(kv_cache.dtype)
+    if kv_cache.shape[0] == 2:
+        kv_cache[1, blocks, offsets] = value[keep].to(kv_cache.dtype)

@@ -40,6 +40,7 @@ from servelab.kernels._triton_utils import (
     load_kv_tile,
     mma,
     offsets_i64,
+    value_stride,
     window_start,
 )
 from servelab.kernels.availability import triton_interpret_enabled
@@ -225,7 +226,7 @@ def paged_decode_attention(
         q, kv_cache, seq_lens, block_table, part_out, part_lse,
         float(scale) * LOG2E, tokens_per_split,
         q.stride(0), q.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        value_stride(kv_cache), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_table.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),

@@ -43,6 +43,7 @@ from servelab.kernels._triton_utils import (
     load_kv_tile,
     mma,
     offsets_i64,
+    value_stride,
     window_start,
 )
 from servelab.kernels.availability import triton_interpret_enabled
@@ -232,7 +233,7 @@ def varlen_paged_attention(
         tree_mask.stride(0) if tree else 0,
         float(scale) * LOG2E,
         q.stride(0), q.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        value_stride(kv_cache), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         out.stride(0), out.stride(1),
         block_table.stride(0),
         HEAD_DIM=head_dim,

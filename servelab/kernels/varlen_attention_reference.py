@@ -20,7 +20,8 @@ def gather_context(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return one request's keys and values of positions ``start .. seq_len``
     ``[seq_len - start, Hkv, D]`` in position order (dequantized to float32 from an int8 /
-    float8_e4m3fn cache); blocks wholly before ``start`` are not read."""
+    float8_e4m3fn cache; the keys twice from a cache of keys alone); blocks wholly before
+    ``start`` are not read."""
     block_size, num_kv_heads, row = kv_cache.shape[2:]
     num_blocks = -(-seq_len // block_size)
     if num_blocks > block_table_row.shape[0]:
@@ -31,7 +32,7 @@ def gather_context(
     quantized = is_quantized(kv_cache.dtype)
     raw = kv_cache.view(torch.uint8) if quantized else kv_cache
     k = raw[0, blocks].reshape(-1, num_kv_heads, row)[span].view(kv_cache.dtype)
-    v = raw[1, blocks].reshape(-1, num_kv_heads, row)[span].view(kv_cache.dtype)
+    v = raw[-1, blocks].reshape(-1, num_kv_heads, row)[span].view(kv_cache.dtype)
     if quantized:
         return dequantize_kv(k, torch.float32), dequantize_kv(v, torch.float32)
     return k, v

@@ -1,14 +1,17 @@
 """Conformance kit for attention backends: the same random flat batches through the
 backend and through ``attention=naive``, the reference, within the dtype's tolerance;
 also over one-byte KV caches (``cache.kv_dtype``) for backends that read them, and with
-soft-capped scores (``AttentionSpec.softcap``) for backends that cap them, and token trees
-(``BatchLayout.tree``, ``copy_slots``) for backends that set ``reads_token_trees``."""
+soft-capped scores (``AttentionSpec.softcap``) for backends that cap them, token trees
+(``BatchLayout.tree``, ``copy_slots``) for backends that set ``reads_token_trees``, and
+caches of keys alone whose values are the keys (``AttentionSpec.values_are_keys``, latent
+attention)."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
 import itertools
+import math
 from typing import Any
 
 import pytest
@@ -54,6 +57,11 @@ QUANTIZED_CASES = [(scenario, kv_dtype, DTYPES[i % len(DTYPES)])
                    for i, (kv_dtype, scenario) in enumerate(itertools.product(
                        quantized_kv_dtypes(), ("chunked_prefill", "decode", "speculative_verify", "mixed")))]
 """Each one-byte cache dtype this torch has, under the scenarios that read cached keys."""
+VALUES_ARE_KEYS_CASES = [("mixed", 16, torch.float32, None), ("decode", 1, torch.bfloat16, None),
+                         ("chunked_prefill", 128, torch.bfloat16, None),
+                         *(("speculative_verify", 16, torch.float32, kv_dtype) for kv_dtype in quantized_kv_dtypes())]
+"""(scenario, block size, dtype, cache dtype) of the keys-alone cases: paged and
+contiguous, float and one-byte caches, multi-query as latent attention runs."""
 
 
 def case_id(case: tuple) -> str:
@@ -129,6 +137,11 @@ def random_steps(pairs: list[tuple[int, int]], spec: AttentionSpec, block_size: 
     return steps, num_blocks
 
 
+def keys_as_values(steps: list[tuple[list[ScheduledRequest], dict]]) -> list[tuple[list[ScheduledRequest], dict]]:
+    """``steps`` with every token's value replaced by its key, as latent attention passes them."""
+    return [(grants, {**tensors, "v": tensors["k"]}) for grants, tensors in steps]
+
+
 class AttentionConformance(ConformanceKit):
     """The ``AttentionBackend`` contract: prefill, chunked prefill, decode, speculative
     verification and mixed steps over paged and contiguous layouts, multi-head,
@@ -202,19 +215,51 @@ class AttentionConformance(ConformanceKit):
         expected = tree_reference(spec, steps, pairs, trees)
         torch.testing.assert_close(got.float(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
+    @pytest.mark.parametrize("case", VALUES_ARE_KEYS_CASES,
+                             ids=[f"{c[0]}-bs{c[1]}-{str(c[2]).removeprefix('torch.')}-{c[3] or 'same'}"
+                                  .replace("torch.", "") for c in VALUES_ARE_KEYS_CASES])
+    def test_values_read_out_of_the_keys(self, component, case):
+        """A cache of keys alone (``AttentionSpec.values_are_keys``): half the elements of
+        the backend's key-and-value cache, and every step's output equal to
+        ``attention=naive`` over a key-and-value cache given each key as its value."""
+        scenario, block_size, dtype, kv_dtype = case
+        spec = AttentionSpec(4, 1, HEAD_DIM, HEAD_DIM ** -0.5, dtype, torch.device("cpu"), kv_dtype=kv_dtype,
+                             values_are_keys=True)
+        backend = build_backend(component, spec)
+        if not backend.reads_values_from_keys:
+            pytest.skip(f"attention={component} does not read values out of keys (reads_values_from_keys is False)")
+        if spec.kv_quantized and not backend.reads_quantized_kv:
+            pytest.skip(f"attention={component} does not read one-byte KV caches (reads_quantized_kv is False)")
+        plain = replace(spec, values_are_keys=False)
+        elements = [math.prod(b.kv_cache_shape(4, block_size)) for b in (backend, build_backend(component, plain))]
+        assert 2 * elements[0] == elements[1], f"a cache of keys alone holds {elements[0]} elements, not half of {elements[1]}"
+        steps, num_blocks = random_steps(SCENARIOS[scenario], spec, block_size, seed=block_size)
+        steps = keys_as_values(steps)
+        got = run_steps(backend, steps, num_blocks, block_size)
+        wanted = run_steps(build_backend("naive", plain), steps, num_blocks, block_size)
+        tolerance = max(TOLERANCE[dtype], QUANTIZED_TOLERANCE.get(spec.cache_dtype, 0.0))
+        for step, (actual, expected) in enumerate(zip(got, wanted)):
+            torch.testing.assert_close(actual.float(), expected.float(), atol=tolerance, rtol=tolerance,
+                                       msg=lambda m: f"step {step}: {m}")
+
     def test_copy_slots_moves_keys_and_values(self, component):
         """``copy_slots`` moves a verified tree's kept nodes into place: a decode step
-        after the copy reads what the reference reads after its own copy."""
-        for kv_dtype in (None, *quantized_kv_dtypes()):
-            spec = AttentionSpec(4, 2, HEAD_DIM, HEAD_DIM ** -0.5, torch.float32, torch.device("cpu"),
-                                 kv_dtype=kv_dtype)
+        after the copy reads what the reference reads after its own copy (also in a cache
+        of keys alone)."""
+        cases = [*((torch.float32, d, False) for d in (None, *quantized_kv_dtypes())),
+                 (torch.bfloat16, None, False), (torch.float32, None, True)]
+        for dtype, kv_dtype, values_are_keys in cases:
+            spec = AttentionSpec(4, 2, HEAD_DIM, HEAD_DIM ** -0.5, dtype, torch.device("cpu"),
+                                 kv_dtype=kv_dtype, values_are_keys=values_are_keys)
             backend = build_backend(component, spec)
             if not backend.reads_token_trees:
                 pytest.skip(f"attention={component} does not move token trees (reads_token_trees is False)")
-            if spec.kv_quantized and not backend.reads_quantized_kv:
+            if (spec.kv_quantized and not backend.reads_quantized_kv) or \
+                    (values_are_keys and not backend.reads_values_from_keys):
                 continue
-            reference = build_backend("naive", spec)
+            reference = build_backend("naive", replace(spec, values_are_keys=False))
             steps, num_blocks = random_steps([(30, 1), (12, 1)], spec, 4, seed=3)
+            steps = keys_as_values(steps) if values_are_keys else steps
             tables = [grant.block_ids for grant in steps[-1][0]]
             slot = lambda r, p: tables[r][p // 4] * 4 + p % 4  # noqa: E731
             moves = ([slot(0, 27), slot(0, 29), slot(1, 9)], [slot(0, 21), slot(0, 22), slot(1, 4)])

@@ -155,8 +155,8 @@ def test_a_latent_layer_caches_its_latent_and_reads_it_once_for_every_head():
     mla = LatentAttention(kv_lora_rank=32, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
     shape = ModelShape(num_layers=4, num_heads=4, num_kv_heads=4, head_dim=12, sliding_window=None,
                        max_positions=256, vocab_size=100, hidden_size=32, intermediate_size=64, latent=mla)
-    for tp in (1, 2):  # stored whole on every rank as one KV head's key and value
-        assert shape.kv_cache_spec(torch.bfloat16, 256, tp).bytes_per_token == 4 * 2 * (32 + 4) * 2
+    for tp in (1, 2):  # stored once, whole on every rank, as one KV head whose values are its keys
+        assert shape.kv_cache_spec(torch.bfloat16, 256, tp).bytes_per_token == 4 * (32 + 4) * 2
     assert set(shape.linear_shapes()) >= {"self_attn.q_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj"}
     assert shape.linear_shapes()["self_attn.kv_b_proj"] == (4 * (8 + 8), 32)
     w = Widths.of(shape, 1, 2.0, 2.0, 2.0)

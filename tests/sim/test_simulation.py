@@ -168,10 +168,10 @@ def test_latent_attention_caches_and_reads_less_than_multi_head_attention():
                                                   *overrides]))
                for variant, overrides in (("mla", []), ("mha", mha))}
     assert engines["mla"].executor.context.model_cls.__name__ == "DeepseekV2ForCausalLM"
-    # 576 latent elements per token and layer, stored as one KV head's key and value,
-    # against the decompressed K and V of 16 heads (192 + 128 = 2 x 160)
+    # 576 latent elements per token and layer, stored once, against the decompressed K
+    # and V of 16 heads (192 + 128 = 2 x 160)
     stored = {v: engine.shape.kv_cache_spec(torch.bfloat16, 8192).bytes_per_token for v, engine in engines.items()}
-    assert stored == {"mla": 27 * 2 * 576 * 2, "mha": 27 * 2 * 16 * 160 * 2}
+    assert stored == {"mla": 27 * 576 * 2, "mha": 27 * 2 * 16 * 160 * 2}
     long_decodes = BatchShape((1,) * 32, (4096,) * 32, 32)
     costs = {v: engine.executor.cost_model.forward_cost(long_decodes) for v, engine in engines.items()}
     attention = {v: dict(cost.breakdown)["attn_decode"] for v, cost in costs.items()}

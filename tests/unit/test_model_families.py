@@ -142,9 +142,10 @@ def test_deepseek_v2_attends_as_multi_query_attention_over_one_latent_head():
     for tp, heads in ((1, 4), (2, 2)):
         spec = mla.attention_spec(torch.float32, torch.device("cpu"), 128, tp)
         assert (spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.scale) == (heads, 1, 32, 16 ** -0.5)
+        assert spec.values_are_keys
         cache = mla.kv_cache_spec(torch.float32, 128, tp)
-        # the latent and rotary key as one KV head's key and value, whole on every rank
-        assert (cache.num_kv_heads, cache.head_dim, cache.bytes_per_token) == (1, 32, 2 * 2 * 32 * 4)
+        # the latent and rotary key once, as one KV head whose values are its keys, whole on every rank
+        assert (cache.num_kv_heads, cache.head_dim, cache.bytes_per_token) == (1, 32, 2 * 32 * 4)
     qlora = shape("deepseek-v2-qlora")
     assert qlora.linear_shapes(2)["self_attn.q_b_proj"] == (2 * 16, 24)
     assert qlora.layer_parameters == (24 * 64 + 4 * 16 * 24 + 24 * 64 + 4 * 16 * 16 + 64 * 4 * 8 + 3 * 64 * 128
@@ -188,6 +189,37 @@ def test_deepseek_v2_on_attention_auto_takes_a_backend_for_its_latent_head(tmp_p
 
     folder = tiny_checkpoint(tmp_path / "qlora", "deepseek-v2-qlora")
     assert_engine_matches_transformers(folder, ["attention=auto"], max_tokens=8)
+
+
+@pytest.mark.parametrize("attention", ["naive", "cpu"])
+def test_deepseek_v2_caches_each_latent_once(tmp_path, attention):
+    """The pool is sized by the latent's own bytes: each layer's cache tensor holds keys
+    alone (the values are read out of them), so a budget holds twice the blocks of a
+    key-and-value layout of the same width; a long generation still matches transformers."""
+    from servelab.testing import assert_engine_matches_transformers
+
+    folder = tiny_checkpoint(tmp_path / "mla", "deepseek-v2")
+    budget = 200_000
+    llm = LLM("local", overrides=[f"model.path={folder}", "model.dtype=float32", f"cache.memory_bytes={budget}"],
+              attention=attention)
+    engine = llm.engine
+    latent, layers = engine.shape.latent, engine.shape.num_layers
+    block_bytes = layers * latent.cached_width * 4 * engine.cache.block_size  # one latent head, float32
+    assert engine.cache.num_blocks == budget // block_bytes
+    assert {cache.numel() * 4 for cache in engine.executor.kv_caches} == {budget // block_bytes * block_bytes // layers}
+    llm.shutdown()
+    assert_engine_matches_transformers(folder, [f"attention={attention}", f"cache.memory_bytes={budget}"],
+                                       prompts=mixed_prompts(257, (40, 70)), max_tokens=24)
+
+
+def test_latent_attention_is_refused_with_a_backend_that_reads_values_apart(tmp_path, monkeypatch):
+    from servelab.plugins.attention.naive import NaiveAttention
+
+    folder = tiny_checkpoint(tmp_path / "mla", "deepseek-v2")
+    monkeypatch.setattr(NaiveAttention, "reads_values_from_keys", False)
+    with pytest.raises(ConfigError, match=r"attention=naive does not read values out of the keys, as "
+                                          r"DeepseekV2ForCausalLM's latent attention caches them"):
+        LLM("local", overrides=[f"model.path={folder}"], attention="naive")
 
 
 MIXTURES = ("mixtral", "qwen2-moe", "qwen3-moe", "deepseek-v2-moe", "deepseek-v3")

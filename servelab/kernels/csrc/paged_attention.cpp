@@ -40,7 +40,17 @@ struct AttentionScratch {
   std::vector<Segment> segments;
   std::vector<int64_t> value_offsets;  // element offset of each span position's value row
   std::vector<float> value_scales;     // each span position's value scale (quantized caches)
+  std::vector<float> key_rows;         // the span's keys row-major, as values (values are keys)
 };
+
+// The keys of slots [slot, slot + length) of a key tile as float32 rows of D at `rows`: a
+// cache whose values are its keys gives them to the value loop this way.
+template <typename C>
+inline void key_rows_of(const C* tile, int64_t slot, int64_t length, int64_t block_size, int64_t head_dim,
+                        float* rows) {
+  for (int64_t d = 0; d < head_dim; ++d)
+    for (int64_t l = 0; l < length; ++l) rows[l * head_dim + d] = to_float(tile[key_offset<C>(d, slot + l, block_size)]);
+}
 
 // Turns the scores of `vectors` query vectors into softmax weights over the span (online:
 // running max and sum per vector), rescaling what `acc` holds when the max grows.
@@ -79,7 +89,8 @@ inline void softmax_span(AttentionScratch& s, int64_t vectors, int64_t count, in
 }
 
 // Queries and outputs of T, a cache of C (T, or int8 / float8_e4m3fn with scales: key
-// scales multiply the scores, value scales the softmax weights).
+// scales multiply the scores, value scales the softmax weights). A cache of keys alone
+// (values are keys) gives each span's keys to the value loop as float32 rows.
 template <typename T, typename C>
 void paged_attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
                             const at::Tensor& block_table, const at::Tensor& query_start_loc,
@@ -95,9 +106,12 @@ void paged_attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tens
   const int64_t out_row_stride = out.stride(0);
   const int64_t out_head_stride = out.stride(1);
   const int64_t part = part_elements<C>(block_size, head_dim);
-  const int64_t block_stride = num_kv_heads * 2 * part;
+  const int64_t parts = kv_cache.size(2);
+  const bool values_are_keys = parts == 1;
+  const int64_t block_stride = num_kv_heads * parts * part;
   const int64_t table_stride = block_table.stride(0);
   const AccumulateFn<C> accumulate = accumulate_loop<C>(head_dim / kLanes);
+  const AccumulateFn<float> accumulate_rows = accumulate_loop<float>(head_dim / kLanes);
   // bfloat16 keys in pairs are scored by pair dot products of the unscaled bfloat16 query.
   constexpr bool kPairScores = kBf16KeyPairs && std::is_same_v<C, c10::BFloat16>;
 
@@ -118,9 +132,10 @@ void paged_attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tens
   }
 
 #ifdef SERVELAB_AMX
-  // Runs of 16 positions need blocks of whole tile rows; up to 16 query vectors per tile.
+  // Runs of 16 positions need blocks of whole tile rows; up to 16 query vectors per tile;
+  // a short run reads on into the value tile, which a cache of keys alone does not have.
   const bool use_tile_unit = kPairScores && block_size % 16 == 0 && head_dim % (2 * kTilePairs) == 0 &&
-                           group <= 16 && amx_available();
+                           group <= 16 && !values_are_keys && amx_available();
 #endif
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
 #ifdef SERVELAB_AMX
@@ -129,6 +144,7 @@ void paged_attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tens
     AttentionScratch s;
     s.value_offsets.resize(kSpan);
     if constexpr (kQuantized<C>) s.value_scales.resize(kSpan);
+    if (values_are_keys) s.key_rows.resize(kSpan * head_dim);
     s.keys.resize(head_dim * kLanes);
     const Vec scale_vec(static_cast<float>(scale));
     for (int64_t w = begin; w < end; ++w) {
@@ -162,8 +178,8 @@ void paged_attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tens
       const int64_t lowest = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
       const int64_t tree_begin = tree_lens != nullptr ? lens[item.request] - tree_lens[item.request] : last_pos + 1;
       const int32_t* blocks = table + item.request * table_stride;
-      const C* key_tiles = cache + item.kv_head * 2 * part;
-      const C* value_tiles = key_tiles + part;
+      const C* key_tiles = cache + item.kv_head * parts * part;
+      const C* value_tiles = values_are_keys ? key_tiles : key_tiles + part;
 
       for (int64_t span_begin = lowest; span_begin <= last_pos; span_begin += kSpan) {
         const int64_t count = std::min(kSpan, last_pos + 1 - span_begin);
@@ -174,8 +190,14 @@ void paged_attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tens
           const int64_t length = std::min(block_size - slot, count - t);
           const int64_t block = blocks[pos / block_size];
           s.segments.push_back({block, slot, length, t});
-          for (int64_t l = 0; l < length; ++l)
-            s.value_offsets[t + l] = block * block_stride + (slot + l) * head_dim;
+          if (values_are_keys) {
+            key_rows_of(key_tiles + block * block_stride, slot, length, block_size, head_dim,
+                        s.key_rows.data() + t * head_dim);
+            for (int64_t l = 0; l < length; ++l) s.value_offsets[t + l] = (t + l) * head_dim;
+          } else {
+            for (int64_t l = 0; l < length; ++l)
+              s.value_offsets[t + l] = block * block_stride + (slot + l) * head_dim;
+          }
           if constexpr (kQuantized<C>) {
             const float* scales = tile_scales(value_tiles + block * block_stride, block_size, head_dim) + slot;
             std::copy(scales, scales + length, s.value_scales.data() + t);
@@ -225,7 +247,11 @@ void paged_attention_kernel(at::Tensor& out, const at::Tensor& q, const at::Tens
           for (int64_t j = 0; j < vectors; ++j)
             for (int64_t t = 0; t < count; ++t) s.scores[j * kSpan + t] *= s.value_scales[t];
         }
-        accumulate(value_tiles, s.value_offsets.data(), count, s.scores.data(), vectors, s.acc.data());
+        if (values_are_keys) {
+          accumulate_rows(s.key_rows.data(), s.value_offsets.data(), count, s.scores.data(), vectors, s.acc.data());
+        } else {
+          accumulate(value_tiles, s.value_offsets.data(), count, s.scores.data(), vectors, s.acc.data());
+        }
       }
       for (int64_t j = 0; j < vectors; ++j) {
         const int64_t i = j / group, g = j % group;

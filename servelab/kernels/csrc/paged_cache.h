@@ -23,6 +23,10 @@ namespace {
 // one 32-bit lane holds a position's two dimensions, the operand of a bfloat16 pair dot
 // product (vdpbf16ps), which scores 16 positions over two dimensions in one instruction.
 
+// A cache whose values are its keys (latent attention: AttentionSpec.values_are_keys) is
+// kv_cache[num_blocks, Hkv, 1, block_size * D]: each (block, KV head) holds its key tile
+// alone, and paged_attention reads the values out of it.
+
 // A quantized cache (cache.kv_dtype int8 or fp8_e4m3) holds one-byte values, and each tile
 // is followed by its block_size float32 scales, one per slot: a (block, KV head) is [key
 // tile][key scales][value tile][value scales], value = stored value * its slot's scale.
@@ -115,10 +119,11 @@ inline int64_t key_offset(int64_t d, int64_t slot, int64_t block_size) {
 // Fails naming `op` unless kv_cache has this layout for num_kv_heads heads of head_dim.
 void check_cache(const at::Tensor& kv_cache, int64_t num_kv_heads, int64_t head_dim, const char* op) {
   const int64_t row = head_dim + (quantized_cache(kv_cache) ? kScaleBytes : 0);
-  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.size(1) == num_kv_heads && kv_cache.size(2) == 2 &&
-                  kv_cache.is_contiguous() && kv_cache.size(3) % row == 0,
+  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.size(1) == num_kv_heads &&
+                  (kv_cache.size(2) == 2 || kv_cache.size(2) == 1) && kv_cache.is_contiguous() &&
+                  kv_cache.size(3) % row == 0,
               op, ": kv_cache must be a contiguous [blocks, Hkv, 2, block_size * D] tensor "
-              "([blocks, Hkv, 2, block_size * (D + 4)] when int8 or float8_e4m3fn)");
+              "([blocks, Hkv, 1, ...] when values are keys; block_size * (D + 4) when int8 or float8_e4m3fn)");
 }
 
 }  // namespace

@@ -14,7 +14,8 @@ namespace {
 
 // Stores k, v [T, Hkv, D] at their slots (block * block_size + offset; negative: skipped)
 // in the tiled layout of C: keys transposed per (block, head) (in pairs: key_offset), values
-// row-major; a quantized cache also gets each (slot, head)'s key and value scales.
+// row-major (none in a cache of keys alone); a quantized cache also gets each (slot,
+// head)'s key and value scales.
 template <typename T, typename C>
 void write_kv_cache_kernel(at::Tensor& kv_cache, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots) {
   const int64_t tokens = k.size(0);
@@ -22,7 +23,8 @@ void write_kv_cache_kernel(at::Tensor& kv_cache, const at::Tensor& k, const at::
   const int64_t head_dim = k.size(2);
   const int64_t block_size = cache_block_size(kv_cache, head_dim);
   const int64_t part = part_elements<C>(block_size, head_dim);
-  const int64_t block_stride = num_kv_heads * 2 * part;
+  const int64_t parts = kv_cache.size(2);
+  const int64_t block_stride = num_kv_heads * parts * part;
   const int64_t* slot_data = slots.data_ptr<int64_t>();
   const T* k_data = k.data_ptr<T>();
   const T* v_data = v.data_ptr<T>();
@@ -36,16 +38,17 @@ void write_kv_cache_kernel(at::Tensor& kv_cache, const at::Tensor& k, const at::
       for (int64_t h = 0; h < num_kv_heads; ++h) {
         const T* key = k_data + t * k.stride(0) + h * k.stride(1);
         const T* value = v_data + t * v.stride(0) + h * v.stride(1);
-        C* key_tile = cache + block * block_stride + h * 2 * part;
+        C* key_tile = cache + block * block_stride + h * parts * part;
         C* value_tile = key_tile + part;
         if constexpr (kQuantized<C>) {
           tile_scales(key_tile, block_size, head_dim)[offset] = quantize_row(
               key, head_dim, key_tile, [&](int64_t d) { return key_offset<C>(d, offset, block_size); });
-          tile_scales(value_tile, block_size, head_dim)[offset] =
-              quantize_row(value, head_dim, value_tile + offset * head_dim, [](int64_t d) { return d; });
+          if (parts == 2)
+            tile_scales(value_tile, block_size, head_dim)[offset] =
+                quantize_row(value, head_dim, value_tile + offset * head_dim, [](int64_t d) { return d; });
         } else {
           for (int64_t d = 0; d < head_dim; ++d) key_tile[key_offset<C>(d, offset, block_size)] = key[d];
-          std::copy(value, value + head_dim, value_tile + offset * head_dim);
+          if (parts == 2) std::copy(value, value + head_dim, value_tile + offset * head_dim);
         }
       }
     }
