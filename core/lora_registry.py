@@ -7,7 +7,7 @@ unloaded finishes with it; new requests for the name are refused."""
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from typing import Any, Callable
 
 from servelab.core.errors import ConfigError, InvalidRequestError
 from servelab.core.lora_adapter import LoRAAdapter, adapter_from_peft
@@ -60,13 +60,20 @@ class LoRARegistry:
         against the model and register it as ``name``; ``InvalidRequestError`` naming the
         field when it cannot be served (the name taken, not in the store, not an adapter,
         a rank above ``max_rank``, modules the model lacks or of other shapes)."""
+        return self.register(name, lambda load_id: adapter_from_peft(
+            name, self.store.fetch(name, None if path is None else str(path)), self.max_rank, load_id))
+
+    def register(self, name: str, build: Callable[[int], LoRAAdapter]) -> LoRAAdapter:
+        """Register as ``name`` the adapter ``build(load_id)`` makes (``load``: read from the
+        store; the simulator's adapters without weights), checked against the model;
+        ``InvalidRequestError`` naming the field when the name is taken or the adapter
+        cannot be served."""
         if not isinstance(name, str) or not name.strip():
             raise InvalidRequestError("lora_name", f"must be a non-empty string, got {name!r}")
         if name in self.adapters:
             raise InvalidRequestError("lora_name", f"an adapter named {name!r} is already loaded "
                                                    f"({self.adapters[name].path}); unload it first")
-        stored = self.store.fetch(name, None if path is None else str(path))
-        adapter = adapter_from_peft(name, stored, self.max_rank, next(self._load_ids))
+        adapter = build(next(self._load_ids))
         self.executor.add_lora(adapter)
         self.adapters[name] = adapter
         return adapter

@@ -18,7 +18,7 @@ Either way an adapter that is not in a slot is copied from host memory first
 (``CostModel.adapter_load_time``: the hardware's host link) and the paging counters are
 the model executor's (``LoRAStats``: hits, loads, load seconds, split steps).
 
-Adapters without weights (``shape_only_adapters``) are what a simulated benchmark serves
+Adapters without weights (``register_shape_only``) are what a simulated benchmark serves
 (``workload.num_adapters``, docs/bench.md): their modules are meta tensors of the model's
 projection shapes, so the engine registers and checks them like adapters read from PEFT.
 """
@@ -57,16 +57,12 @@ def model_projections(shape: ModelShape) -> tuple[str, ...]:
     return tuple(present)
 
 
-def shape_only_adapters(shape: ModelShape, names: Sequence[str], ranks: Sequence[int], projections: Sequence[str],
-                        first_load_id: int) -> list[LoRAAdapter]:
-    """Adapters ``names[i]`` of rank ``ranks[i % len(ranks)]`` on ``projections`` of every
-    decoder layer of ``shape``, their ``A`` and ``B`` meta tensors (no storage), load ids
-    from ``first_load_id``; ``ConfigError`` naming the field for a rank below 1 or a
-    projection the model lacks."""
+def shape_only_modules(shape: ModelShape, rank: int, projections: Sequence[str]) -> tuple[LoRAModule, ...]:
+    """The modules of an adapter of ``rank`` on ``projections`` of every decoder layer of
+    ``shape``, their ``A`` and ``B`` meta tensors (no storage); ``ConfigError`` naming the
+    field for a rank below 1 or a projection the model lacks."""
     widths = Widths.of(shape, 1, 2.0, 2.0, 2.0)
-    problems = [f"workload.adapter_ranks: {rank} is not a rank (1 or more)" for rank in ranks if rank < 1]
-    if not ranks:
-        problems.append("workload.adapter_ranks must list at least one rank")
+    problems = [] if rank >= 1 else [f"workload.adapter_ranks: {rank} is not a rank (1 or more)"]
     for name in projections:
         try:
             projection_features(name, widths)
@@ -74,19 +70,14 @@ def shape_only_adapters(shape: ModelShape, names: Sequence[str], ranks: Sequence
             problems.append(f"workload.adapter_projections: {exc}")
     if problems:
         raise ConfigError(problems)
-    modules: dict[int, tuple[LoRAModule, ...]] = {}
-    for rank in set(ranks):
-        parts = []
-        for layer in range(shape.num_layers):
-            for name in projections:
-                inputs, outputs = projection_features(name, widths)
-                block = "self_attn" if name in ATTENTION_PROJECTIONS else "mlp"
-                parts.append(LoRAModule(f"model.layers.{layer}.{block}.{name}",
-                                        torch.empty(rank, inputs, device="meta"),
-                                        torch.empty(outputs, rank, device="meta")))
-        modules[rank] = tuple(parts)
-    return [LoRAAdapter(name, f"shape-only:r{ranks[i % len(ranks)]}", first_load_id + i,
-                        modules[ranks[i % len(ranks)]]) for i, name in enumerate(names)]
+    modules = []
+    for layer in range(shape.num_layers):
+        for name in projections:
+            inputs, outputs = projection_features(name, widths)
+            block = "self_attn" if name in ATTENTION_PROJECTIONS else "mlp"
+            modules.append(LoRAModule(f"model.layers.{layer}.{block}.{name}", torch.empty(rank, inputs, device="meta"),
+                                      torch.empty(outputs, rank, device="meta")))
+    return tuple(modules)
 
 
 class SimulatedLoRA(LoRASlotTable):
@@ -116,8 +107,8 @@ class SimulatedLoRA(LoRASlotTable):
         projections = {module.name.rsplit(".", 1)[-1] for module in adapter.modules}
         unknown = sorted(projections.difference(self.projections))
         if unknown:
-            raise InvalidRequestError("target_modules", f"adapter {adapter.name!r} adapts {', '.join(unknown)}, "
-                                                        f"not projections of this model ({', '.join(self.projections)})")
+            raise InvalidRequestError("target_modules", f"adapter {adapter.name!r} adapts {', '.join(unknown)}, not "
+                                                        f"projections of this model ({', '.join(self.projections)})")
         self.works[adapter.load_id] = (adapter.rank, tuple(p for p in PROJECTIONS if p in projections))
 
     def remove(self, adapter: LoRAAdapter) -> None:
@@ -178,20 +169,21 @@ class SimulatedLoRA(LoRASlotTable):
 
 
 def register_shape_only(engine: Any, names: Sequence[str], ranks: Sequence[int], projections: Sequence[str]) -> None:
-    """Register ``shape_only_adapters`` with a simulated ``engine`` under ``names``
-    (``ConfigError`` naming the field when the engine serves no adapters, runs a model,
-    or a rank is above ``lora.max_rank``)."""
+    """Register adapters without weights with a simulated ``engine``: ``names[i]`` of rank
+    ``ranks[i % len(ranks)]`` on ``projections`` of every layer (``shape_only_modules``,
+    shared by the adapters of one rank). ``ConfigError`` naming the field when the engine
+    serves no adapters or runs a model, or a rank is above ``lora.max_rank``."""
     registry = engine.lora
     if registry is None or not isinstance(getattr(engine.executor, "lora", None), SimulatedLoRA):
         raise ConfigError(["workload.num_adapters: adapters without weights are served by executor=simulated with "
                            "lora.enabled=true (a real run names loaded adapters in workload.adapters)"])
+    if not ranks:
+        raise ConfigError(["workload.adapter_ranks must list at least one rank"])
     too_large = sorted({rank for rank in ranks if rank > registry.max_rank})
     if too_large:
         raise ConfigError([f"workload.adapter_ranks: {too_large} above lora.max_rank={registry.max_rank}"])
-    first = next(registry._load_ids)
-    adapters = shape_only_adapters(engine.executor.context.shape, names, ranks, projections, first)
-    for adapter in adapters:
-        if adapter.load_id != first:
-            next(registry._load_ids)
-        engine.executor.add_lora(adapter)
-        registry.adapters[adapter.name] = adapter
+    modules = {rank: shape_only_modules(engine.executor.context.shape, rank, projections) for rank in set(ranks)}
+    for i, name in enumerate(names):
+        rank = ranks[i % len(ranks)]
+        registry.register(name, lambda load_id, rank=rank, name=name: LoRAAdapter(
+            name, f"shape-only:r{rank}", load_id, modules[rank]))
