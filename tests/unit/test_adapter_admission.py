@@ -33,6 +33,7 @@ class LendingPool:
 
     def __init__(self, num_blocks: int):
         self.pool = BlockPool(num_blocks)
+        self.num_blocks = num_blocks
 
     def lend_blocks(self, count: int) -> list[int] | None:
         return self.pool.take(count)
