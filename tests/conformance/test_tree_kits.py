@@ -1,5 +1,6 @@
-"""The decoding kit over the built-in strategies' token trees: a static draft-model tree,
-an n-gram tree of three matches and a dynamic EAGLE-2 tree from an EAGLE-style head."""
+"""The decoding kit over the built-in strategies' token trees: a static draft-model tree
+and an n-gram tree of three matches (decoding=eagle drafts trees in every kit run:
+its chain is the one-child tree; tests/e2e/test_eagle.py runs its dynamic and static trees)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,8 @@ from servelab.testing import DecodingConformance
 
 
 class TestTreeDecodingStrategies(DecodingConformance):
-    """decoding=speculative with a static tree, decoding=ngram with branches, decoding=eagle
-    with a dynamic tree."""
+    """decoding=speculative with a static tree, decoding=ngram with branches."""
 
-    names = ("speculative", "ngram", "eagle")
+    names = ("speculative", "ngram")
     overrides = {"speculative": ("decoding.draft_path={checkpoint}", "decoding.tree=[[0],[1],[0,0],[0,1],[0,0,0]]"),
-                 "ngram": ("decoding.branches=3",),
-                 "eagle": ("decoding.tree_nodes=6", "decoding.tree_depth=3", "decoding.tree_top_k=2")}
+                 "ngram": ("decoding.branches=3",)}
