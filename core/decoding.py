@@ -60,8 +60,8 @@ class HiddenStates:
     the tokens one step kept, for a strategy that sets ``reads_hidden_states``.
 
     ``requests[i]``'s kept tokens sit at positions ``first_positions[i]`` ..
-    ``first_positions[i] + counts[i] - 1``, their states at rows ``sum(counts[:i])`` on of
-    ``states`` [sum(counts), hidden]: every token the step ran for the request (a prefill
+    ``first_positions[i] + counts[i] - 1``, their states in ``states`` [sum(counts),
+    hidden] from row ``sum(counts[:i])`` on: every token the step ran for the request (a prefill
     chunk's, a decode step's last token) and the drafts it kept (a tree's kept path, root
     to leaf). The token sampled last has none yet: the next step runs it.
     """
