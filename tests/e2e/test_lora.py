@@ -179,8 +179,6 @@ def test_refusals_at_start_up(lora_setup, tmp_path):
     (folder / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
     with pytest.raises(ConfigError, match=r"lora.adapters.d: use_dora: .* DoRA adapters are not supported"):
         LLM(lora_setup["base"], overrides=["device=cpu", f"lora.adapters={{d: '{folder}'}}"])
-    with pytest.raises(ConfigError, match="lora: SimulatedExecutor does not serve LoRA adapters"):
-        LLM(lora_setup["base"], overrides=["device=cpu", "executor=simulated", "lora.enabled=true"])
     with pytest.raises(InvalidRequestError, match="this engine serves no LoRA adapters") as refused:
         LLM(lora_setup["base"], overrides=["device=cpu"]).generate([[1, 2, 3]], lora="a")
     assert refused.value.field == "lora"
@@ -271,6 +269,14 @@ def test_prompt_logprobs_and_parallel_sequences_survive_split_steps(lora_setup):
     for split, whole in zip(runs[0], runs[1]):
         for a, b in zip(split, whole):
             assert a is None or a == pytest.approx(b, abs=1e-5)
+
+
+def test_a_simulated_engine_serves_peft_adapters(lora_setup):
+    """executor=simulated pages a PEFT adapter into its slots and prices it (tests/sim/test_lora_sim.py)."""
+    llm = LLM(lora_setup["base"], overrides=["device=cpu", "executor=simulated", "cost_model=roofline",
+                                             f"lora.adapters={{a: '{lora_setup['folders']['a']}'}}"])
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False, lora="a")
+    assert len(out[0].outputs[0].token_ids) == 2 and llm.engine.executor.lora_stats().misses == 1
 
 
 def test_shutdown_releases_adapters_and_slots(lora_setup):
