@@ -7,7 +7,9 @@ pass is replaced by its price. Requests get random tokens, so they end at their
 speculative strategies keep drafts at their ``simulated_acceptance_rate`` and the draft
 model's passes are priced too; token trees (and chains, given ``tree_acceptance``) keep
 the path drawn from a per-depth, per-rank acceptance table (``TreeAcceptance``), and a
-tree of N nodes is verified, and priced, as N tokens. With
+tree of N nodes is verified, and priced, as N tokens. LoRA adapters are paged through
+slots as the model executor pages them and priced by the cost model, batched or merged
+one at a time (``simulated_lora.py``). With
 ``parallel.pipeline_parallel_size`` M, up to M steps are in flight, each stage busy for
 its share of every step.
 """
