@@ -331,24 +331,40 @@ class ExpertWeights(nn.Module):
         return [f"layer {self.layer} expert {e} {part}" for e in range(self.total_experts) for part in PROJECTIONS
                 if (e, part) not in self.loaded]
 
+    def fused_kernel_runs(self) -> bool:
+        """True when ``fused`` can run these experts: float, or int8 with float activations."""
+        return not (self.quantized and self.gate_up_proj.int8_activations)
+
+    def fused(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """``forward``'s result through the Triton ``fused_moe`` kernel (int8 experts
+        multiplied as stored, with their row scales; under expert parallelism this rank's
+        experts only)."""
+        from servelab.kernels.fused_moe import fused_moe
+
+        stacked = (self.gate_up_proj, self.down_proj)
+        if self.quantized:
+            matrices = tuple(w.qweight.unflatten(0, (self.num_experts, -1)) for w in stacked)
+            scales = tuple(w.scales.unflatten(0, (self.num_experts, -1)) for w in stacked)
+        else:
+            matrices, scales = tuple(w.weight.unflatten(0, (self.num_experts, -1)) for w in stacked), None
+        return fused_moe(x, *matrices, weights.float().contiguous(), experts,
+                         lambda gate_up: gated_activation(gate_up, self.act, self.fused_silu),
+                         check_expert_ids=False, first_expert=self.held.start if self.sharded else None,
+                         scales=scales)
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden]; weights, experts: [T, top_k] -> the weighted sum of each token's
         experts' outputs [T, hidden] (this rank's partial sum under tensor or expert
         parallelism: under expert parallelism the pairs routed to its experts only); the
-        Triton ``fused_moe`` kernel on CUDA when triton is installed (not yet under expert
-        parallelism or with int8 experts, which take the generic path). Every pair of the step, this rank's
-        experts' or not, is added to ``routed`` (pairs per expert since the model was built,
-        ``routed_pairs``)."""
+        Triton ``fused_moe`` kernel on CUDA when triton is installed (float or int8 experts,
+        under expert parallelism too; w8a8's int8 activations take the generic path). Every
+        pair of the step, this rank's experts' or not, is added to ``routed`` (pairs per
+        expert since the model was built, ``routed_pairs``)."""
         flat = experts.flatten()
         routed = torch.bincount(flat, minlength=self.total_experts)
         self.routed += routed
-        if x.device.type == "cuda" and not (self.sharded or self.quantized) and triton_unavailable_reason() is None:
-            from servelab.kernels.fused_moe import fused_moe
-
-            return fused_moe(x, self.gate_up_proj.weight.unflatten(0, (self.num_experts, -1)),
-                             self.down_proj.weight.unflatten(0, (self.num_experts, -1)), weights, experts,
-                             lambda gate_up: gated_activation(gate_up, self.act, self.fused_silu),
-                             check_expert_ids=False)
+        if x.device.type == "cuda" and self.fused_kernel_runs() and triton_unavailable_reason() is None:
+            return self.fused(x, weights, experts)
         top_k = experts.shape[1]
         if self.sharded:  # only the pairs routed to this rank's experts
             pairs = ((flat >= self.held.start) & (flat < self.held.stop)).nonzero().squeeze(1)

@@ -127,3 +127,59 @@ def test_rejects_bad_arguments(moe, device):
     for override, message in bad:
         with pytest.raises(ValueError, match=message):
             moe.fused_moe(**{**inputs, **override})
+
+
+def test_expert_parallel_ranks_add_up_to_every_expert(moe, device, close):
+    """Under expert parallelism each rank passes its own experts (``first_expert``) and the
+    step's pairs as routed; pairs of other ranks' experts add nothing, so the ranks' sums
+    add up to the whole layer, a rank whose experts got no pair included."""
+    ids = torch.tensor([[0, 2], [1, 0], [2, 1], [0, 1], [2, 0]] * 4)  # experts 3-5 get none
+    inputs = make_inputs(20, 32, 48, 6, 2, torch.float32, device, ids)
+    parts = [moe.fused_moe(**{**inputs, "gate_up": inputs["gate_up"][held], "down": inputs["down"][held]},
+                           first_expert=held.start)
+             for held in (range(0, 2), range(2, 4), range(4, 6))]
+    assert not parts[2].any()
+    close(sum(parts), fused_moe_reference(**inputs))
+
+
+def test_int8_experts_match_the_dequantized_reference(moe, device, close):
+    """int8 experts with one scale per row (``quantize_int8`` per expert), as moe.py
+    stores them, equal the reference over the dequantized weights."""
+    from servelab.kernels.quantized_weights import dequantize_int8, quantize_int8
+
+    inputs = make_inputs(13, 48, 32, 4, 2, torch.float32, device)
+    quantized = {name: [quantize_int8(w) for w in inputs[name]] for name in ("gate_up", "down")}
+    stacked = {name: torch.stack([q for q, _ in pairs]) for name, pairs in quantized.items()}
+    scales = tuple(torch.stack([s for _, s in quantized[name]]) for name in ("gate_up", "down"))
+    dequantized = {name: torch.stack([dequantize_int8(q, s, torch.float32) for q, s in pairs])
+                   for name, pairs in quantized.items()}
+    out = moe.fused_moe(**{**inputs, **stacked}, scales=scales)
+    close(out, fused_moe_reference(**{**inputs, **dequantized}))
+    with pytest.raises(ValueError, match="gate_up must be int8 with scales"):
+        moe.fused_moe(**inputs, scales=scales)
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_moe_block_takes_the_kernel_under_expert_parallelism(moe, device, close, quantized):
+    """ExpertWeights.fused (the CUDA path) of one expert-parallel rank, float or int8,
+    gives what the module's CPU path gives for that rank."""
+    from servelab.core.model import ModelParallel
+    from servelab.core.quantization import WeightQuantization
+    from servelab.plugins.models.moe import ExpertLayout, ExpertWeights
+    from servelab.plugins.models.routing import Routing
+
+    layout = ExpertLayout(num_experts=6, routing=Routing(top_k=2, normalize=True), intermediate_size=40,
+                          sparse_layers=(0,))
+    experts = ExpertWeights(layout, 32, ModelParallel(tp_rank=1, tp_size=2, expert_parallel=True), 0, F.silu, True)
+    if quantized:
+        experts.quantize_weights(WeightQuantization(bits=8, group_size=-1))
+    assert experts.fused_kernel_runs()
+    with torch.no_grad():
+        for param in experts.parameters():
+            param.copy_(torch.randint(-127, 128, param.shape) if param.dtype == torch.int8
+                        else torch.rand(param.shape) * (0.01 if quantized else 0.4) - (0 if quantized else 0.2))
+        x = torch.randn(10, 32)
+        weights, chosen = torch.rand(10, 2), torch.stack([torch.randperm(6)[:2] for _ in range(10)])
+        expected = experts(x, weights, chosen)
+        got = experts.to(device).fused(x.to(device), weights.to(device), chosen.to(device))
+    close(got, expected)
