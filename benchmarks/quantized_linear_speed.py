@@ -1,4 +1,4 @@
-"""Time per call of one linear layer with float32, int8 weight-only and int8 x int8
+"""Time per call of one linear layer with float32, int8 and int4 weight-only and int8 x int8
 (weights and dynamically quantized activations) matmuls, at the 0.5B model's layer shapes.
 
 Each method cycles through enough copies of the layer that their weights (float32:
@@ -12,8 +12,9 @@ moment. Prints a markdown table of the median ms per call (and ratios to float32
 Methods: ``float32`` servelab's ``Linear`` (float32 weights in ``float_linear``'s blocked
 layout), ``int8`` servelab's weight-only kernel (``torch.ops.servelab_cpu.int8_linear``),
 ``w8a8`` servelab's int8 x int8 kernel (``w8a8_linear``: activations quantized per row),
-``dynamic`` torch's quantized ``linear_dynamic`` (x86 engine: activations quantized per
-tensor, int8 dot products).
+``int4`` servelab's weight-only int4 kernel (``int4_linear``, groups of 128), ``dynamic``
+torch's quantized ``linear_dynamic`` (x86 engine: activations quantized per tensor, int8
+dot products).
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ import time
 import torch
 
 from servelab.plugins.models.linear import Linear
+from servelab.kernels.int4_cpu import int4_linear, pack_int4_blocks
 from servelab.kernels.quantized_cpu import int8_linear, pack_int8
-from servelab.kernels.quantized_weights import quantize_int8
+from servelab.kernels.quantized_weights import quantize_int4, quantize_int8
 from servelab.kernels.w8a8_cpu import pack_w8a8, w8a8_linear
 
 SHAPES = ((4864, 896), (896, 4864), (896, 896), (128, 896))
@@ -37,7 +39,7 @@ CACHE_BYTES = 96 << 20
 def methods(out_features: int, in_features: int, copies: int) -> dict[str, list]:
     """Per method, ``copies`` callables x -> y over independent copies of one random layer."""
     torch.manual_seed(0)
-    result: dict[str, list] = {"float32": [], "int8": [], "w8a8": [], "dynamic": []}
+    result: dict[str, list] = {"float32": [], "int8": [], "w8a8": [], "int4": [], "dynamic": []}
     for _ in range(copies):
         weight = torch.randn(out_features, in_features) * 0.02
         linear = Linear(in_features, out_features, bias=False)
@@ -48,6 +50,8 @@ def methods(out_features: int, in_features: int, copies: int) -> dict[str, list]
         packed, padded_scales = pack_int8(qweight, scales)
         result["int8"].append(lambda x, p=packed, s=padded_scales: int8_linear(x, p, s, out_features))
         result["w8a8"].append(lambda x, p=pack_w8a8(qweight, scales): w8a8_linear(x, *p, out_features))
+        packed4 = pack_int4_blocks(*quantize_int4(weight, 128))
+        result["int4"].append(lambda x, p=packed4: int4_linear(x, *p, out_features))
         qtensor = torch._make_per_channel_quantized_tensor(qweight, scales.double(),
                                                            torch.zeros(out_features, dtype=torch.long), 0)
         prepacked = torch.ops.quantized.linear_prepack(qtensor, None)
@@ -91,9 +95,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9)
     args = parser.parse_args()
     torch.backends.quantized.engine = "x86"
-    print("| threads | layer N x K | M | float32 ms | int8 ms | w8a8 ms | dynamic ms | int8 speed-up | w8a8 speed-up "
-          "| dynamic speed-up |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| threads | layer N x K | M | float32 ms | int8 ms | w8a8 ms | int4 ms | dynamic ms | int8 speed-up "
+          "| w8a8 speed-up | int4 speed-up | dynamic speed-up |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for threads, out_features, in_features, rows, ms in timed_cases(SHAPES, methods, args.threads, args.rows,
                                                                      args.rounds):
         times = " | ".join(f"{value:.3f}" for value in ms.values())
