@@ -14,7 +14,8 @@
 //     registers and multiplied into up to kDirectRows rows with float32 FMAs; the sums of a
 //     group are scaled once at the group's end, sum_k x_k w_k = s * sum_k x_k q_k +
 //     m * sum_k x_k, with sum_k x_k computed once per row and group. One pass over the
-//     packed weight at memory speed.
+//     packed weight; on one core the widening (about seven vector instructions per 32
+//     weights), not memory, bounds it, near the read bandwidth.
 //   more rows (prefill, large batches): each tile's K slice (whole groups) is dequantized
 //     once into a float32 buffer in the core's cache, and the float32 register tile of
 //     blocked_tile.h multiplies every row with it, so dequantizing costs once per weight,
