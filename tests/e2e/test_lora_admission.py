@@ -14,12 +14,11 @@ from test_lora import assert_matches, lora_llm, lora_setup  # noqa: F401 (a fixt
 
 
 @pytest.mark.parametrize("overrides", [
-    ("scheduler=continuous", "scheduler.mix_prefill_decode=true"),
-    ("scheduler=chunked", "scheduler.token_budget=24"),
+    ("scheduler=continuous", "scheduler.mix_prefill_decode=true", "policy=priority"),
+    ("scheduler=chunked", "scheduler.token_budget=24", "policy=vtc"),
     ("scheduler=static", "scheduler.max_batch_size=4"),
     ("scheduler=dynamic", "scheduler.max_batch_size=3", "scheduler.max_wait_ms=0"),
-    ("scheduler=continuous", "policy=priority"),
-], ids=["continuous", "chunked", "static", "dynamic", "priority"])
+], ids=["continuous-priority", "chunked-vtc", "static", "dynamic"])
 def test_admission_keeps_each_step_within_the_slots(lora_setup, overrides):
     llm = lora_llm(lora_setup, "lora.max_adapters=1", *overrides)
     assert_matches(llm, lora_setup)
@@ -28,11 +27,10 @@ def test_admission_keeps_each_step_within_the_slots(lora_setup, overrides):
     assert llm.engine.adapter_admission.bypasses > 0
 
 
-@pytest.mark.parametrize("preemption", ["recompute", "swap"])
-def test_unified_pool_shares_the_kv_blocks_and_gives_every_page_back(lora_setup, preemption):
+def test_unified_pool_shares_the_kv_blocks_and_gives_every_page_back(lora_setup):
     llm = lora_llm(lora_setup, "lora.unified_pool=true", "lora.max_adapters=3", "cache.block_size=4",
                    "cache.num_blocks=72", "model.max_model_len=64", "cache.swap_space_bytes=1000000",
-                   f"scheduler.preemption={preemption}", "scheduler=chunked", "scheduler.token_budget=32")
+                   "scheduler.preemption=swap", "scheduler=chunked", "scheduler.token_budget=32")
     engine = llm.engine
     pool = engine.adapter_admission.pool
     assert_matches(llm, lora_setup)  # adapters' pages come from free KV blocks
@@ -41,6 +39,7 @@ def test_unified_pool_shares_the_kv_blocks_and_gives_every_page_back(lora_setup,
     llm.generate(lora_setup["prompts"] * 2, SamplingParams(max_tokens=10), use_tqdm=False)  # the base model's
     stats = pool.stats
     assert stats.pressure_evictions > 0 and engine.cache.lent_blocks == stats.blocks < held.blocks
+    assert engine.scheduler.num_preemptions > 0  # the pressure swapped requests out too
     assert engine.executor.lora_stats().split_steps == 0
     assert_no_leaked_blocks(llm)
     for name in list(engine.lora_adapters()):
