@@ -150,9 +150,8 @@ class DecodingConformance(EngineKit):
             observe(hidden)
 
         engine.strategy.observe_hidden_states = recorded
-        prompts = self.prompts(engine.vocab_size, LENGTHS[:4])
-        for i, prompt in enumerate(prompts):
-            engine.add_request(prompt * 2, SamplingParams(temperature=0.8 * (i % 2), seed=i, max_tokens=10,
+        for i, prompt in enumerate(self.prompts(engine.vocab_size, LENGTHS[:2])):
+            engine.add_request(prompt * 2, SamplingParams(temperature=0.8 * (i % 2), seed=i, max_tokens=8,
                                                           ignore_eos=True))
         for output in run_to_completion(engine):
             assert handed[output.request_id] >= len(output.prompt_token_ids) + len(output.outputs[0].token_ids) - 1

@@ -38,8 +38,8 @@ def test_head_gets_the_targets_last_hidden_states_of_kept_tokens(llama, head):
         observe(hidden)
 
     strategy.observe_hidden_states = recorded
-    prompts = mixed_prompts(llm.engine.vocab_size, lengths=(20, 5))
-    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    prompts = mixed_prompts(llm.engine.vocab_size, lengths=(15, 5))
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     model = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32).eval()
     for output in outputs:
         tokens = output.prompt_token_ids + output.outputs[0].token_ids
