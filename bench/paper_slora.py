@@ -20,10 +20,13 @@ from servelab.bench.report import render_markdown
 from servelab.bench.slo_goodput import setup_name
 
 GROUP = "experiment/slora_serving"
-PAPER = {5: (7.48, 0.74), 100: (7.29, 0.24), 1000: (6.69, None), 2000: (6.71, None)}
-"""S-LoRA's Table 4, setting S2 (Llama-7B, ranks 64/32/16/8, one A100-80GB): requests/s
-of S-LoRA and of HuggingFace PEFT (which swaps one adapter in at a time; None: out of
-memory) by number of adapters, as recalled from the paper (docs/results/papers.md)."""
+PAPER = {5: (7.485, 0.87), 100: (7.29, 0.243), 2000: (6.727, None)}
+"""S-LoRA's measurements behind its throughput table, setting S2 (Llama-7B, ranks
+64/32/16/8, one A100-80GB, 10 requests/s for 120 s): requests/s of S-LoRA and of
+HuggingFace PEFT (which swaps one adapter in at a time; None: not measured) by number of
+adapters, as the authors' repository publishes them (S-LoRA/S-LoRA,
+``benchmarks/paper/synthetic/slora/synthetic_num_adapters_a100-80_S2_slora_table.jsonl``
+and ``benchmarks/paper/peft/num_adapter_a100-80_S2_peft_fig3.jsonl``)."""
 
 
 def entries(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -61,8 +64,8 @@ class SLoRAReport(PaperReport):
         header = ["adapters", "batched req/s", "merged req/s", "batched / merged", "batched hit %", "batched load ms",
                   "merged hit %", "merged load ms", "paper: S-LoRA req/s", "paper: PEFT req/s"]
         body = [[e["adapters"], e["batched"], e["merged"], e["ratio"], _percent(e["batched_hit_rate"]),
-                 e["batched_load_ms"], _percent(e["merged_hit_rate"]), e["merged_load_ms"], e["paper_slora"],
-                 e["paper_peft"] if e["paper_peft"] is not None else "OOM"] for e in entries(rows)]
+                 e["batched_load_ms"], _percent(e["merged_hit_rate"]), e["merged_load_ms"],
+                 *("-" if e[key] is None else e[key] for key in ("paper_slora", "paper_peft"))] for e in entries(rows)]
         return render_markdown(header, body, "rrrrrrrrrr")
 
     def plot(self, rows: list[dict[str, Any]], path: Path) -> None:
