@@ -45,7 +45,7 @@ class AdapterAdmission:
         self.active: set[int] = set()
         self.bypasses = 0
         """Admissions that overtook the request the policy put first (counted over the run)."""
-        self._head: Request | None = None
+        self._head: str | None = None  # the request id the policy put first (no reference kept to it)
         self._head_bypassed = 0
 
     def start(self, holding: Iterable[Request]) -> None:
@@ -70,8 +70,8 @@ class AdapterAdmission:
         """The waiting request to admit next, or None when none may be now (the first
         one's adapter does not fit and it may be overtaken no more, or nothing fits)."""
         first = policy.pick(waiting) if policy is not None else waiting[0]
-        if first is not self._head:
-            self._head, self._head_bypassed = first, 0
+        if first.request_id != self._head:
+            self._head, self._head_bypassed = first.request_id, 0
         resident = self.resident()
         if self._head_bypassed >= self.max_bypass or self.costs_no_load(first, resident):
             chosen = first if self.fits(first) else None
