@@ -1,5 +1,5 @@
 // The AMX tile unit (Sapphire Rapids and later): whether this process may use it, and the
-// tile shape both attention ops use. Everything here exists only where SERVELAB_AMX is
+// tile shapes the attention and w8a8 ops use. Everything here exists only where SERVELAB_AMX is
 // defined (vec.h: built for AVX-512 with AMX-BF16).
 #pragma once
 
@@ -22,6 +22,17 @@ bool amx_available() {
     return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
   }();
   return available;
+}
+
+// Configures all eight tiles as 16 rows of 64 bytes, the shape every tile op here uses
+// (palette 1).
+inline void configure_full_tiles() {
+  static const struct alignas(64) {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+    uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+  } config;
+  _tile_loadconfig(&config);
 }
 
 }  // namespace

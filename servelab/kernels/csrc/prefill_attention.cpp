@@ -54,7 +54,7 @@ void causal_prefill_attention_amx(at::Tensor& out, const at::Tensor& q, const at
   for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
   sort_longest_first(order, lengths);
   share_in_turn(static_cast<int64_t>(order.size()) * num_kv_heads, [&](const auto& take) {
-    configure_prefill_tiles();
+    configure_full_tiles();
     PrefillScratch scratch;
     for (int64_t w = take(); w >= 0; w = take()) {
       const int64_t request = order[w / num_kv_heads];

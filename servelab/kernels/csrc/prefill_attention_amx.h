@@ -20,18 +20,11 @@ namespace {
 // rounds the weights to bfloat16 (as torch's fused kernel does before its second matmul)
 // and accumulates weights x values 32 positions x 16 dimensions per instruction.
 
-// Every prefill tile is 16 rows of 64 bytes. Scores: tmm3 queries (A), tmm0-tmm2 keys (B),
-// tmm4-tmm7 the scores of four 16-key blocks (C). Output: tmm3 weights (A), tmm0-tmm2
-// values (B), tmm4-tmm7 four 16-dimension output columns (C). Four independent
-// accumulators keep the tile unit busy while each one's previous product completes.
-void configure_prefill_tiles() {
-  static const struct alignas(64) {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
-    uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
-  } config;
-  _tile_loadconfig(&config);
-}
+// Every prefill tile is 16 rows of 64 bytes (configure_full_tiles). Scores: tmm3 queries
+// (A), tmm0-tmm2 keys (B), tmm4-tmm7 the scores of four 16-key blocks (C). Output: tmm3
+// weights (A), tmm0-tmm2 values (B), tmm4-tmm7 four 16-dimension output columns (C). Four
+// independent accumulators keep the tile unit busy while each one's previous product
+// completes.
 
 // Per-thread buffers of the tile prefill; positions padded to 64 (keys, scores) and 32
 // (values, weights), zero-filled so padded positions add nothing.
@@ -117,7 +110,7 @@ float softmax_numerators(float* scores, int64_t seen, int64_t positions, float s
 }
 
 // Causal attention of one request's rows [start, start + length) for the query heads of
-// KV head `kv_head`, on tiles configured by configure_prefill_tiles.
+// KV head `kv_head`, on tiles configured by configure_full_tiles.
 void prefill_item_amx(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       int64_t start, int64_t length, int64_t kv_head, float scale, PrefillScratch& s) {
   using BF16 = c10::BFloat16;

@@ -131,19 +131,9 @@ void tile_remainder(int64_t rows, const uint8_t* xu, int64_t padded_k, const flo
 }
 
 #ifdef SERVELAB_AMX_INT8
-// All eight tiles 16 rows x 64 bytes: tmm0-3 the sums of four channel blocks (C), tmm4 the
-// rows (A), tmm5 and tmm6 a block's weights (B), loaded in turn.
-void configure_w8a8_tiles() {
-  static const struct alignas(64) {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
-    uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
-  } config;
-  _tile_loadconfig(&config);
-}
-
 // out[m0 + r, n:n + channels] for the 16 rows of xu from m0 (rows past M are padding) and the
-// tile of 64 channels at n.
+// tile of 64 channels at n. Tiles (configure_full_tiles): tmm0-3 the sums of four channel
+// blocks (C), tmm4 the rows (A), tmm5 and tmm6 a block's weights (B), loaded in turn.
 void tile_unit_rows(const uint8_t* xu, int64_t padded_k, int64_t m0, int64_t M, const float* x_scale,
                     const int8_t* w, const int32_t* offsets, const float* w_scale, float* out, int64_t ldo,
                     int64_t channels) {
@@ -223,7 +213,7 @@ void w8a8_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
 #ifdef SERVELAB_AMX_INT8
   if (tile_unit) {
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-      configure_w8a8_tiles();
+      configure_full_tiles();
       for (int64_t t = begin; t < end; ++t) {
         const int64_t n = t * tile_channels, channels = std::min(tile_channels, N - n);
         for (int64_t m0 = 0; m0 < M; m0 += kTileRows)
