@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -116,20 +116,30 @@ class DraftModel:
         token tree ``regions[i]`` (parents over the tree's nodes, which follow the
         request's tokens) and run them, each reading its ancestors only: the indices of
         the requests that had room, and logits for each of their new tokens in order."""
+        grants, kept, inputs = self._tree_step(requests, new_tokens, regions)
+        if inputs is None:
+            return kept, None
+        logits = self.worker.logits(inputs)
+        for k in kept:
+            grants[k].request.num_computed_tokens += grants[k].num_new_tokens
+        return kept, logits
+
+    def _tree_step(self, requests: Sequence[Request], new_tokens: Sequence[list[int]],
+                   regions: Sequence[list[int]]) -> tuple[list[ScheduledRequest | None], list[int], Any]:
+        """Append ``new_tokens[i]`` to request i's draft sequence and build the step that
+        runs them as the last nodes of its tree ``regions[i]``, a logit row per token: the
+        grants, the indices of the requests that had room, and the inputs (None when none
+        had room)."""
         sequences = [self.sequences[request.request_id] for request in requests]
         for sequence, tokens in zip(sequences, new_tokens):
             sequence.token_ids += tokens
         grants = self._grant(sequences)
         kept = [k for k, grant in enumerate(grants) if grant is not None]
         if not kept:
-            return kept, None
+            return grants, kept, None
         inputs = build_step_inputs([grants[k] for k in kept], (), self.cache.block_size, self.device)
         inputs = with_trees(inputs, [regions[k] for k in kept])
-        inputs = replace(inputs, logits_indices=torch.arange(inputs.input_ids.shape[0], device=self.device))
-        logits = self.worker.logits(inputs)
-        for k in kept:
-            grants[k].request.num_computed_tokens += grants[k].num_new_tokens
-        return kept, logits
+        return grants, kept, replace(inputs, logits_indices=torch.arange(inputs.input_ids.shape[0], device=self.device))
 
     def _grant(self, sequences: list[DraftSequence]) -> list[ScheduledRequest | None]:
         grants = []

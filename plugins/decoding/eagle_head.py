@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import replace
 from itertools import chain
 from typing import Any, Sequence
 
@@ -32,7 +31,6 @@ from servelab.core.decoding import DecodingContext, HiddenStates
 from servelab.core.errors import ConfigError
 from servelab.core.request import Request
 from servelab.core.scheduler import ScheduledRequest
-from servelab.core.token_tree import with_trees
 from servelab.plugins.decoding.draft_model import DraftModel, DraftSequence
 
 SHARED_WEIGHTS = ("model.embed_tokens.weight", "lm_head.weight")
@@ -149,17 +147,11 @@ class EagleHead(DraftModel):
         over the tree's nodes; -1: the last committed token), each reading its parent's
         output: the indices of the requests that had room and logits for each new token."""
         sequences = [self.sequences[request.request_id] for request in requests]
-        parents = []
-        for sequence, tokens, region in zip(sequences, new_tokens, regions):
-            parents.append([sequence.root if p < 0 else sequence.nodes[p] for p in region[len(region) - len(tokens):]])
-            sequence.token_ids += tokens
-        grants = self._grant(sequences)
-        kept = [k for k, grant in enumerate(grants) if grant is not None]
-        if not kept:
+        parents = [[sequence.root if p < 0 else sequence.nodes[p] for p in region[len(region) - len(tokens):]]
+                   for sequence, tokens, region in zip(sequences, new_tokens, regions)]
+        grants, kept, inputs = self._tree_step(requests, new_tokens, regions)
+        if inputs is None:
             return kept, None
-        inputs = build_step_inputs([grants[k] for k in kept], (), self.cache.block_size, self.device)
-        inputs = with_trees(inputs, [regions[k] for k in kept])
-        inputs = replace(inputs, logits_indices=torch.arange(inputs.input_ids.shape[0], device=self.device))
         hidden, logits = self._run(inputs, [grants[k] for k in kept], torch.stack([f for k in kept for f in parents[k]]))
         start = 0
         for k in kept:
