@@ -12,15 +12,18 @@ from servelab.core.engine.registry import CONFIG_GROUPS, get_registry
 
 REGISTRY = get_registry()
 OPTIONS = [(group, name) for group in CONFIG_GROUPS for name in sorted(REGISTRY.specs(group))]
-EXTRA = {("decoding", "speculative"): ["decoding.draft=toy"]}
-"""Options that need a setting to run on the toy model (a draft sharing its vocabulary)."""
+EXTRA = {("decoding", "speculative"): ["decoding.draft=toy"], ("decoding", "eagle"): ["model.max_model_len=256"]}
+"""Options that need a setting to run: a draft sharing toy's vocabulary; tiny's context within the small cache."""
+MODELS = {("decoding", "eagle"): "tiny"}
+"""Options that run on another model than toy: an EAGLE head is trained for one target (tiny's is shipped)."""
 
 
 @pytest.mark.parametrize("group,option", OPTIONS)
 def test_every_registered_option_composes_and_builds(group, option, attention_env):
     if group == "attention":
         attention_env(option)
-    llm = LLM("toy", overrides=["device=cpu", "cache.memory_bytes=2000000", *EXTRA.get((group, option), [])],
+    llm = LLM(MODELS.get((group, option), "toy"),
+              overrides=["device=cpu", "cache.memory_bytes=2000000", *EXTRA.get((group, option), [])],
               **{group: option})
     out = llm.generate([[1, 2, 3]], use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) >= 1
