@@ -193,6 +193,10 @@ class HardwareConfig:
     links: dict[str, LinkConfig] = field(default_factory=dict)
 
 
+EXPERT_DISPATCH = ("all_reduce", "all_to_all")
+"""The values of ``parallel.expert_dispatch``."""
+
+
 @dataclass
 class ParallelConfig:
     """How one engine splits its model over devices: ``tensor_parallel_size`` devices per
@@ -203,12 +207,16 @@ class ParallelConfig:
     on this node) or env (``torchrun`` started every rank; docs/parallel.md);
     ``threads``: compute threads per rank (default: this machine's cores shared out).
     ``expert_parallel_size``: 1, or as many as ``tensor_parallel_size``: each rank holds
-    1/N of a mixture's routed experts whole (real runs combine them with the tensor-parallel
-    all-reduce; the simulator prices an all-to-all; docs/parallel.md)."""
+    1/N of a mixture's routed experts whole; ``expert_dispatch``: how real runs bring tokens
+    to those experts, ``all_reduce`` (every rank routes every token and runs the pairs of
+    its experts; the tensor-parallel all-reduce adds them up) or ``all_to_all`` (each rank
+    routes its share of the tokens and sends each pair to the rank holding its expert,
+    which sends the result back; the simulator prices this one; docs/parallel.md)."""
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     expert_parallel_size: int = 1
+    expert_dispatch: str = "all_reduce"
     backend: str = "auto"
     init_method: str = "spawn"
     threads: Optional[int] = None
@@ -217,6 +225,18 @@ class ParallelConfig:
     def num_devices(self) -> int:
         """Devices one engine uses."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+def expert_dispatch_problems(parallel: Any) -> list[str]:
+    """Why ``parallel.expert_dispatch`` cannot work (empty when it can); ``parallel``: a
+    ``ParallelConfig`` or its config node."""
+    if parallel.expert_dispatch not in EXPERT_DISPATCH:
+        return [f"parallel.expert_dispatch must be one of {', '.join(EXPERT_DISPATCH)}, "
+                f"got {parallel.expert_dispatch!r}"]
+    if parallel.expert_dispatch == "all_to_all" and parallel.expert_parallel_size == 1:
+        return ["parallel.expert_dispatch=all_to_all moves tokens between expert-parallel ranks: it needs "
+                "parallel.expert_parallel_size > 1"]
+    return []
 
 
 @dataclass

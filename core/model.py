@@ -289,7 +289,9 @@ class ModelParallel:
     ``pp_size`` pipeline stages, each holding consecutive layers. Alone, the collectives
     are no-ops. ``expert_parallel``: the tensor-parallel ranks hold a mixture's routed
     experts whole, 1/``tp_size`` of them each (``expert_range``), instead of a share of
-    every expert's width (``parallel.expert_parallel_size``).
+    every expert's width (``parallel.expert_parallel_size``); ``expert_dispatch``
+    ``all_to_all``: each rank routes its ``token_rows`` and moves the pairs to their experts'
+    ranks and back (``all_to_all``) instead of routing every token.
     """
 
     tp_rank: int = 0
@@ -298,6 +300,18 @@ class ModelParallel:
     pp_size: int = 1
     tp_group: Any = None
     expert_parallel: bool = False
+    expert_dispatch: str = "all_reduce"
+
+    @property
+    def dispatches_tokens(self) -> bool:
+        """True when a mixture's pairs travel to their experts' ranks by all-to-all."""
+        return self.expert_parallel and self.tp_size > 1 and self.expert_dispatch == "all_to_all"
+
+    def token_rows(self, num_tokens: int) -> slice:
+        """This rank's share of a step's ``num_tokens`` rows under ``all_to_all`` dispatch:
+        consecutive, ceil(num_tokens / ``tp_size``) each (the last ranks' may be short or empty)."""
+        share = -(-num_tokens // self.tp_size)
+        return slice(min(self.tp_rank * share, num_tokens), min((self.tp_rank + 1) * share, num_tokens))
 
     def expert_range(self, num_experts: int) -> range:
         """The routed experts this rank holds: its share under expert parallelism, else all."""
@@ -348,6 +362,25 @@ class ModelParallel:
         parts = [torch.empty_like(x) for _ in range(self.tp_size)]
         dist.all_gather(parts, x.contiguous(), group=self.tp_group)
         return torch.cat(parts, dim=-1)
+
+    def gather_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``x`` stacked in rank order: [tp_size, *x.shape]."""
+        if self.tp_size == 1:
+            return x.unsqueeze(0)
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(x) for _ in range(self.tp_size)]
+        dist.all_gather(parts, x.contiguous(), group=self.tp_group)
+        return torch.stack(parts)
+
+    def all_to_all(self, x: torch.Tensor, send_counts: list[int], receive_counts: list[int]) -> torch.Tensor:
+        """Rows of ``x`` sent to the ranks in order, ``send_counts[r]`` to rank r; returns the
+        rows received, ``receive_counts[r]`` from rank r, in rank order."""
+        import torch.distributed as dist
+
+        out = torch.empty((sum(receive_counts), *x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.all_to_all_single(out, x.contiguous(), receive_counts, send_counts, group=self.tp_group)
+        return out
 
 
 class CausalLM(nn.Module, abc.ABC):

@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence, TypeVar
 from omegaconf import DictConfig, OmegaConf
 
 from servelab.core.clock import Clock, VirtualClock, WallClock
+from servelab.core.config import expert_dispatch_problems
 from servelab.core.decoding import DecodingContext
 from servelab.core.deployment import ROLES
 from servelab.core.errors import ConfigError, EngineShutdownError, InvalidRequestError
@@ -98,6 +99,7 @@ class LLMEngine:
         parallel = cfg.parallel
         problems += shape.parallel_problems(parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
                                             parallel.expert_parallel_size)
+        problems += expert_dispatch_problems(parallel)
         if cfg.cache.get("lower_tier") and parallel.tensor_parallel_size * parallel.pipeline_parallel_size > 1:
             problems.append("cache.lower_tier runs its I/O in the engine's process: it needs "
                             "parallel.tensor_parallel_size=1 and parallel.pipeline_parallel_size=1")

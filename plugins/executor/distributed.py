@@ -45,11 +45,13 @@ GROUP_TIMEOUT = timedelta(minutes=10)
 @dataclass(frozen=True, slots=True)
 class Topology:
     """``tp`` tensor ranks per stage, ``pp`` stages; ranks numbered ``stage * tp + tp_rank``;
-    ``ep``: expert-parallel ranks (1, or ``tp``: the tensor ranks hold whole experts)."""
+    ``ep``: expert-parallel ranks (1, or ``tp``: the tensor ranks hold whole experts), which
+    ``expert_dispatch`` (``parallel.expert_dispatch``) brings the tokens to."""
 
     tp: int
     pp: int
     ep: int = 1
+    expert_dispatch: str = "all_reduce"
 
     @property
     def world_size(self) -> int:
@@ -59,7 +61,8 @@ class Topology:
     def parallel(self, rank: int, groups: list[Any]) -> ModelParallel:
         """The ``ModelParallel`` of ``rank`` (``groups``: each stage's tensor group)."""
         stage, tp_rank = divmod(rank, self.tp)
-        return ModelParallel(tp_rank, self.tp, stage, self.pp, groups[stage] if self.tp > 1 else None, self.ep > 1)
+        return ModelParallel(tp_rank, self.tp, stage, self.pp, groups[stage] if self.tp > 1 else None, self.ep > 1,
+                             self.expert_dispatch)
 
     def next_rank(self, rank: int) -> int:
         """The same tensor rank of the next stage."""
@@ -208,7 +211,7 @@ def serve_torchrun_worker(backend: str) -> None:
     dist.broadcast_object_list(received, src=0)
     cfg = received[0]
     topology = Topology(cfg.parallel.tensor_parallel_size, cfg.parallel.pipeline_parallel_size,
-                        cfg.parallel.expert_parallel_size)
+                        cfg.parallel.expert_parallel_size, cfg.parallel.expert_dispatch)
     torch.set_num_threads(cfg.parallel.threads or default_threads(local_world_size(topology.world_size)))
     run_worker(cfg, topology, dist.get_rank(), stage_groups(topology))
 

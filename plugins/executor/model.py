@@ -79,7 +79,7 @@ class ModelExecutor(Executor):
         super().__init__(config, context)
         registry, checkpoint, parallel_cfg = context.registry, context.checkpoint, context.engine_cfg.parallel
         topology = Topology(parallel_cfg.tensor_parallel_size, parallel_cfg.pipeline_parallel_size,
-                            parallel_cfg.expert_parallel_size)
+                            parallel_cfg.expert_parallel_size, parallel_cfg.expert_dispatch)
         spec = context.shape.attention_spec(context.dtype, context.device, context.max_model_len, topology.tp,
                                             context.kv_dtype)
         backend = registry.spec_for_config("attention", context.attention_config)

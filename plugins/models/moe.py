@@ -250,7 +250,8 @@ class ExpertWeights(nn.Module):
     intermediate size (all of them under expert parallelism): ``gate_up_proj`` [E * 2 * I,
     hidden] ([gate | up] per held expert) and ``down_proj`` [E * hidden, I]; ``loaded``
     records which checkpoint tensors arrived; ``routed`` counts the pairs routed to each
-    of the layer's experts (every rank routes every token)."""
+    of the layer's experts (on every rank: each routes every token, or under ``all_to_all``
+    dispatch the ranks share their counts)."""
 
     def __init__(self, layout: ExpertLayout, hidden_size: int, parallel: ModelParallel, layer: int, act: Any,
                  fused_silu: bool):
@@ -360,11 +361,16 @@ class ExpertWeights(nn.Module):
         under expert parallelism too; w8a8's int8 activations take the generic path). Every
         pair of the step, this rank's experts' or not, is added to ``routed`` (pairs per
         expert since the model was built, ``routed_pairs``)."""
-        flat = experts.flatten()
-        routed = torch.bincount(flat, minlength=self.total_experts)
+        routed = torch.bincount(experts.flatten(), minlength=self.total_experts)
         self.routed += routed
+        return self._pairs(x, weights, experts, routed)
+
+    def _pairs(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+               routed: torch.Tensor) -> torch.Tensor:
+        """``forward``'s sum, ``routed`` holding the step's pairs per expert."""
         if x.device.type == "cuda" and self.fused_kernel_runs() and triton_unavailable_reason() is None:
             return self.fused(x, weights, experts)
+        flat = experts.flatten()
         top_k = experts.shape[1]
         if self.sharded:  # only the pairs routed to this rank's experts
             pairs = ((flat >= self.held.start) & (flat < self.held.stop)).nonzero().squeeze(1)
@@ -385,6 +391,29 @@ class ExpertWeights(nn.Module):
                 start += count
         out.mul_(weights.flatten()[order].unsqueeze(1))
         return torch.zeros_like(x).index_add_(0, tokens, out)
+
+    def dispatched(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                   parallel: ModelParallel) -> torch.Tensor:
+        """``forward`` for this rank's share of the tokens under ``all_to_all`` dispatch:
+        the ranks exchange their pairs per expert (one all-gather), each (token, expert)
+        pair's hidden state goes to the rank holding the expert (all-to-all), runs there and
+        comes back (all-to-all), and this rank adds its tokens' weighted results. Every
+        rank's pairs are added to ``routed``."""
+        ranks = parallel.tp_size
+        flat = experts.flatten()
+        counts = parallel.gather_rows(torch.bincount(flat, minlength=self.total_experts))  # [ranks, E]
+        total = counts.sum(0)
+        self.routed += total
+        per_rank = counts.unflatten(1, (ranks, -1)).sum(2)  # [source, owner]: pairs sent
+        send, receive = per_rank[parallel.tp_rank].tolist(), per_rank[:, parallel.tp_rank].tolist()
+        order = torch.argsort(flat, stable=True)  # by expert, so by owning rank
+        tokens = order // experts.shape[1]
+        arrived = parallel.all_to_all(x[tokens], send, receive)
+        arrived_experts = parallel.all_to_all(flat[order], send, receive).unsqueeze(1)
+        ones = torch.ones(arrived_experts.shape, dtype=x.dtype, device=x.device)
+        results = parallel.all_to_all(self._pairs(arrived, ones, arrived_experts, total), receive, send)
+        results.mul_(weights.flatten()[order].unsqueeze(1))
+        return torch.zeros_like(x).index_add_(0, tokens, results)
 
 
 class SparseMoeBlock(nn.Module):
@@ -415,9 +444,17 @@ class SparseMoeBlock(nn.Module):
         return [WeightPiece(f"experts.{p.param}", p.start, p.tensor) for p in self.experts.pieces(part, tensor)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, hidden] -> [T, hidden]."""
-        weights, experts = self.gate(x)
-        out = self.experts(x, weights, experts)
+        """x: [T, hidden] -> [T, hidden]. Under ``all_to_all`` dispatch this rank routes its
+        ``token_rows`` alone and their routed sum fills those rows; the all-reduce then
+        gathers every rank's rows beside the shared experts' partial sums."""
+        if self.parallel.dispatches_tokens:
+            rows = self.parallel.token_rows(x.shape[0])
+            weights, experts = self.gate(x[rows])
+            out = torch.zeros_like(x)
+            out[rows] = self.experts.dispatched(x[rows], weights, experts, self.parallel)
+        else:
+            weights, experts = self.gate(x)
+            out = self.experts(x, weights, experts)
         if self.shared_gated:
             out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         elif self.shared:

@@ -83,13 +83,22 @@ Qwen2-MoE's dense layer 0 on the first stage)."""
     matches(families[family], split, PAGED, "scheduler=chunked", "scheduler.token_budget=16")
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2-moe", "deepseek-v3"])
-def test_expert_parallelism_equals_one_device(families, family):
+@pytest.mark.parametrize("family, dispatch, stages", [
+    ("mixtral", "all_reduce", 1), ("qwen2-moe", "all_reduce", 1), ("deepseek-v3", "all_reduce", 1),
+    ("mixtral", "all_to_all", 1), ("qwen2-moe", "all_to_all", 1), ("deepseek-v3", "all_to_all", 1),
+    ("mixtral", "all_to_all", 2)])
+def test_expert_parallelism_equals_one_device(families, family, dispatch, stages):
     """Each tensor-parallel rank holds half the routed experts whole (Qwen2-MoE's and
     DeepSeek-V3's shared experts and dense layer split as ever, V3's grouped router and its
-    correction bias whole on every rank); the expert load is reported per rank."""
+    correction bias whole on every rank); with ``all_to_all`` each rank routes half the
+    tokens and their pairs travel to their experts' ranks and back (a decode step's one
+    token leaves the second rank none); the expert load is reported per rank, all pairs
+    counted either way; under two pipeline stages each stage's pair of ranks splits its
+    layers' experts."""
     llm = LLM(families[family], overrides=[*BASE, "parallel.tensor_parallel_size=2", "parallel.expert_parallel_size=2",
-                                           PAGED, "scheduler=chunked", "scheduler.token_budget=16"])
+                                           f"parallel.pipeline_parallel_size={stages}",
+                                           f"parallel.expert_dispatch={dispatch}", PAGED, "scheduler=chunked",
+                                           "scheduler.token_budget=16"])
     try:
         assert_engine_matches_transformers(families[family], llm=llm)
         load = llm.engine.executor.expert_load()

@@ -86,6 +86,18 @@ def test_a_bad_expert_parallel_size_names_the_field(ep, message):
                                   "parallel.tensor_parallel_size=2", f"parallel.expert_parallel_size={ep}"]))
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["parallel.expert_dispatch=broadcast"], "parallel.expert_dispatch must be one of all_reduce, all_to_all, got "
+                                             "'broadcast'"),
+    (["parallel.expert_dispatch=all_to_all"], "parallel.expert_dispatch=all_to_all .* needs "
+                                              "parallel.expert_parallel_size > 1"),
+])
+def test_a_bad_expert_dispatch_names_the_field(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        LLMEngine(compose_config(["model=mixtral-8x7b", "hardware=h100-80gb", "executor=simulated",
+                                  "parallel.tensor_parallel_size=2", *overrides]))
+
+
 @pytest.mark.parametrize("executor", ["simulated", "model"])
 def test_expert_parallelism_needs_a_mixture_of_experts(executor):
     with pytest.raises(ConfigError, match="parallel.expert_parallel_size=2: the model's shape describes no mixture"):
