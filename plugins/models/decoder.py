@@ -332,9 +332,14 @@ class DecoderForCausalLM(CausalLM):
         """input_ids, positions: [T] -> hidden states on the last stage, else the state the
         next stage carries on with."""
         state = self.embed(input_ids, positions) if carried is None else tuple(carried)
+        state = self.run_layers(state, positions, kv_caches, attn_meta)
+        return self.final_hidden(state) if self.is_last_stage else state
+
+    def run_layers(self, state: tuple, positions: torch.Tensor, kv_caches: list[torch.Tensor], attn_meta: Any) -> tuple:
+        """This stage's decoder layers, one after the other, from ``state`` to the state after the last."""
         for layer, kv_cache in zip(self.decoder_layers, kv_caches):
             state = layer(*state, positions, kv_cache, attn_meta)
-        return self.final_hidden(state) if self.is_last_stage else state
+        return state
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, features] -> float32 logits [N, vocab] (this rank's vocabulary rows,

@@ -27,6 +27,7 @@ from servelab.plugins.models.decoder import (DecoderForCausalLM, HeadSplit, RMSN
                                              WeightPiece, layer_windows_of, sliding_window_value, tied_embeddings,
                                              use_native)
 from servelab.plugins.models.linear import Linear, linear_input
+from servelab.plugins.models.native_decode_stack import NativeDecodeStack
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -235,6 +236,7 @@ class LlamaFamilyForCausalLM(DecoderForCausalLM):
         self.model = DecoderModel(hf_config, attention, self.rotary, parallel, self.needs_embedding(), self.LAYER)
         self.finish_init(hf_config.hidden_size, getattr(self.model, "embed_tokens", None), dtype)
         self.rotary.to(dtype)
+        self._native_stack: NativeDecodeStack | None | bool = False
 
     @property
     def decoder_layers(self) -> nn.ModuleList:
@@ -244,6 +246,16 @@ class LlamaFamilyForCausalLM(DecoderForCausalLM):
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple:
         """The embedded tokens and no residual yet."""
         return self.model.embed_tokens(input_ids), None
+
+    def run_layers(self, state: tuple, positions: torch.Tensor, kv_caches: list[torch.Tensor], attn_meta: Any) -> tuple:
+        """The layers through ``NativeDecodeStack`` (one native call) where it serves the step,
+        else one after the other."""
+        if self._native_stack is False:  # not worked out yet (after the weights are loaded)
+            self._native_stack = NativeDecodeStack.of(self)
+        stack = self._native_stack
+        if stack is not None and stack.serves(state[0], attn_meta):
+            return stack(state, positions, kv_caches, attn_meta)
+        return super().run_layers(state, positions, kv_caches, attn_meta)
 
     def final_hidden(self, state: tuple) -> torch.Tensor:
         """The final norm of the last layer's output plus its residual."""

@@ -13,6 +13,7 @@
 //                         weight repacked into blocks of 16 channels)
 //   w8a8_linear.cpp       w8a8_linear, supports_w8a8 (int8 weights and per-row int8 activations)
 //   int4_linear.cpp       int4_linear (group-wise int4 weights, any number of rows)
+//   decode_layers.cpp     decode_layers (a Llama-shaped decoder stack in one call, from the ops above)
 //
 // Shared helpers: vec.h (SIMD, dtype conversions and dispatch), amx.h (the tile unit),
 // blocked_tile.h (the register tile of the blocked matmuls).
@@ -44,5 +45,11 @@ bool supports_w8a8();
 void w8a8_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& offsets,
                  const at::Tensor& scales);
 void int4_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& params);
+at::Tensor decode_layers(const at::Tensor& hidden, at::Tensor residual, bool has_residual, const at::Tensor& positions,
+                         at::TensorList kv_caches, const at::Tensor& slot_mapping, const at::Tensor& block_table,
+                         const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& requests,
+                         const at::Tensor& cos, const at::Tensor& sin, int64_t rotary_dim, at::TensorList weights,
+                         at::IntArrayRef kinds, at::IntArrayRef out_features, int64_t num_heads,
+                         int64_t num_kv_heads, int64_t head_dim, double scale, double eps);
 
 }  // namespace servelab_cpu

@@ -1,7 +1,8 @@
 // Native CPU kernels for servelab: paged attention over the block table, fresh-prefill
 // attention, the fused element-wise ops of a Llama layer (residual add + RMSNorm, rotary
-// embedding, SiLU x up, greedy argmax) and the quantized matmuls (weight-only int8 and int4,
-// and int8 with int8 activations), registered as torch.ops.servelab_cpu.*.
+// embedding, SiLU x up, greedy argmax), the quantized matmuls (weight-only int8 and int4,
+// and int8 with int8 activations) and a decoder stack made of them for decode steps,
+// registered as torch.ops.servelab_cpu.*.
 //
 // Built on first use by servelab/kernels/cpu_ops.py (torch.utils.cpp_extension, -O3 -march=native,
 // CPU_CAPABILITY set to torch's so at::vec::Vectorized uses the widest SIMD of the host)
@@ -30,6 +31,10 @@ TORCH_LIBRARY(servelab_cpu, m) {
   m.def("w8a8_linear(Tensor(a!) out, Tensor x, Tensor packed, Tensor offsets, Tensor scales) -> ()");
   m.def("causal_prefill_attention(Tensor(a!) out, Tensor q, Tensor k, Tensor v, int[] starts, int[] lengths, "
         "float scale) -> ()");
+  m.def("decode_layers(Tensor hidden, Tensor(a!) residual, bool has_residual, Tensor positions, Tensor[] kv_caches, "
+        "Tensor slot_mapping, Tensor block_table, Tensor query_start_loc, Tensor seq_lens, Tensor requests, "
+        "Tensor cos, Tensor sin, int rotary_dim, Tensor[] weights, int[] kinds, int[] out_features, int num_heads, "
+        "int num_kv_heads, int head_dim, float scale, float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(servelab_cpu, CatchAll, m) {
@@ -51,4 +56,5 @@ TORCH_LIBRARY_IMPL(servelab_cpu, CPU, m) {
   m.impl("w8a8_linear", &servelab_cpu::w8a8_linear);
   m.impl("int4_linear", &servelab_cpu::int4_linear);
   m.impl("causal_prefill_attention", &servelab_cpu::causal_prefill_attention);
+  m.impl("decode_layers", &servelab_cpu::decode_layers);
 }

@@ -1,0 +1,142 @@
+"""A Llama-shaped decoder stack as one native call on the CPU (``decode_layers``).
+
+At batch 1 on a small model, the Python between a decode step's ops (module calls, views,
+tensor wrappers: about ten microseconds an op, a dozen ops a layer) takes as long as the
+matmuls. ``NativeDecodeStack`` hands the whole layer loop of such a step to the C++ op
+``torch.ops.servelab_cpu.decode_layers``, which runs the same native ops in the same order
+(so the output is the same to the bit) without returning to Python between them.
+
+It serves steps whose every request reads its context from the paged cache through
+``attention=cpu`` (decode steps, chunks after a prompt's first, speculative chains; not
+token trees or fresh prompts, which take the layer loop), in models whose layers are all
+the plain Llama layer (``DecoderLayer`` with ``DecoderAttention`` without q/k norms and a
+SiLU ``GatedMLP``: Llama, Mistral without a window, Qwen2) in float32, on one device,
+with every linear layer on a native kernel (float32, int8, w8a8 or int4) and no LoRA.
+``SERVELAB_NATIVE_CPU=0`` turns it off with the other native paths.
+"""
+
+from __future__ import annotations
+
+from operator import attrgetter
+from typing import Any
+
+import torch
+
+from servelab.kernels.cpu_ops import native_cpu_available, native_cpu_enabled
+from servelab.plugins.models.linear import Linear, is_blocked
+from servelab.plugins.models.quantized_linear import QuantizedLinear
+
+NO_TENSOR = torch.empty(0)
+"""A linear's unused weight slots and missing bias."""
+FLOAT, INT8, W8A8, INT4 = range(4)
+"""``decode_layers``' linear kinds."""
+VERSION = attrgetter("_version")
+
+
+def _linear_slots(linear: Any, probe: torch.Tensor) -> tuple[int, list[torch.Tensor]] | None:
+    """(kind, [weights..., bias]) of ``linear`` for ``decode_layers``, or None when its
+    native kernel does not run for float32 rows."""
+    if type(linear) is Linear:
+        packed = linear._packed_weight(probe)
+        if packed is None or not is_blocked(packed):
+            return None
+        kind, tensors = FLOAT, [packed]
+    elif type(linear) is QuantizedLinear:
+        packed = linear.packed_kernel_weights(probe)
+        if packed is None:
+            return None
+        kind = W8A8 if linear.int8_activations else INT8 if linear.bits == 8 else INT4
+        tensors = list(packed)
+    else:
+        return None
+    bias = linear.bias
+    slots = tensors + [NO_TENSOR] * (3 - len(tensors)) + [NO_TENSOR if bias is None else bias.detach()]
+    return kind, slots
+
+
+class NativeDecodeStack:
+    """The decoder layers of one model as ``decode_layers``' arguments: per layer the two
+    norms' weights and four linears (qkv, output, gate/up, down) as kind, packed tensors
+    and bias; rebuilt when a parameter changes (its version or storage)."""
+
+    def __init__(self, layers: Any):
+        self.layers = list(layers)
+        first = self.layers[0].self_attn
+        self.attention, self.rotary = first.attention, first.rotary
+        self.num_heads, self.num_kv_heads, self.head_dim = first.num_heads, first.num_kv_heads, first.head_dim
+        self.eps = self.layers[0].input_layernorm.eps
+        self.params = [p for layer in self.layers for p in layer.parameters()]
+        self.key: tuple | None = None
+        self.weights: list[torch.Tensor] = []
+        self.kinds: list[int] = []
+        self.widths: list[int] = []
+
+    @classmethod
+    def of(cls, model: Any) -> NativeDecodeStack | None:
+        """The stack of ``model``'s decoder layers, or None when it cannot serve them: see the
+        module docstring for what it needs."""
+        from servelab.plugins.attention.cpu import CpuAttention
+        from servelab.plugins.models.llama import DecoderAttention, DecoderLayer, GatedMLP
+
+        layers = list(model.decoder_layers)
+        if not layers or model.parallel.tp_size > 1 or not (native_cpu_enabled() and native_cpu_available()):
+            return None
+        first = layers[0].self_attn
+        for layer in layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            if (type(layer) is not DecoderLayer or type(attention) is not DecoderAttention
+                    or type(mlp) is not GatedMLP or attention.qk_norm or not mlp.fused_silu
+                    or attention.attention is not first.attention or attention.rotary is not first.rotary
+                    or layer.input_layernorm.eps != layers[0].input_layernorm.eps
+                    or layer.post_attention_layernorm.eps != layers[0].input_layernorm.eps):
+                return None
+        backend = first.attention
+        if type(backend) is not CpuAttention or backend.spec.sliding_window is not None:
+            return None
+        if first.rotary.cos.dtype != torch.float32 or layers[0].input_layernorm.weight.device.type != "cpu":
+            return None
+        stack = cls(layers)
+        return stack if stack._refresh() else None
+
+    def _refresh(self) -> bool:
+        """Rebuild the arguments if any parameter changed; False when a linear has no native kernel."""
+        key = (tuple(map(VERSION, self.params)), tuple(map(torch.Tensor.data_ptr, self.params)))
+        if key == self.key:
+            return True
+        probe = torch.empty(1, dtype=torch.float32)
+        weights, kinds, widths = [], [], []
+        for layer in self.layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            weights.append(layer.input_layernorm.weight.detach())
+            for linear in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                slots = _linear_slots(linear, probe)
+                if slots is None:
+                    return False
+                kinds.append(slots[0])
+                weights += slots[1]
+                widths.append(linear.out_features)
+            weights.append(layer.post_attention_layernorm.weight.detach())
+        self.key, self.weights, self.kinds, self.widths = key, weights, kinds, widths
+        return True
+
+    def serves(self, hidden: torch.Tensor, meta: Any) -> bool:
+        """True when this step can run through the stack: float32 rows and every request
+        reading from the paged cache without a token tree."""
+        from servelab.plugins.attention.cpu import CpuMetadata
+
+        return (type(meta) is CpuMetadata and not meta.fresh_starts and meta.layout.tree is None
+                and hidden.dtype == torch.float32 and self._refresh())
+
+    def __call__(self, state: tuple, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: Any) -> tuple:
+        """The layers' output state (last MLP output, residual) from the first layer's input state."""
+        x, residual = state
+        has_residual = residual is not None
+        if not has_residual:
+            residual = torch.empty_like(x)
+        layout = meta.layout
+        out = torch.ops.servelab_cpu.decode_layers(
+            x.contiguous(), residual, has_residual, positions, kv_caches, layout.slot_mapping, layout.block_table,
+            layout.query_start_loc, layout.seq_lens, meta.cached, self.rotary.cos, self.rotary.sin,
+            self.rotary.rotary_dim, self.weights, self.kinds, self.widths, self.num_heads, self.num_kv_heads,
+            self.head_dim, self.attention.spec.scale, self.eps)
+        return out, residual

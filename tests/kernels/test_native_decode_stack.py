@@ -1,0 +1,94 @@
+"""The native decoder stack (``decode_layers``): the decode steps of plain Llama-shaped
+float32 models on ``attention=cpu`` run their layers in one native call, with the same
+tokens and log-probabilities, to the bit, as the Python layer loop, and greedy output
+equal to transformers; models and steps it does not serve take the loop."""
+
+from __future__ import annotations
+
+import pytest
+
+from servelab import LLM, SamplingParams
+from servelab.kernels.cpu_ops import native_cpu_available
+from servelab.plugins.models.native_decode_stack import NativeDecodeStack
+from servelab.testing.oracle import assert_engine_matches_transformers, mixed_prompts, tiny_checkpoint
+
+pytestmark = pytest.mark.skipif(not native_cpu_available(), reason="native CPU ops are not built here")
+
+BASE = ["device=cpu", "attention=cpu", "cache=paged", "cache.block_size=16"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("stack")
+    return {family: tiny_checkpoint(root / family, family) for family in ("llama", "qwen2", "qwen3")}
+
+
+class CountingStack(NativeDecodeStack):
+    """The stack, counting the steps it serves."""
+
+    served = 0
+
+    def __call__(self, *args):
+        CountingStack.served += 1
+        return super().__call__(*args)
+
+
+def counted(llm) -> type[CountingStack]:
+    """Put a counting stack in the engine's model (asserting the stack serves it)."""
+    model = llm.engine.executor.worker.model
+    model._native_stack = CountingStack.of(model)
+    assert model._native_stack is not None, "the native stack does not serve this model"
+    CountingStack.served = 0
+    return CountingStack
+
+
+def sampled(llm, prompts) -> list[tuple]:
+    params = SamplingParams(temperature=0.0, max_tokens=10, logprobs=2, ignore_eos=True)
+    return [(o.outputs[0].token_ids, [sorted(step.items()) for step in o.outputs[0].logprobs])
+            for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_greedy_output_equals_transformers_through_the_stack(checkpoints, family):
+    """Llama and Qwen2 (biased qkv projection), chunked so that later chunks also read the cache."""
+    llm = LLM(checkpoints[family], overrides=[*BASE, "model.dtype=float32", "scheduler=chunked",
+                                              "scheduler.token_budget=24"])
+    try:
+        stack = counted(llm)
+        assert_engine_matches_transformers(checkpoints[family], llm=llm)
+        assert stack.served > 10
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8", "w8a8", "int4"])
+def test_the_stack_equals_the_layer_loop_to_the_bit(checkpoints, quantization):
+    """Same tokens and log-probabilities with the stack and with the Python loop, in float32
+    and with every weight-quantization kernel (int4 in groups of 32: the model is narrow)."""
+    overrides = [*BASE, "model.dtype=float32"] + ([] if quantization == "none" else [f"model.quantization={quantization}"])
+    if quantization == "int4":
+        overrides.append("model.quantization_group_size=32")
+    llm = LLM(checkpoints["llama"], overrides=overrides)
+    try:
+        prompts = mixed_prompts(llm.engine.vocab_size, lengths=(5, 23))
+        stack = counted(llm)
+        with_stack = sampled(llm, prompts)
+        assert stack.served > 0
+        llm.engine.executor.worker.model._native_stack = None
+        assert sampled(llm, prompts) == with_stack
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("family, overrides", [
+    ("qwen3", ["model.dtype=float32"]),  # q/k norms
+    ("llama", ["model.dtype=float32", "attention=sdpa"]),
+    ("llama", ["model.dtype=bfloat16"]),
+])
+def test_models_the_stack_does_not_serve_take_the_loop(checkpoints, family, overrides):
+    llm = LLM(checkpoints[family], overrides=[*BASE, *overrides])
+    try:
+        assert NativeDecodeStack.of(llm.engine.executor.worker.model) is None
+        llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
+    finally:
+        llm.shutdown()
