@@ -21,7 +21,7 @@ it is the engine's own time.
 Models are ``servelab.bench.random_llama``'s (random weights, written once under
 ``--folder``); ``--modes`` are a dtype (``float32``, ``bfloat16``) or a weight
 quantization (``int8``, ``w8a8`` with the LM head quantized too; ``int4`` with a float32
-head).
+head, ``int4-head`` with an int8 one).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from servelab.bench.random_llama import MODELS, VOCAB, make_checkpoint, matmul_p
 
 PROMPT_TOKENS = 16
 DECODE_TOKENS = 128
-QUANTIZATIONS = ("int8", "w8a8", "int4")
+QUANTIZATIONS = ("int8", "w8a8", "int4", "int4-head")
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 """``--clock``: the wall clock, or the CPU time of this process (all its threads)."""
 
@@ -62,28 +62,31 @@ def read_bandwidth(threads: int, clock: Callable[[], float] = time.perf_counter,
 
 def overrides_for(mode: str) -> list[str]:
     """The engine overrides of a mode: a dtype, or a weight quantization (int8 and w8a8
-    with the LM head in int8 too; int4 keeps a float32 head)."""
+    with the LM head in int8 too; int4 keeps a float32 head, int4-head has an int8 one)."""
     if mode == "int4":
         return ["model.dtype=float32", "model.quantization=int4"]
+    if mode == "int4-head":
+        return ["model.dtype=float32", "model.quantization=int4", "model.quantization_lm_head=true"]
     if mode in QUANTIZATIONS:
         return ["model.dtype=float32", f"model.quantization={mode}", "model.quantization_lm_head=true"]
     return [f"model.dtype={mode}"]
 
 
-WIDTH = {"float32": 4.0, "bfloat16": 2.0, "int8": 1.0, "w8a8": 1.0, "int4": 0.5}
+WIDTH = {"float32": 4.0, "bfloat16": 2.0, "int8": 1.0, "w8a8": 1.0, "int4": 0.5, "int4-head": 0.5}
 """Bytes per stored weight of each mode."""
 
 
 def weight_bytes(name: str, mode: str, batch: int) -> float:
     """Bytes one decode step reads of the weights: the matmul weights at their stored
-    width (int4's LM head in float32) and the ``batch`` embedding rows (float32 in the
-    quantized modes)."""
+    width (int4's LM head in float32, int4-head's in int8) and the ``batch`` embedding rows
+    (float32 in the quantized modes)."""
     shape = MODELS[name]
     hidden = shape["hidden_size"]
     row = WIDTH[mode] if mode not in QUANTIZATIONS else 4.0
     head = hidden * shape.get("vocab_size", VOCAB)
-    if mode == "int4":
-        return (matmul_parameters(name) - head) * WIDTH[mode] + head * 4.0 + batch * hidden * row
+    if mode in ("int4", "int4-head"):
+        head_width = 4.0 if mode == "int4" else 1.0
+        return (matmul_parameters(name) - head) * WIDTH[mode] + head * head_width + batch * hidden * row
     return matmul_parameters(name) * WIDTH[mode] + batch * hidden * row
 
 

@@ -102,8 +102,8 @@ class ModelConfig:
     as the checkpoint holds them: a folder saved quantized loads quantized, else float;
     w8a8: int8 weights and activations quantized to int8 per row, CPUs with AVX512-VNNI);
     ``quantization_group_size``: input features per int4 scale (default 128; a saved int4
-    folder's own); ``quantization_lm_head``: int8 and w8a8 also multiply the LM head with
-    int8 weights, quantized at load (default false: the head stays float). See
+    folder's own); ``quantization_lm_head``: int8, w8a8 and int4 also multiply the LM head
+    with int8 weights, quantized at load (default false: the head stays float). See
     docs/quantization.md.
     """
 

@@ -36,8 +36,9 @@ class WeightQuantization:
     written by ``python -m servelab.core.entrypoints.quantize``), else they are computed at load.
     ``int8_activations`` (int8 weights only): activation rows are quantized to int8 at
     every call and multiplied with int8 dot products (``model.quantization=w8a8``).
-    ``lm_head`` (int8 weights only): the LM head multiplies with int8 weights too, quantized
-    at load from its float weight (``model.quantization_lm_head``)."""
+    ``lm_head``: the LM head multiplies with int8 weights too (with int8 activations under
+    w8a8, float ones under int8 and int4), quantized at load from its float weight
+    (``model.quantization_lm_head``)."""
 
     bits: int
     group_size: int
@@ -101,9 +102,9 @@ def resolve_quantization(model_config: Any, hf_config: Any | None) -> WeightQuan
     elif stored is None and mode == "int4":
         quantization = WeightQuantization(4, group_size or DEFAULT_GROUP_SIZE)
     lm_head = bool(getattr(model_config, "quantization_lm_head", False))
-    if lm_head and (quantization is None or quantization.bits != 8):
-        problems.append(f"model.quantization_lm_head=true needs int8 weights (model.quantization=int8 or w8a8), "
-                        f"got model.quantization={mode}" + (f" ({quantization.mode} weights)" if quantization else ""))
+    if lm_head and quantization is None:
+        problems.append(f"model.quantization_lm_head=true needs quantized weights (model.quantization=int8, w8a8 "
+                        f"or int4), got model.quantization={mode}")
     if problems:
         raise ConfigError(problems)
     return dataclasses.replace(quantization, lm_head=True) if lm_head else quantization

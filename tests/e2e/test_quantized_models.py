@@ -18,11 +18,12 @@ BASE = ["model.dtype=float32", "device=cpu"]
 MODES = {"int8": ["model.quantization=int8"],
          "w8a8": ["model.quantization=w8a8"],
          "int8+head": ["model.quantization=int8", "model.quantization_lm_head=true"],
-         "int4": ["model.quantization=int4", "model.quantization_group_size=32"]}
+         "int4": ["model.quantization=int4", "model.quantization_group_size=32"],
+         "int4+head": ["model.quantization=int4", "model.quantization_group_size=32", "model.quantization_lm_head=true"]}
 # Relative error of the logits (Frobenius norm of the difference over the float logits')
 # on the tiny random Llama: measured 0.0070 (int8), 0.0090 (w8a8), 0.0092 (int8 with the
 # LM head) and 0.0843 (int4, groups of 32) on 2026-12-01.
-LOGIT_TOLERANCE = {"int8": 0.015, "w8a8": 0.02, "int8+head": 0.02, "int4": 0.12}
+LOGIT_TOLERANCE = {"int8": 0.015, "w8a8": 0.02, "int8+head": 0.02, "int4": 0.12, "int4+head": 0.12}
 MIXTURE_W8A8_TOLERANCE = 0.05
 """The tiny Qwen2-MoE's w8a8 logits against its float ones (measured 2026-12-04: see the
 test's output)."""

@@ -205,12 +205,14 @@ def test_modes_resolve_on_a_float_checkpoint(mode, group_size, expected):
     assert resolve_quantization(config, SimpleNamespace()) == expected
 
 
-def test_the_lm_head_option_needs_int8_weights():
+def test_the_lm_head_option_needs_quantized_weights():
     config = ModelConfig(quantization="w8a8", quantization_lm_head=True)
     assert resolve_quantization(config, SimpleNamespace()) == WeightQuantization(8, -1, False, True, True)
-    with pytest.raises(ConfigError, match="model.quantization_lm_head=true needs int8 weights "
-                                          "\\(model.quantization=int8 or w8a8\\), got model.quantization=int4"):
-        resolve_quantization(ModelConfig(quantization="int4", quantization_lm_head=True), SimpleNamespace())
+    int4 = ModelConfig(quantization="int4", quantization_lm_head=True)
+    assert resolve_quantization(int4, SimpleNamespace()) == WeightQuantization(4, 128, lm_head=True)
+    with pytest.raises(ConfigError, match="model.quantization_lm_head=true needs quantized weights "
+                                          "\\(model.quantization=int8, w8a8 or int4\\), got model.quantization=none"):
+        resolve_quantization(ModelConfig(quantization="none", quantization_lm_head=True), SimpleNamespace())
     with pytest.raises(ConfigError, match="got model.quantization=auto$"):
         resolve_quantization(ModelConfig(quantization_lm_head=True), SimpleNamespace())
 
