@@ -9,8 +9,8 @@ matmuls. ``NativeDecodeStack`` hands the whole layer loop of such a step to the 
 It serves steps whose every request reads its context from the paged cache through
 ``attention=cpu`` (decode steps, chunks after a prompt's first, speculative chains; not
 token trees or fresh prompts, which take the layer loop), in models whose layers are all
-the plain Llama layer (``DecoderLayer`` with ``DecoderAttention`` without q/k norms and a
-SiLU ``GatedMLP``: Llama, Mistral without a window, Qwen2) in float32, on one device,
+the plain Llama layer (``DecoderLayer`` with ``DecoderAttention``, q/k norms or not, and a
+SiLU ``GatedMLP``: Llama, Mistral without a window, Qwen2, Qwen3) in float32, on one device,
 with every linear layer on a native kernel (float32, int8, w8a8 or int4) and no LoRA.
 ``SERVELAB_NATIVE_CPU=0`` turns it off with the other native paths.
 """
@@ -56,8 +56,9 @@ def _linear_slots(linear: Any, probe: torch.Tensor) -> tuple[int, list[torch.Ten
 
 class NativeDecodeStack:
     """The decoder layers of one model as ``decode_layers``' arguments: per layer the two
-    norms' weights and four linears (qkv, output, gate/up, down) as kind, packed tensors
-    and bias; rebuilt when a parameter changes (its version or storage)."""
+    norms' weights, four linears (qkv, output, gate/up, down) as kind, packed tensors and
+    bias, and the q/k norms' weights (empty without them); rebuilt when a parameter
+    changes (its version or storage)."""
 
     def __init__(self, layers: Any):
         self.layers = list(layers)
@@ -65,6 +66,7 @@ class NativeDecodeStack:
         self.attention, self.rotary = first.attention, first.rotary
         self.num_heads, self.num_kv_heads, self.head_dim = first.num_heads, first.num_kv_heads, first.head_dim
         self.eps = self.layers[0].input_layernorm.eps
+        self.qk_eps = first.q_norm.eps if first.qk_norm else 0.0
         self.params = [p for layer in self.layers for p in layer.parameters()]
         self.key: tuple | None = None
         self.weights: list[torch.Tensor] = []
@@ -85,7 +87,8 @@ class NativeDecodeStack:
         for layer in layers:
             attention, mlp = layer.self_attn, layer.mlp
             if (type(layer) is not DecoderLayer or type(attention) is not DecoderAttention
-                    or type(mlp) is not GatedMLP or attention.qk_norm or not mlp.fused_silu
+                    or type(mlp) is not GatedMLP or not mlp.fused_silu or attention.qk_norm != first.qk_norm
+                    or (first.qk_norm and not attention.q_norm.eps == attention.k_norm.eps == first.q_norm.eps)
                     or attention.attention is not first.attention or attention.rotary is not first.rotary
                     or layer.input_layernorm.eps != layers[0].input_layernorm.eps
                     or layer.post_attention_layernorm.eps != layers[0].input_layernorm.eps):
@@ -116,6 +119,9 @@ class NativeDecodeStack:
                 weights += slots[1]
                 widths.append(linear.out_features)
             weights.append(layer.post_attention_layernorm.weight.detach())
+            norms = (attention.q_norm.weight.detach(), attention.k_norm.weight.detach()) if attention.qk_norm else (
+                NO_TENSOR, NO_TENSOR)
+            weights += norms
         self.key, self.weights, self.kinds, self.widths = key, weights, kinds, widths
         return True
 
@@ -138,5 +144,5 @@ class NativeDecodeStack:
             x.contiguous(), residual, has_residual, positions, kv_caches, layout.slot_mapping, layout.block_table,
             layout.query_start_loc, layout.seq_lens, meta.cached, self.rotary.cos, self.rotary.sin,
             self.rotary.rotary_dim, self.weights, self.kinds, self.widths, self.num_heads, self.num_kv_heads,
-            self.head_dim, self.attention.spec.scale, self.eps)
+            self.head_dim, self.attention.spec.scale, self.eps, self.qk_eps)
         return out, residual

@@ -9,6 +9,7 @@ import pytest
 
 from servelab import LLM, SamplingParams
 from servelab.kernels.cpu_ops import native_cpu_available
+from servelab.kernels.w8a8_cpu import w8a8_unavailable_reason
 from servelab.plugins.models.native_decode_stack import NativeDecodeStack
 from servelab.testing.oracle import assert_engine_matches_transformers, mixed_prompts, tiny_checkpoint
 
@@ -20,7 +21,7 @@ BASE = ["device=cpu", "attention=cpu", "cache=paged", "cache.block_size=16"]
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("stack")
-    return {family: tiny_checkpoint(root / family, family) for family in ("llama", "qwen2", "qwen3")}
+    return {family: tiny_checkpoint(root / family, family) for family in ("llama", "qwen2", "qwen3", "mixtral")}
 
 
 class CountingStack(NativeDecodeStack):
@@ -48,9 +49,10 @@ def sampled(llm, prompts) -> list[tuple]:
             for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_greedy_output_equals_transformers_through_the_stack(checkpoints, family):
-    """Llama and Qwen2 (biased qkv projection), chunked so that later chunks also read the cache."""
+    """Llama, Qwen2 (biased qkv projection) and Qwen3 (q/k norms), chunked so that later
+    chunks also read the cache."""
     llm = LLM(checkpoints[family], overrides=[*BASE, "model.dtype=float32", "scheduler=chunked",
                                               "scheduler.token_budget=24"])
     try:
@@ -61,14 +63,19 @@ def test_greedy_output_equals_transformers_through_the_stack(checkpoints, family
         llm.shutdown()
 
 
-@pytest.mark.parametrize("quantization", ["none", "int8", "w8a8", "int4"])
-def test_the_stack_equals_the_layer_loop_to_the_bit(checkpoints, quantization):
+@pytest.mark.parametrize("family, quantization", [
+    ("llama", "none"), ("llama", "int8"),
+    pytest.param("llama", "w8a8", marks=pytest.mark.skipif(w8a8_unavailable_reason() is not None,
+                                                          reason=str(w8a8_unavailable_reason()))),
+    ("llama", "int4"), ("qwen3", "none")])
+def test_the_stack_equals_the_layer_loop_to_the_bit(checkpoints, family, quantization):
     """Same tokens and log-probabilities with the stack and with the Python loop, in float32
-    and with every weight-quantization kernel (int4 in groups of 32: the model is narrow)."""
+    and with every weight-quantization kernel (int4 in groups of 32: the model is narrow),
+    and with Qwen3's q/k norms."""
     overrides = [*BASE, "model.dtype=float32"] + ([] if quantization == "none" else [f"model.quantization={quantization}"])
     if quantization == "int4":
         overrides.append("model.quantization_group_size=32")
-    llm = LLM(checkpoints["llama"], overrides=overrides)
+    llm = LLM(checkpoints[family], overrides=overrides)
     try:
         prompts = mixed_prompts(llm.engine.vocab_size, lengths=(5, 23))
         stack = counted(llm)
@@ -81,7 +88,7 @@ def test_the_stack_equals_the_layer_loop_to_the_bit(checkpoints, quantization):
 
 
 @pytest.mark.parametrize("family, overrides", [
-    ("qwen3", ["model.dtype=float32"]),  # q/k norms
+    ("mixtral", ["model.dtype=float32"]),  # sparse layers
     ("llama", ["model.dtype=float32", "attention=sdpa"]),
     ("llama", ["model.dtype=bfloat16"]),
 ])

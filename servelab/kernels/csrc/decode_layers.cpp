@@ -2,7 +2,8 @@
 // every request reads its context from the paged cache (decode steps, chunks after the first).
 //
 // Each layer runs exactly the ops the Python layer calls, in its order: residual add +
-// RMSNorm, the fused qkv projection (+ bias), rotary embedding of q and k in place, the
+// RMSNorm, the fused qkv projection (+ bias), per-head RMSNorm of q and k (Qwen3's q/k
+// norms, as the Python layer computes them on a 3-D view), rotary embedding of q and k in place, the
 // cache write, paged attention, the output projection, residual add + RMSNorm, the fused
 // gate/up projection, SiLU x up and the down projection. What it saves is the Python
 // between them (module calls, views, allocations' wrappers): about ten microseconds an op,
@@ -14,8 +15,8 @@
 //   kind 2, w8a8:        packed, offsets, scales                           -> w8a8_linear
 //   kind 3, int4:        packed, params, -                                 -> int4_linear
 // then the bias (an empty tensor for none). A layer is the input norm's weight, the qkv,
-// output, gate/up and down linears (4 tensors each) and the post-attention norm's weight:
-// 18 tensors, kinds 4 entries.
+// output, gate/up and down linears (4 tensors each), the post-attention norm's weight and
+// the q and k norms' weights (empty tensors without q/k norms): 20 tensors, kinds 4 entries.
 
 #include <ATen/ATen.h>
 
@@ -24,7 +25,8 @@
 namespace servelab_cpu {
 namespace {
 
-constexpr int64_t kLayerTensors = 18;
+constexpr int64_t kLayerTensors = 20;
+constexpr int64_t kPostNorm = 17, kQNorm = 18, kKNorm = 19;
 constexpr int64_t kLinearTensors = 4;
 constexpr int64_t kLayerLinears = 4;
 
@@ -43,6 +45,12 @@ at::Tensor linear(const at::Tensor& x, at::TensorList w, int64_t kind, int64_t o
   return out;
 }
 
+// RMSNorm of float32 rows over the last dimension with the torch formula the Python layer
+// uses for a 3-D input: weight * (x * rsqrt(mean(x^2) + eps)).
+at::Tensor head_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return weight * (x * at::rsqrt(x.pow(2).mean(-1, true) + eps));
+}
+
 }  // namespace
 
 at::Tensor decode_layers(const at::Tensor& hidden, at::Tensor residual, bool has_residual, const at::Tensor& positions,
@@ -50,7 +58,7 @@ at::Tensor decode_layers(const at::Tensor& hidden, at::Tensor residual, bool has
                          const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& requests,
                          const at::Tensor& cos, const at::Tensor& sin, int64_t rotary_dim, at::TensorList weights,
                          at::IntArrayRef kinds, at::IntArrayRef out_features, int64_t num_heads,
-                         int64_t num_kv_heads, int64_t head_dim, double scale, double eps) {
+                         int64_t num_kv_heads, int64_t head_dim, double scale, double eps, double qk_eps) {
   const int64_t layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kLayerTensors &&
                   static_cast<int64_t>(kinds.size()) == layers * kLayerLinears &&
@@ -76,6 +84,10 @@ at::Tensor decode_layers(const at::Tensor& hidden, at::Tensor residual, bool has
     at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
     at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
+    if (w[kQNorm].numel()) {
+      q = head_rms_norm(q, w[kQNorm], qk_eps);
+      k = head_rms_norm(k, w[kKNorm], qk_eps);
+    }
     rotary_embedding(q.narrow(2, 0, rotary_dim), k.narrow(2, 0, rotary_dim), positions, cos, sin);
     write_kv_cache(kv_caches[l], k, v, slot_mapping);
     at::Tensor attended = at::empty({tokens, num_heads, head_dim}, x.options());
@@ -83,7 +95,7 @@ at::Tensor decode_layers(const at::Tensor& hidden, at::Tensor residual, bool has
                     c10::nullopt, c10::nullopt);
     at::Tensor o = linear(attended.view({tokens, q_size}), w.slice(1 + kLinearTensors, kLinearTensors), kind[1],
                           width[1]);
-    add_rms_norm(o, residual, w[kLayerTensors - 1], eps);
+    add_rms_norm(o, residual, w[kPostNorm], eps);
     at::Tensor gate_up = linear(o, w.slice(1 + 2 * kLinearTensors, kLinearTensors), kind[2], width[2]);
     at::Tensor gated = at::empty({tokens, width[2] / 2}, x.options());
     silu_and_mul(gated, gate_up);

@@ -50,6 +50,6 @@ at::Tensor decode_layers(const at::Tensor& hidden, at::Tensor residual, bool has
                          const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& requests,
                          const at::Tensor& cos, const at::Tensor& sin, int64_t rotary_dim, at::TensorList weights,
                          at::IntArrayRef kinds, at::IntArrayRef out_features, int64_t num_heads,
-                         int64_t num_kv_heads, int64_t head_dim, double scale, double eps);
+                         int64_t num_kv_heads, int64_t head_dim, double scale, double eps, double qk_eps);
 
 }  // namespace servelab_cpu
