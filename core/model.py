@@ -363,16 +363,6 @@ class ModelParallel:
         dist.all_gather(parts, x.contiguous(), group=self.tp_group)
         return torch.cat(parts, dim=-1)
 
-    def gather_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """Every rank's ``x`` stacked in rank order: [tp_size, *x.shape]."""
-        if self.tp_size == 1:
-            return x.unsqueeze(0)
-        import torch.distributed as dist
-
-        parts = [torch.empty_like(x) for _ in range(self.tp_size)]
-        dist.all_gather(parts, x.contiguous(), group=self.tp_group)
-        return torch.stack(parts)
-
     def all_to_all(self, x: torch.Tensor, send_counts: list[int], receive_counts: list[int]) -> torch.Tensor:
         """Rows of ``x`` sent to the ranks in order, ``send_counts[r]`` to rank r; returns the
         rows received, ``receive_counts[r]`` from rank r, in rank order."""

@@ -365,10 +365,13 @@ class ExpertWeights(nn.Module):
         self.routed += routed
         return self._pairs(x, weights, experts, routed)
 
-    def _pairs(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+    def _pairs(self, x: torch.Tensor, weights: torch.Tensor | None, experts: torch.Tensor,
                routed: torch.Tensor) -> torch.Tensor:
-        """``forward``'s sum, ``routed`` holding the step's pairs per expert."""
+        """``forward``'s sum, ``routed`` holding the step's pairs per expert; ``weights`` None:
+        each pair's output unweighted (the ranks that receive dispatched pairs)."""
         if x.device.type == "cuda" and self.fused_kernel_runs() and triton_unavailable_reason() is None:
+            if weights is None:  # the kernel always weights its pairs
+                weights = torch.ones(experts.shape, dtype=torch.float32, device=x.device)
             return self.fused(x, weights, experts)
         flat = experts.flatten()
         top_k = experts.shape[1]
@@ -389,7 +392,8 @@ class ExpertWeights(nn.Module):
                 gate_up = self.gate_up_proj.matmul(packed[rows], expert)
                 out[rows] = self.down_proj.matmul(gated_activation(gate_up, self.act, self.fused_silu), expert)
                 start += count
-        out.mul_(weights.flatten()[order].unsqueeze(1))
+        if weights is not None:
+            out.mul_(weights.flatten()[order].unsqueeze(1))
         return torch.zeros_like(x).index_add_(0, tokens, out)
 
     def dispatched(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
@@ -401,7 +405,8 @@ class ExpertWeights(nn.Module):
         rank's pairs are added to ``routed``."""
         ranks = parallel.tp_size
         flat = experts.flatten()
-        counts = parallel.gather_rows(torch.bincount(flat, minlength=self.total_experts))  # [ranks, E]
+        mine = torch.bincount(flat, minlength=self.total_experts)
+        counts = parallel.all_gather(mine).view(ranks, -1)  # [ranks, E]: every rank's pairs per expert
         total = counts.sum(0)
         self.routed += total
         per_rank = counts.unflatten(1, (ranks, -1)).sum(2)  # [source, owner]: pairs sent
@@ -410,8 +415,7 @@ class ExpertWeights(nn.Module):
         tokens = order // experts.shape[1]
         arrived = parallel.all_to_all(x[tokens], send, receive)
         arrived_experts = parallel.all_to_all(flat[order], send, receive).unsqueeze(1)
-        ones = torch.ones(arrived_experts.shape, dtype=x.dtype, device=x.device)
-        results = parallel.all_to_all(self._pairs(arrived, ones, arrived_experts, total), receive, send)
+        results = parallel.all_to_all(self._pairs(arrived, None, arrived_experts, total), receive, send)
         results.mul_(weights.flatten()[order].unsqueeze(1))
         return torch.zeros_like(x).index_add_(0, tokens, results)
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from servelab.kernels.cpu_ops import native_cpu_available, native_cpu_enabled
+from servelab.plugins.attention.cpu import CpuAttention, CpuMetadata
 from servelab.plugins.models.linear import Linear, is_blocked
 from servelab.plugins.models.quantized_linear import QuantizedLinear
 
@@ -77,8 +78,7 @@ class NativeDecodeStack:
     def of(cls, model: Any) -> NativeDecodeStack | None:
         """The stack of ``model``'s decoder layers, or None when it cannot serve them: see the
         module docstring for what it needs."""
-        from servelab.plugins.attention.cpu import CpuAttention
-        from servelab.plugins.models.llama import DecoderAttention, DecoderLayer, GatedMLP
+        from servelab.plugins.models.llama import DecoderAttention, DecoderLayer, GatedMLP  # llama imports this module
 
         layers = list(model.decoder_layers)
         if not layers or model.parallel.tp_size > 1 or not (native_cpu_enabled() and native_cpu_available()):
@@ -128,8 +128,6 @@ class NativeDecodeStack:
     def serves(self, hidden: torch.Tensor, meta: Any) -> bool:
         """True when this step can run through the stack: float32 rows and every request
         reading from the paged cache without a token tree."""
-        from servelab.plugins.attention.cpu import CpuMetadata
-
         return (type(meta) is CpuMetadata and not meta.fresh_starts and meta.layout.tree is None
                 and hidden.dtype == torch.float32 and self._refresh())
 
