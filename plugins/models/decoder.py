@@ -52,7 +52,8 @@ class RMSNorm(nn.Module):
     """Root-mean-square layer norm computed in float32, as the Llama family defines it.
 
     On the CPU, 2-D contiguous inputs take the native op, which rounds exactly where the
-    torch formula does."""
+    torch formula does; per-head norms of a 3-D view (Qwen3's q/k norms) take it on a
+    contiguous copy of their rows."""
 
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -61,10 +62,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., size] -> same shape and dtype."""
-        if x.dim() == 2 and x.is_contiguous() and use_native(x):
-            out = torch.empty_like(x)
-            torch.ops.servelab_cpu.rms_norm(out, x, self.weight, self.eps)
-            return out
+        if use_native(x) and (x.dim() == 3 or x.dim() == 2 and x.is_contiguous()):
+            rows = x.reshape(-1, x.shape[-1]).contiguous()
+            out = torch.empty_like(rows)
+            torch.ops.servelab_cpu.rms_norm(out, rows, self.weight, self.eps)
+            return out.view(x.shape)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -168,7 +168,7 @@ class StackedWeight(nn.Module):
         super().__init__()
         self.experts, self.out_features = experts, out_features
         self.weight = nn.Parameter(torch.empty(experts * out_features, in_features))
-        self._packed: tuple[tuple, list[torch.Tensor]] | None = None
+        self._packed: tuple[tuple, torch.Tensor, list[torch.Tensor]] | None = None
 
     def expert(self, index: int) -> torch.Tensor:
         """Expert ``index``'s matrix [out_features, in_features] (a view)."""
@@ -181,13 +181,23 @@ class StackedWeight(nn.Module):
         return self.weight.dtype == torch.float32 and use_native(self.weight)
 
     def packed(self) -> list[torch.Tensor]:
-        """Every expert's matrix in ``float_linear``'s blocked layout (packed on first use)."""
+        """Every expert's matrix in ``float_linear``'s blocked layout (packed on first use;
+        views of ``stacked``)."""
+        return self._packed_now()[2]
+
+    def stacked(self) -> torch.Tensor:
+        """Every expert's blocked matrix stacked: [experts, N' / 16, K, 16]."""
+        return self._packed_now()[1]
+
+    def _packed_now(self) -> tuple[tuple, torch.Tensor, list[torch.Tensor]]:
         weight = self.weight
         key = (weight._version, weight.data_ptr())
         if self._packed is None or self._packed[0] != key:
+            self._packed = None  # free the old copy before packing the new one
             with torch.inference_mode(False):  # normal tensors, usable in and out of inference mode
-                self._packed = (key, [pack_blocks(self.expert(e)) for e in range(self.experts)])
-        return self._packed[1]
+                stacked = torch.stack([pack_blocks(self.expert(e)) for e in range(self.experts)])
+            self._packed = (key, stacked, list(stacked.unbind(0)))
+        return self._packed
 
     def matmul(self, x: torch.Tensor, index: int) -> torch.Tensor:
         """x: [N, in_features] -> x @ expert(index).T [N, out_features]."""
@@ -213,6 +223,7 @@ class QuantizedStackedWeight(nn.Module):
                                     requires_grad=False)
         self.scales = nn.Parameter(torch.ones(experts * out_features, dtype=dtype), requires_grad=False)
         self._layers: tuple[tuple, list[QuantizedLinear]] | None = None
+        self._stacked: tuple[tuple, tuple[torch.Tensor, ...]] | None = None
 
     def layers(self) -> list[QuantizedLinear]:
         """One ``QuantizedLinear`` per expert over views of its rows."""
@@ -236,8 +247,27 @@ class QuantizedStackedWeight(nn.Module):
 
     def pack(self) -> None:
         """Pack every expert for its CPU kernel now (else on first use)."""
-        for layer in self.layers():
-            layer.packed_kernel_weights(layer.scales.new_empty(0))
+        self.stacked_kernel_weights()
+
+    def stacked_kernel_weights(self) -> tuple[torch.Tensor, ...] | None:
+        """Every expert's CPU kernel tensors (``QuantizedLinear.packed_kernel_weights``)
+        stacked along a first dimension, the experts' layers then multiplying with views of
+        them (no second copy); None where the kernel does not run."""
+        layers = self.layers()
+        probe = self.scales.new_empty(0)
+        packs = [layer.packed_kernel_weights(probe) for layer in layers]
+        if any(pack is None for pack in packs):
+            return None
+        key = tuple(tensor.data_ptr() for pack in packs for tensor in pack)
+        if self._stacked is None or self._stacked[0] != key:
+            self._stacked = None
+            with torch.inference_mode(False):  # normal tensors, usable in and out of inference mode
+                stacked = tuple(torch.stack(parts) for parts in zip(*packs))
+            for index, layer in enumerate(layers):
+                layer.share_packed(tuple(tensor[index] for tensor in stacked))
+            key = tuple(tensor.data_ptr() for layer in layers for tensor in layer.packed_kernel_weights(probe))
+            self._stacked = (key, stacked)
+        return self._stacked[1]
 
     def matmul(self, x: torch.Tensor, index: int) -> torch.Tensor:
         """x: [N, in_features] -> x @ expert(index).T [N, out_features]."""

@@ -10,8 +10,10 @@ It serves steps whose every request reads its context from the paged cache throu
 ``attention=cpu`` (decode steps, chunks after a prompt's first, speculative chains; not
 token trees or fresh prompts, which take the layer loop), in models whose layers are all
 the plain Llama layer (``DecoderLayer`` with ``DecoderAttention``, q/k norms or not, and a
-SiLU ``GatedMLP``: Llama, Mistral without a window, Qwen2, Qwen3) in float32, on one device,
-with every linear layer on a native kernel (float32, int8, w8a8 or int4) and no LoRA.
+SiLU ``GatedMLP``: Llama, Mistral without a window, Qwen2, Qwen3) or its sparse twin with a
+mixture of experts routed by a softmax top-k without shared experts (``SparseMoeBlock``:
+Mixtral, Qwen3-MoE), in float32, on one device, with every linear layer and expert on a
+native kernel (float32, int8, w8a8 or int4; experts float32, int8 or w8a8) and no LoRA.
 ``SERVELAB_NATIVE_CPU=0`` turns it off with the other native paths.
 """
 
@@ -55,11 +57,47 @@ def _linear_slots(linear: Any, probe: torch.Tensor) -> tuple[int, list[torch.Ten
     return kind, slots
 
 
+def _expert_slots(stacked: Any) -> tuple[int, list[torch.Tensor]] | None:
+    """(kind, [weights..., no bias]) of a layer's stacked experts (``StackedWeight`` or
+    ``QuantizedStackedWeight``), each tensor with the experts along its first dimension, or
+    None when their native kernel does not run."""
+    from servelab.plugins.models.moe import QuantizedStackedWeight, StackedWeight  # moe imports llama, which imports this
+
+    if type(stacked) is StackedWeight:
+        if not stacked.blocked:
+            return None
+        kind, tensors = FLOAT, [stacked.stacked()]
+    elif type(stacked) is QuantizedStackedWeight:
+        packed = stacked.stacked_kernel_weights()
+        if packed is None:
+            return None
+        kind, tensors = W8A8 if stacked.int8_activations else INT8, list(packed)
+    else:
+        return None
+    return kind, tensors + [NO_TENSOR] * (4 - len(tensors))
+
+
+def _mlp_serves(mlp: Any) -> bool:
+    """True for a SiLU ``GatedMLP``, or a ``SparseMoeBlock`` of SiLU experts on one device
+    routed by a softmax top-k (renormalised or not, unscaled) without shared experts."""
+    from servelab.plugins.models.llama import GatedMLP
+    from servelab.plugins.models.moe import SparseMoeBlock
+
+    if type(mlp) is GatedMLP:
+        return mlp.fused_silu
+    if type(mlp) is not SparseMoeBlock:
+        return False
+    routing, experts = mlp.gate.routing, mlp.experts
+    return (not mlp.shared and not experts.sharded and experts.fused_silu and routing.scoring == "softmax"
+            and routing.groups == 1 and routing.scale == 1.0 and not routing.correction_bias)
+
+
 class NativeDecodeStack:
     """The decoder layers of one model as ``decode_layers``' arguments: per layer the two
     norms' weights, four linears (qkv, output, gate/up, down) as kind, packed tensors and
-    bias, and the q/k norms' weights (empty without them); rebuilt when a parameter
-    changes (its version or storage)."""
+    bias, the q/k norms' weights (empty without them), and in a sparse layer the router's
+    weight and routed-pairs counter with the experts stacked in the gate/up and down slots;
+    rebuilt when a parameter changes (its version or storage)."""
 
     def __init__(self, layers: Any):
         self.layers = list(layers)
@@ -69,6 +107,8 @@ class NativeDecodeStack:
         self.eps = self.layers[0].input_layernorm.eps
         self.qk_eps = first.q_norm.eps if first.qk_norm else 0.0
         self.params = [p for layer in self.layers for p in layer.parameters()]
+        routers = [layer.mlp.gate.routing for layer in self.layers if hasattr(layer.mlp, "gate")]
+        self.top_k, self.normalize = (routers[0].top_k, routers[0].normalize) if routers else (0, False)
         self.key: tuple | None = None
         self.weights: list[torch.Tensor] = []
         self.kinds: list[int] = []
@@ -78,16 +118,18 @@ class NativeDecodeStack:
     def of(cls, model: Any) -> NativeDecodeStack | None:
         """The stack of ``model``'s decoder layers, or None when it cannot serve them: see the
         module docstring for what it needs."""
-        from servelab.plugins.models.llama import DecoderAttention, DecoderLayer, GatedMLP  # llama imports this module
+        from servelab.plugins.models.llama import DecoderAttention, DecoderLayer  # llama imports this module
+        from servelab.plugins.models.moe import SparseDecoderLayer
 
         layers = list(model.decoder_layers)
         if not layers or model.parallel.tp_size > 1 or not (native_cpu_enabled() and native_cpu_available()):
             return None
         first = layers[0].self_attn
+        routings = {layer.mlp.gate.routing for layer in layers if hasattr(layer.mlp, "gate")}
         for layer in layers:
             attention, mlp = layer.self_attn, layer.mlp
-            if (type(layer) is not DecoderLayer or type(attention) is not DecoderAttention
-                    or type(mlp) is not GatedMLP or not mlp.fused_silu or attention.qk_norm != first.qk_norm
+            if (type(layer) not in (DecoderLayer, SparseDecoderLayer) or type(attention) is not DecoderAttention
+                    or not _mlp_serves(mlp) or len(routings) > 1 or attention.qk_norm != first.qk_norm
                     or (first.qk_norm and not attention.q_norm.eps == attention.k_norm.eps == first.q_norm.eps)
                     or attention.attention is not first.attention or attention.rotary is not first.rotary
                     or layer.input_layernorm.eps != layers[0].input_layernorm.eps
@@ -110,18 +152,28 @@ class NativeDecodeStack:
         weights, kinds, widths = [], [], []
         for layer in self.layers:
             attention, mlp = layer.self_attn, layer.mlp
+            sparse = hasattr(mlp, "gate")
             weights.append(layer.input_layernorm.weight.detach())
-            for linear in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                slots = _linear_slots(linear, probe)
+            linears = [_linear_slots(attention.qkv_proj, probe), _linear_slots(attention.o_proj, probe)]
+            if sparse:
+                experts = mlp.experts
+                linears += [_expert_slots(experts.gate_up_proj), _expert_slots(experts.down_proj)]
+                widths += [attention.qkv_proj.out_features, attention.o_proj.out_features,
+                           experts.gate_up_proj.out_features, experts.down_proj.out_features]
+            else:
+                linears += [_linear_slots(mlp.gate_up_proj, probe), _linear_slots(mlp.down_proj, probe)]
+                widths += [linear.out_features for linear in (attention.qkv_proj, attention.o_proj,
+                                                               mlp.gate_up_proj, mlp.down_proj)]
+            for slots in linears:
                 if slots is None:
                     return False
                 kinds.append(slots[0])
                 weights += slots[1]
-                widths.append(linear.out_features)
             weights.append(layer.post_attention_layernorm.weight.detach())
             norms = (attention.q_norm.weight.detach(), attention.k_norm.weight.detach()) if attention.qk_norm else (
                 NO_TENSOR, NO_TENSOR)
             weights += norms
+            weights += (mlp.gate.weight.detach(), mlp.experts.routed) if sparse else (NO_TENSOR, NO_TENSOR)
         self.key, self.weights, self.kinds, self.widths = key, weights, kinds, widths
         return True
 
@@ -142,5 +194,5 @@ class NativeDecodeStack:
             x.contiguous(), residual, has_residual, positions, kv_caches, layout.slot_mapping, layout.block_table,
             layout.query_start_loc, layout.seq_lens, meta.cached, self.rotary.cos, self.rotary.sin,
             self.rotary.rotary_dim, self.weights, self.kinds, self.widths, self.num_heads, self.num_kv_heads,
-            self.head_dim, self.attention.spec.scale, self.eps, self.qk_eps)
+            self.head_dim, self.attention.spec.scale, self.eps, self.qk_eps, self.top_k, self.normalize)
         return out, residual

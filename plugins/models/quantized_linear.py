@@ -122,6 +122,11 @@ class QuantizedLinear(nn.Module):
             self._packed = (key, self._pack())
         return self._packed[1]
 
+    def share_packed(self, tensors: tuple) -> None:
+        """Multiply with ``tensors`` (equal to what ``packed_kernel_weights`` gives: views of
+        a stack several layers share) until the weights change."""
+        self._packed = (self._packed[0], tensors)
+
     def _pack(self) -> tuple | None:
         if self.int8_activations:
             if w8a8_unavailable_reason() is not None:

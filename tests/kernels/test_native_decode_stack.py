@@ -1,7 +1,8 @@
 """The native decoder stack (``decode_layers``): the decode steps of plain Llama-shaped
-float32 models on ``attention=cpu`` run their layers in one native call, with the same
-tokens and log-probabilities, to the bit, as the Python layer loop, and greedy output
-equal to transformers; models and steps it does not serve take the loop."""
+float32 models and of mixtures of experts (Mixtral, Qwen3-MoE) on ``attention=cpu`` run
+their layers in one native call, with the same tokens, log-probabilities (to the bit) and
+expert load as the Python layer loop, and greedy output equal to transformers; models and
+steps it does not serve take the loop."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 from servelab import LLM, SamplingParams
 from servelab.kernels.cpu_ops import native_cpu_available
 from servelab.kernels.w8a8_cpu import w8a8_unavailable_reason
+from servelab.plugins.models.moe import routed_pairs
 from servelab.plugins.models.native_decode_stack import NativeDecodeStack
 from servelab.testing.oracle import assert_engine_matches_transformers, mixed_prompts, tiny_checkpoint
 
@@ -21,7 +23,10 @@ BASE = ["device=cpu", "attention=cpu", "cache=paged", "cache.block_size=16"]
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("stack")
-    return {family: tiny_checkpoint(root / family, family) for family in ("llama", "qwen2", "qwen3", "mixtral")}
+    made = {family: tiny_checkpoint(root / family, family)
+            for family in ("llama", "qwen2", "qwen3", "mixtral", "qwen2-moe", "deepseek-v3")}
+    made["qwen3-moe"] = tiny_checkpoint(root / "qwen3-moe", "qwen3-moe", mlp_only_layers=[1])  # dense and sparse
+    return made
 
 
 class CountingStack(NativeDecodeStack):
@@ -49,10 +54,10 @@ def sampled(llm, prompts) -> list[tuple]:
             for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mixtral", "qwen3-moe"])
 def test_greedy_output_equals_transformers_through_the_stack(checkpoints, family):
-    """Llama, Qwen2 (biased qkv projection) and Qwen3 (q/k norms), chunked so that later
-    chunks also read the cache."""
+    """Llama, Qwen2 (biased qkv projection), Qwen3 (q/k norms), Mixtral and Qwen3-MoE (a
+    dense layer among the sparse ones), chunked so that later chunks also read the cache."""
     llm = LLM(checkpoints[family], overrides=[*BASE, "model.dtype=float32", "scheduler=chunked",
                                               "scheduler.token_budget=24"])
     try:
@@ -67,11 +72,14 @@ def test_greedy_output_equals_transformers_through_the_stack(checkpoints, family
     ("llama", "none"), ("llama", "int8"),
     pytest.param("llama", "w8a8", marks=pytest.mark.skipif(w8a8_unavailable_reason() is not None,
                                                           reason=str(w8a8_unavailable_reason()))),
-    ("llama", "int4"), ("qwen3", "none")])
+    ("llama", "int4"), ("qwen3", "none"), ("mixtral", "none"), ("qwen3-moe", "int8"),
+    pytest.param("qwen3-moe", "w8a8", marks=pytest.mark.skipif(w8a8_unavailable_reason() is not None,
+                                                              reason=str(w8a8_unavailable_reason())))])
 def test_the_stack_equals_the_layer_loop_to_the_bit(checkpoints, family, quantization):
     """Same tokens and log-probabilities with the stack and with the Python loop, in float32
     and with every weight-quantization kernel (int4 in groups of 32: the model is narrow),
-    and with Qwen3's q/k norms."""
+    with Qwen3's q/k norms, and for mixtures of experts in float32, int8 and w8a8 (the same
+    pairs counted per expert)."""
     overrides = [*BASE, "model.dtype=float32"] + ([] if quantization == "none" else [f"model.quantization={quantization}"])
     if quantization == "int4":
         overrides.append("model.quantization_group_size=32")
@@ -79,16 +87,24 @@ def test_the_stack_equals_the_layer_loop_to_the_bit(checkpoints, family, quantiz
     try:
         prompts = mixed_prompts(llm.engine.vocab_size, lengths=(5, 23))
         stack = counted(llm)
+        model = llm.engine.executor.worker.model
+        before = routed_pairs(model)
         with_stack = sampled(llm, prompts)
+        between = routed_pairs(model)
         assert stack.served > 0
-        llm.engine.executor.worker.model._native_stack = None
+        model._native_stack = None
         assert sampled(llm, prompts) == with_stack
+        after = routed_pairs(model)
+        for layer in before:  # the expert load each way
+            assert [b - a for a, b in zip(before[layer], between[layer])] == [
+                b - a for a, b in zip(between[layer], after[layer])], layer
     finally:
         llm.shutdown()
 
 
 @pytest.mark.parametrize("family, overrides", [
-    ("mixtral", ["model.dtype=float32"]),  # sparse layers
+    ("qwen2-moe", ["model.dtype=float32"]),  # gated shared experts
+    ("deepseek-v3", ["model.dtype=float32"]),  # latent attention, grouped sigmoid routing
     ("llama", ["model.dtype=float32", "attention=sdpa"]),
     ("llama", ["model.dtype=bfloat16"]),
 ])

@@ -16,7 +16,8 @@
 // L2 cache, so the weight crosses memory once whatever the row count; K is cut into slices
 // that keep a tile's weights within half an L2 (partial sums of a slice go through `out`).
 // Threads split the tiles, and the rows into groups only where there are too few tiles to
-// keep every thread busy.
+// keep every thread busy. grouped_expert_linear multiplies several experts' rows, each by
+// its own matrix of a stack, in one parallel region.
 
 #include <ATen/Parallel.h>
 
@@ -28,6 +29,21 @@
 namespace servelab_cpu {
 namespace {
 
+// out[m0 : m0 + rows, n : n + kTileChannels] (times the channel scales where given) of
+// x [M, K] and the packed W [N', K]: one tile of channels for a group of rows, every K slice.
+template <typename W>
+void tile_item(float* out, const float* x, int64_t K, const W* packed, const float* scales, int64_t N, int64_t n,
+               int64_t m0, int64_t rows) {
+  const int64_t slice = std::max<int64_t>(64, kSliceBytes / (kTileChannels * static_cast<int64_t>(sizeof(W))));
+  for (int64_t k0 = 0; k0 < K; k0 += slice) {
+    const Slice<W> s{packed + n * K, K, k0, std::min(K, k0 + slice), scales == nullptr ? nullptr : scales + n,
+                     std::min(kTileChannels, N - n), k0 == 0, k0 + slice >= K};
+    int64_t m = m0;
+    for (; m + kMaxRows <= m0 + rows; m += kMaxRows) tile_rows<kMaxRows>(x + m * K, K, s, out + m * N + n, N);
+    slice_remainder<kMaxRows - 1>(m0 + rows - m, x + m * K, K, s, out + m * N + n, N);
+  }
+}
+
 // out = x @ W.T (times the channel scales where given) for x [M, K] and the packed W.
 template <typename W>
 void blocked_linear(float* out, const float* x, int64_t M, int64_t K, const W* packed, const float* scales,
@@ -38,19 +54,30 @@ void blocked_linear(float* out, const float* x, int64_t M, int64_t K, const W* p
   const int64_t wanted = (2 * at::get_num_threads() + tiles - 1) / tiles;  // two items per thread
   const int64_t groups = std::clamp<int64_t>(wanted, 1, row_blocks);
   const int64_t group_size = (row_blocks + groups - 1) / groups * kMaxRows;
-  const int64_t slice = std::max<int64_t>(64, kSliceBytes / (kTileChannels * static_cast<int64_t>(sizeof(W))));
   at::parallel_for(0, groups * tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t m0 = (item / tiles) * group_size, n = (item % tiles) * kTileChannels;
-      if (m0 >= M) continue;
-      const int64_t group_rows = std::min(group_size, M - m0);
-      for (int64_t k0 = 0; k0 < K; k0 += slice) {
-        const Slice<W> s{packed + n * K, K, k0, std::min(K, k0 + slice), scales == nullptr ? nullptr : scales + n,
-                         std::min(kTileChannels, N - n), k0 == 0, k0 + slice >= K};
-        int64_t m = m0;
-        for (; m + kMaxRows <= m0 + group_rows; m += kMaxRows) tile_rows<kMaxRows>(x + m * K, K, s, out + m * N + n, N);
-        slice_remainder<kMaxRows - 1>(m0 + group_rows - m, x + m * K, K, s, out + m * N + n, N);
-      }
+      if (m0 < M) tile_item(out, x, K, packed, scales, N, n, m0, std::min(group_size, M - m0));
+    }
+  });
+}
+
+// For each group g, out[starts[g] : starts[g] + counts[g]] = the same rows of x times
+// expert experts[g]'s packed W (stride expert_stride; its scales at scale_stride): every
+// group's tiles in one parallel region (a mixture of experts' step at once). The rows'
+// results are those of blocked_linear on each group alone, to the bit.
+template <typename W>
+void grouped_blocked_linear(float* out, const float* x, int64_t K, const W* packed, int64_t expert_stride,
+                            const float* scales, int64_t scale_stride, int64_t N, at::IntArrayRef experts,
+                            at::IntArrayRef starts, at::IntArrayRef counts) {
+  if (K == 0) return std::fill(out, out + (starts.back() + counts.back()) * N, 0.f);
+  const int64_t tiles = (N + kTileChannels - 1) / kTileChannels;
+  at::parallel_for(0, static_cast<int64_t>(experts.size()) * tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t g = item / tiles, expert = experts[g];
+      tile_item(out + starts[g] * N, x + starts[g] * K, K, packed + expert * expert_stride,
+                scales == nullptr ? nullptr : scales + expert * scale_stride, N, (item % tiles) * kTileChannels, 0,
+                counts[g]);
     }
   });
 }
@@ -87,6 +114,27 @@ void int8_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
               "int8_linear: scales must be a contiguous float32 [", padded, "] tensor");
   blocked_linear(out.data_ptr<float>(), x.data_ptr<float>(), x.size(0), x.size(1), packed.data_ptr<int8_t>(),
                  scales.data_ptr<float>(), out.size(1));
+}
+
+void grouped_expert_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                           at::IntArrayRef experts, at::IntArrayRef starts, at::IntArrayRef counts) {
+  TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.size(3) == kBlock && !experts.empty() &&
+                  experts.size() == starts.size() && experts.size() == counts.size(),
+              "grouped_expert_linear: packed must be contiguous [E, N / 16, K, 16] with one start and count per "
+              "expert");
+  const at::Tensor first = packed.select(0, experts[0]);
+  if (scales.defined() && scales.numel()) {
+    const int64_t padded = check_blocked("grouped_expert_linear", out, x, first, at::kChar, "int8");
+    TORCH_CHECK(scales.dim() == 2 && scales.is_contiguous() && scales.size(1) == padded &&
+                    scales.scalar_type() == at::kFloat,
+                "grouped_expert_linear: scales must be a contiguous float32 [E, ", padded, "] tensor");
+    grouped_blocked_linear(out.data_ptr<float>(), x.data_ptr<float>(), x.size(1), packed.data_ptr<int8_t>(),
+                           first.numel(), scales.data_ptr<float>(), padded, out.size(1), experts, starts, counts);
+  } else {
+    check_blocked("grouped_expert_linear", out, x, first, at::kFloat, "float32");
+    grouped_blocked_linear(out.data_ptr<float>(), x.data_ptr<float>(), x.size(1), packed.data_ptr<float>(),
+                           first.numel(), nullptr, 0, out.size(1), experts, starts, counts);
+  }
 }
 
 }  // namespace servelab_cpu

@@ -5,7 +5,8 @@
 // RMSNorm, the fused qkv projection (+ bias), per-head RMSNorm of q and k (Qwen3's q/k
 // norms, as the Python layer computes them on a 3-D view), rotary embedding of q and k in place, the
 // cache write, paged attention, the output projection, residual add + RMSNorm, the fused
-// gate/up projection, SiLU x up and the down projection. What it saves is the Python
+// gate/up projection, SiLU x up and the down projection (or, in a sparse layer, the mixture of
+// experts below). What it saves is the Python
 // between them (module calls, views, allocations' wrappers): about ten microseconds an op,
 // which at batch 1 on a small model is as long as the matmuls.
 //
@@ -15,18 +16,30 @@
 //   kind 2, w8a8:        packed, offsets, scales                           -> w8a8_linear
 //   kind 3, int4:        packed, params, -                                 -> int4_linear
 // then the bias (an empty tensor for none). A layer is the input norm's weight, the qkv,
-// output, gate/up and down linears (4 tensors each), the post-attention norm's weight and
-// the q and k norms' weights (empty tensors without q/k norms): 20 tensors, kinds 4 entries.
+// output, gate/up and down linears (4 tensors each), the post-attention norm's weight, the
+// q and k norms' weights (empty tensors without q/k norms), the router's weight and the
+// routed-pairs counter (empty tensors in a dense layer): 22 tensors, kinds 4 entries.
+//
+// A sparse layer (a router's weight [E, hidden] present) runs the MoE block as the Python one
+// does (moe.py, routing.py): softmax scores of the router's logits, the top_k experts of each
+// token, their weights renormalised when `normalize`, the step's pairs per expert added to the
+// counter; the (token, choice) pairs sorted by expert, each expert with pairs multiplies its
+// rows at once (gate/up, SiLU x up, down), the outputs scaled by their weights and added onto
+// their tokens with one index_add_. Its gate/up and down linears hold every expert stacked
+// along a first dimension (expert e's tensors are their e-th entries; no bias).
 
 #include <ATen/ATen.h>
+
+#include <array>
+#include <vector>
 
 #include "ops.h"
 
 namespace servelab_cpu {
 namespace {
 
-constexpr int64_t kLayerTensors = 20;
-constexpr int64_t kPostNorm = 17, kQNorm = 18, kKNorm = 19;
+constexpr int64_t kLayerTensors = 22;
+constexpr int64_t kPostNorm = 17, kQNorm = 18, kKNorm = 19, kRouter = 20, kRouted = 21;
 constexpr int64_t kLinearTensors = 4;
 constexpr int64_t kLayerLinears = 4;
 
@@ -45,10 +58,97 @@ at::Tensor linear(const at::Tensor& x, at::TensorList w, int64_t kind, int64_t o
   return out;
 }
 
-// RMSNorm of float32 rows over the last dimension with the torch formula the Python layer
-// uses for a 3-D input: weight * (x * rsqrt(mean(x^2) + eps)).
+// Expert `e`'s linear of stacked tensors `w` (each nonempty one's e-th entry).
+at::Tensor expert_linear(const at::Tensor& x, at::TensorList w, int64_t e, int64_t kind, int64_t out_features) {
+  std::array<at::Tensor, kLinearTensors> own;
+  for (int64_t i = 0; i < kLinearTensors; ++i) {
+    own[i] = w[i].numel() ? w[i].select(0, e) : w[i];
+  }
+  return linear(x, own, kind, out_features);
+}
+
+// Each expert's rows of `pairs` (grouped as `experts`, `starts`, `counts` say) times that
+// expert's linear of stacked tensors `w`: float32 and int8 experts in one grouped call,
+// w8a8's one expert at a time.
+at::Tensor experts_linear(const at::Tensor& pairs, at::TensorList w, int64_t kind, int64_t out_features,
+                          const std::vector<int64_t>& experts, const std::vector<int64_t>& starts,
+                          const std::vector<int64_t>& counts) {
+  at::Tensor out = at::empty({pairs.size(0), out_features}, pairs.options());
+  if (kind == 0 || kind == 1) {
+    grouped_expert_linear(out, pairs, w[0], kind == 1 ? w[1] : at::Tensor(), experts, starts, counts);
+    return out;
+  }
+  for (size_t g = 0; g < experts.size(); ++g) {
+    out.narrow(0, starts[g], counts[g])
+        .copy_(expert_linear(pairs.narrow(0, starts[g], counts[g]), w, experts[g], kind, out_features));
+  }
+  return out;
+}
+
+// The mixture of experts of a sparse layer on its normed input `x` (see the header). The
+// router's float math is ATen's, as in Python; the bookkeeping after it (pairs per expert,
+// the stable sort by expert, gathering rows, the weighted sum onto the tokens) is plain
+// loops with the same results: a product rounded before it is added, adds in pair order.
+at::Tensor sparse_mlp(const at::Tensor& x, at::TensorList w, const int64_t* kind, const int64_t* width,
+                      int64_t top_k, bool normalize) {
+  const at::Tensor& router = w[kRouter];
+  const int64_t experts = router.size(0), tokens = x.size(0), hidden = x.size(1), pairs = tokens * top_k;
+  at::Tensor scores = at::softmax(at::linear(x, router), -1, at::kFloat);
+  at::Tensor chosen = std::get<1>(at::topk(scores, top_k, -1));
+  at::Tensor weights = scores.gather(1, chosen);
+  if (normalize) {
+    weights = weights / weights.sum(-1, true);
+  }
+  chosen = chosen.contiguous();
+  weights = weights.contiguous();
+  const int64_t* choice = chosen.data_ptr<int64_t>();
+  std::vector<int64_t> count(experts, 0), next(experts, 0), order(pairs);
+  for (int64_t p = 0; p < pairs; ++p) ++count[choice[p]];
+  int64_t* routed = w[kRouted].data_ptr<int64_t>();
+  std::vector<int64_t> active, starts, counts;
+  for (int64_t e = 0, start = 0; e < experts; start += count[e], ++e) {
+    routed[e] += count[e];
+    next[e] = start;
+    if (count[e]) {
+      active.push_back(e);
+      starts.push_back(start);
+      counts.push_back(count[e]);
+    }
+  }
+  for (int64_t p = 0; p < pairs; ++p) order[next[choice[p]]++] = p;  // stable by expert
+  at::Tensor rows = at::empty({pairs, hidden}, x.options());
+  const float* source = x.data_ptr<float>();
+  float* row = rows.data_ptr<float>();
+  for (int64_t i = 0; i < pairs; ++i) {
+    std::copy_n(source + order[i] / top_k * hidden, hidden, row + i * hidden);
+  }
+  at::TensorList gate_up_w = w.slice(1 + 2 * kLinearTensors, kLinearTensors);
+  at::TensorList down_w = w.slice(1 + 3 * kLinearTensors, kLinearTensors);
+  at::Tensor gate_up = experts_linear(rows, gate_up_w, kind[2], width[2], active, starts, counts);
+  at::Tensor gated = at::empty({pairs, width[2] / 2}, x.options());
+  silu_and_mul(gated, gate_up);
+  at::Tensor out = experts_linear(gated, down_w, kind[3], width[3], active, starts, counts);
+  float* result = out.data_ptr<float>();
+  const float* weight = weights.data_ptr<float>();
+  for (int64_t i = 0; i < pairs; ++i) {  // every product rounded (stored) before any add
+    for (int64_t h = 0; h < hidden; ++h) result[i * hidden + h] *= weight[order[i]];
+  }
+  at::Tensor mixed = at::zeros_like(x);
+  float* dst = mixed.data_ptr<float>();
+  for (int64_t i = 0; i < pairs; ++i) {
+    float* token = dst + order[i] / top_k * hidden;
+    for (int64_t h = 0; h < hidden; ++h) token[h] += result[i * hidden + h];
+  }
+  return mixed;
+}
+
+// RMSNorm of each head of x [T, heads, head_dim] as the Python layer takes it: the native
+// op on a contiguous copy of the rows.
 at::Tensor head_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  return weight * (x * at::rsqrt(x.pow(2).mean(-1, true) + eps));
+  at::Tensor rows = x.reshape({-1, x.size(-1)}).contiguous();
+  at::Tensor out = at::empty_like(rows);
+  rms_norm(out, rows, weight, eps);
+  return out.view(x.sizes());
 }
 
 }  // namespace
@@ -58,7 +158,8 @@ at::Tensor decode_layers(const at::Tensor& hidden, at::Tensor residual, bool has
                          const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& requests,
                          const at::Tensor& cos, const at::Tensor& sin, int64_t rotary_dim, at::TensorList weights,
                          at::IntArrayRef kinds, at::IntArrayRef out_features, int64_t num_heads,
-                         int64_t num_kv_heads, int64_t head_dim, double scale, double eps, double qk_eps) {
+                         int64_t num_kv_heads, int64_t head_dim, double scale, double eps, double qk_eps,
+                         int64_t top_k, bool normalize) {
   const int64_t layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kLayerTensors &&
                   static_cast<int64_t>(kinds.size()) == layers * kLayerLinears &&
@@ -96,6 +197,10 @@ at::Tensor decode_layers(const at::Tensor& hidden, at::Tensor residual, bool has
     at::Tensor o = linear(attended.view({tokens, q_size}), w.slice(1 + kLinearTensors, kLinearTensors), kind[1],
                           width[1]);
     add_rms_norm(o, residual, w[kPostNorm], eps);
+    if (w[kRouter].numel()) {
+      x = sparse_mlp(o, w, kind, width, top_k, normalize);
+      continue;
+    }
     at::Tensor gate_up = linear(o, w.slice(1 + 2 * kLinearTensors, kLinearTensors), kind[2], width[2]);
     at::Tensor gated = at::empty({tokens, width[2] / 2}, x.options());
     silu_and_mul(gated, gate_up);

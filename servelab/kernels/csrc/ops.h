@@ -41,6 +41,10 @@ void silu_and_mul(at::Tensor out, const at::Tensor& x);
 void argmax_rows(at::Tensor out, const at::Tensor& logits);
 void float_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed);
 void int8_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales);
+// For each g: out[starts[g] : +counts[g]] = the same rows of x @ expert experts[g]'s matrix,
+// from stacked packed weights [E, N / 16, K, 16]: float32, or int8 with scales [E, N'].
+void grouped_expert_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                           at::IntArrayRef experts, at::IntArrayRef starts, at::IntArrayRef counts);
 bool supports_w8a8();
 void w8a8_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& offsets,
                  const at::Tensor& scales);
@@ -50,6 +54,7 @@ at::Tensor decode_layers(const at::Tensor& hidden, at::Tensor residual, bool has
                          const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& requests,
                          const at::Tensor& cos, const at::Tensor& sin, int64_t rotary_dim, at::TensorList weights,
                          at::IntArrayRef kinds, at::IntArrayRef out_features, int64_t num_heads,
-                         int64_t num_kv_heads, int64_t head_dim, double scale, double eps, double qk_eps);
+                         int64_t num_kv_heads, int64_t head_dim, double scale, double eps, double qk_eps,
+                         int64_t top_k, bool normalize);
 
 }  // namespace servelab_cpu
