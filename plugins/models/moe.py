@@ -28,6 +28,7 @@ its experts, and the same all-reduce combines them (no all-to-all: the tokens ne
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass, replace
 from typing import Any, Iterable, Iterator
@@ -51,6 +52,11 @@ from servelab.plugins.models.routing import Router, Routing, checked
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 """The per-expert projections a checkpoint names."""
+NO_SCALES = torch.empty(0)
+"""``grouped_expert_linear``'s scales for float32 experts."""
+ExpertGroups = tuple[list[int], list[int], list[int]]
+"""A step's pairs sorted by expert as groups: the experts with pairs, where each one's rows
+start, how many there are."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,6 +211,15 @@ class StackedWeight(nn.Module):
             return float_linear(x.contiguous(), self.packed()[index], self.out_features)
         return F.linear(x, self.expert(index))
 
+    def grouped(self, x: torch.Tensor, groups: ExpertGroups) -> torch.Tensor | None:
+        """Each group's rows of float32 ``x`` times its expert's matrix, in one native call
+        (``grouped_expert_linear``); None where the experts do not multiply natively."""
+        if x.dtype != torch.float32 or not self.blocked:
+            return None
+        out = x.new_empty(x.shape[0], self.out_features)
+        torch.ops.servelab_cpu.grouped_expert_linear(out, x.contiguous(), self.stacked(), NO_SCALES, *groups)
+        return out
+
 
 class QuantizedStackedWeight(nn.Module):
     """``experts`` matrices [out_features, in_features] in int8 with one scale per row,
@@ -272,6 +287,22 @@ class QuantizedStackedWeight(nn.Module):
     def matmul(self, x: torch.Tensor, index: int) -> torch.Tensor:
         """x: [N, in_features] -> x @ expert(index).T [N, out_features]."""
         return self.layers()[index](x)
+
+    def grouped(self, x: torch.Tensor, groups: ExpertGroups) -> torch.Tensor | None:
+        """Each group's rows of float32 ``x`` times its expert's matrix, in one native call
+        (``grouped_expert_linear`` or, with int8 activations, ``grouped_w8a8_linear``);
+        None where the experts' CPU kernel does not run."""
+        if x.dtype != torch.float32 or self.scales.dtype != torch.float32 or x.device.type != "cpu":
+            return None
+        stacked = self.stacked_kernel_weights()
+        if stacked is None:
+            return None
+        out = x.new_empty(x.shape[0], self.out_features)
+        if self.int8_activations:
+            torch.ops.servelab_cpu.grouped_w8a8_linear(out, x.contiguous(), *stacked, *groups)
+        else:
+            torch.ops.servelab_cpu.grouped_expert_linear(out, x.contiguous(), *stacked, *groups)
+        return out
 
 
 class ExpertWeights(nn.Module):
@@ -413,18 +444,35 @@ class ExpertWeights(nn.Module):
             order = pairs[order]
         tokens = order // top_k  # the token of each (token, choice) pair, grouped by expert
         counts = routed[self.held.start:self.held.stop].tolist()
-        packed = x[tokens]
-        out = torch.empty_like(packed)
-        start = 0
-        for expert, count in enumerate(counts):
-            if count:
-                rows = slice(start, start + count)
-                gate_up = self.gate_up_proj.matmul(packed[rows], expert)
-                out[rows] = self.down_proj.matmul(gated_activation(gate_up, self.act, self.fused_silu), expert)
-                start += count
+        packed = x.index_select(0, tokens)
+        out = self._grouped(packed, counts)
+        if out is None:
+            out = torch.empty_like(packed)
+            start = 0
+            for expert, count in enumerate(counts):
+                if count:
+                    rows = slice(start, start + count)
+                    gate_up = self.gate_up_proj.matmul(packed[rows], expert)
+                    out[rows] = self.down_proj.matmul(gated_activation(gate_up, self.act, self.fused_silu), expert)
+                    start += count
         if weights is not None:
             out.mul_(weights.flatten()[order].unsqueeze(1))
         return torch.zeros_like(x).index_add_(0, tokens, out)
+
+    def _grouped(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
+        """``rows`` (the pairs' hidden states sorted by expert, ``counts`` per expert)
+        through their experts, every expert's gate/up and down in one native call each (the
+        same results, to the bit, as one call per expert); None where the experts have no
+        grouped kernel (not SiLU, not float32 rows, not on the CPU's native ops)."""
+        if not (self.fused_silu and rows.shape[0] and use_native(rows)):
+            return None
+        experts = [e for e, count in enumerate(counts) if count]
+        sizes = [counts[e] for e in experts]
+        groups = (experts, list(itertools.accumulate(sizes[:-1], initial=0)), sizes)
+        gate_up = self.gate_up_proj.grouped(rows, groups)
+        if gate_up is None:
+            return None
+        return self.down_proj.grouped(gated_activation(gate_up, self.act, True), groups)
 
     def dispatched(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
                    parallel: ModelParallel) -> torch.Tensor:

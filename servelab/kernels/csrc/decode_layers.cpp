@@ -30,7 +30,6 @@
 
 #include <ATen/ATen.h>
 
-#include <array>
 #include <vector>
 
 #include "ops.h"
@@ -58,29 +57,17 @@ at::Tensor linear(const at::Tensor& x, at::TensorList w, int64_t kind, int64_t o
   return out;
 }
 
-// Expert `e`'s linear of stacked tensors `w` (each nonempty one's e-th entry).
-at::Tensor expert_linear(const at::Tensor& x, at::TensorList w, int64_t e, int64_t kind, int64_t out_features) {
-  std::array<at::Tensor, kLinearTensors> own;
-  for (int64_t i = 0; i < kLinearTensors; ++i) {
-    own[i] = w[i].numel() ? w[i].select(0, e) : w[i];
-  }
-  return linear(x, own, kind, out_features);
-}
-
 // Each expert's rows of `pairs` (grouped as `experts`, `starts`, `counts` say) times that
-// expert's linear of stacked tensors `w`: float32 and int8 experts in one grouped call,
-// w8a8's one expert at a time.
+// expert's linear of stacked tensors `w` (float32, int8 or w8a8), in one grouped call.
 at::Tensor experts_linear(const at::Tensor& pairs, at::TensorList w, int64_t kind, int64_t out_features,
                           const std::vector<int64_t>& experts, const std::vector<int64_t>& starts,
                           const std::vector<int64_t>& counts) {
   at::Tensor out = at::empty({pairs.size(0), out_features}, pairs.options());
-  if (kind == 0 || kind == 1) {
-    grouped_expert_linear(out, pairs, w[0], kind == 1 ? w[1] : at::Tensor(), experts, starts, counts);
-    return out;
-  }
-  for (size_t g = 0; g < experts.size(); ++g) {
-    out.narrow(0, starts[g], counts[g])
-        .copy_(expert_linear(pairs.narrow(0, starts[g], counts[g]), w, experts[g], kind, out_features));
+  switch (kind) {
+    case 0: grouped_expert_linear(out, pairs, w[0], at::Tensor(), experts, starts, counts); break;
+    case 1: grouped_expert_linear(out, pairs, w[0], w[1], experts, starts, counts); break;
+    case 2: grouped_w8a8_linear(out, pairs, w[0], w[1], w[2], experts, starts, counts); break;
+    default: TORCH_CHECK(false, "decode_layers: experts of linear kind ", kind, " are not served");
   }
   return out;
 }

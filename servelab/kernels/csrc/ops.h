@@ -48,6 +48,11 @@ void grouped_expert_linear(at::Tensor out, const at::Tensor& x, const at::Tensor
 bool supports_w8a8();
 void w8a8_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& offsets,
                  const at::Tensor& scales);
+// w8a8_linear for each expert's rows of x, as grouped_expert_linear groups them; packed
+// [E, N / 16, K' / 4, 64], offsets and scales [E, N'].
+void grouped_w8a8_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& offsets,
+                         const at::Tensor& scales, at::IntArrayRef experts, at::IntArrayRef starts,
+                         at::IntArrayRef counts);
 void int4_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& params);
 at::Tensor decode_layers(const at::Tensor& hidden, at::Tensor residual, bool has_residual, const at::Tensor& positions,
                          at::TensorList kv_caches, const at::Tensor& slot_mapping, const at::Tensor& block_table,

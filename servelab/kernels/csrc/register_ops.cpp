@@ -29,6 +29,10 @@ TORCH_LIBRARY(servelab_cpu, m) {
   m.def("int4_linear(Tensor(a!) out, Tensor x, Tensor packed, Tensor params) -> ()");
   m.def("supports_w8a8() -> bool");
   m.def("w8a8_linear(Tensor(a!) out, Tensor x, Tensor packed, Tensor offsets, Tensor scales) -> ()");
+  m.def("grouped_expert_linear(Tensor(a!) out, Tensor x, Tensor packed, Tensor scales, int[] experts, int[] starts, "
+        "int[] counts) -> ()");
+  m.def("grouped_w8a8_linear(Tensor(a!) out, Tensor x, Tensor packed, Tensor offsets, Tensor scales, int[] experts, "
+        "int[] starts, int[] counts) -> ()");
   m.def("causal_prefill_attention(Tensor(a!) out, Tensor q, Tensor k, Tensor v, int[] starts, int[] lengths, "
         "float scale) -> ()");
   m.def("decode_layers(Tensor hidden, Tensor(a!) residual, bool has_residual, Tensor positions, Tensor[] kv_caches, "
@@ -54,6 +58,8 @@ TORCH_LIBRARY_IMPL(servelab_cpu, CPU, m) {
   m.impl("float_linear", &servelab_cpu::float_linear);
   m.impl("int8_linear", &servelab_cpu::int8_linear);
   m.impl("w8a8_linear", &servelab_cpu::w8a8_linear);
+  m.impl("grouped_expert_linear", &servelab_cpu::grouped_expert_linear);
+  m.impl("grouped_w8a8_linear", &servelab_cpu::grouped_w8a8_linear);
   m.impl("int4_linear", &servelab_cpu::int4_linear);
   m.impl("causal_prefill_attention", &servelab_cpu::causal_prefill_attention);
   m.impl("decode_layers", &servelab_cpu::decode_layers);

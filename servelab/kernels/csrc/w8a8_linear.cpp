@@ -18,11 +18,17 @@
 // Sapphire Rapids and later, where Linux grants the tile state) multiply 16 rows x 16
 // channels x 64 inputs per tdpbusd, 4 channel blocks at a time. Both sum the same exact
 // int32 products and share the epilogue, so their results are identical.
+//
+// grouped_w8a8_linear multiplies several experts' rows, each by its own matrix of a stack
+// ([E, N / 16, K' / 4, 64]), in one parallel region: the rows quantized once (a row's
+// result never depends on the others), each expert's rows on the tile unit or VNNI as
+// w8a8_linear would pick for them alone.
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 #include <vector>
 
 #include "amx.h"
@@ -169,72 +175,127 @@ void tile_unit_rows(const uint8_t* xu, int64_t padded_k, int64_t m0, int64_t M, 
 
 bool supports_w8a8() { return true; }
 
-void w8a8_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& offsets,
-                 const at::Tensor& scales) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
-              "w8a8_linear: x must be a contiguous float32 [M, K] tensor");
+namespace {
+
+// Checks a packed weight [N / 16, K' / 4, 64] with its offsets and scales for x [M, K] and
+// out [M, N]; returns K'.
+int64_t check_w8a8(const char* op, const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
+                   const at::Tensor& offsets, const at::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, op,
+              ": x must be a contiguous float32 [M, K] tensor");
   const int64_t M = x.size(0), K = x.size(1), padded_k = (K + kPackInputs - 1) / kPackInputs * kPackInputs;
   TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == at::kChar &&
                   packed.size(1) == padded_k / 4 && packed.size(2) == 4 * kBlock &&
                   (packed.size(0) * kBlock) % kPackChannels == 0,
-              "w8a8_linear: packed must be a contiguous int8 [N / 16, K' / 4, 64] tensor, N and K' multiples of ",
+              op, ": packed must be a contiguous int8 [N / 16, K' / 4, 64] tensor, N and K' multiples of ",
               kPackChannels);
   const int64_t padded_n = packed.size(0) * kBlock;
   TORCH_CHECK(offsets.dim() == 1 && offsets.is_contiguous() && offsets.scalar_type() == at::kInt &&
                   offsets.size(0) == padded_n && scales.dim() == 1 && scales.is_contiguous() &&
                   scales.scalar_type() == at::kFloat && scales.size(0) == padded_n,
-              "w8a8_linear: offsets (int32) and scales (float32) must be contiguous [", padded_n, "] tensors");
+              op, ": offsets (int32) and scales (float32) must be contiguous [", padded_n, "] tensors");
   TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.scalar_type() == at::kFloat && out.size(0) == M &&
                   out.size(1) <= padded_n && out.size(1) > padded_n - kPackChannels,
-              "w8a8_linear: out must be a contiguous float32 [M, N] tensor");
-  const int64_t N = out.size(1);
-  constexpr int64_t tile_channels = kTileVecs * kBlock;
-  const int64_t tiles = (N + tile_channels - 1) / tile_channels;
-#ifdef SERVELAB_AMX_INT8
-  const bool tile_unit = M >= kTileUnitRows && amx_available();
-#else
-  constexpr bool tile_unit = false;
-#endif
-  // The rows, quantized once per call into per-thread buffers that outlive it; rows
-  // padded to a multiple of 16 for the tile unit (zero activations: 128).
-  const int64_t rows = tile_unit ? (M + kTileRows - 1) / kTileRows * kTileRows : M;
+              op, ": out must be a contiguous float32 [M, N] tensor");
+  return padded_k;
+}
+
+// The rows of x quantized once per call into per-thread buffers that outlive it, followed
+// by one tile of padding rows (zero activations: 128) for the tile unit.
+std::pair<const uint8_t*, const float*> quantized_rows(const at::Tensor& x, int64_t padded_k) {
+  const int64_t M = x.size(0);
   thread_local std::vector<uint8_t> xu;
   thread_local std::vector<float> x_scale;
-  xu.resize(rows * padded_k);
+  xu.resize((M + kTileRows) * padded_k);
   x_scale.resize(M);
   std::fill(xu.begin() + M * padded_k, xu.end(), uint8_t{128});
-  quantize_rows(x.data_ptr<float>(), M, K, padded_k, xu.data(), x_scale.data());
-  const uint8_t* xs = xu.data();  // this thread's buffers, read by every thread below
-  const float* x_scales = x_scale.data();
+  quantize_rows(x.data_ptr<float>(), M, x.size(1), padded_k, xu.data(), x_scale.data());
+  return {xu.data(), x_scale.data()};  // this thread's buffers, read by every thread of the call
+}
+
+// out[0:M, n:n + channels] for M quantized rows (xs, x_scales) against the tile of 64
+// channels whose first block starts at w: the tile unit from kTileUnitRows rows where
+// `tile_unit` (the thread's tiles configured), else VNNI. The tile unit reads whole tiles
+// of 16 rows; rows past M are discarded.
+void tile_item(bool tile_unit, const uint8_t* xs, int64_t padded_k, const float* x_scales, int64_t M,
+               const int8_t* w, const int32_t* os, const float* ss, float* ys, int64_t N, int64_t channels) {
+#ifdef SERVELAB_AMX_INT8
+  if (tile_unit && M >= kTileUnitRows) {
+    for (int64_t m0 = 0; m0 < M; m0 += kTileRows) tile_unit_rows(xs, padded_k, m0, M, x_scales, w, os, ss, ys, N, channels);
+    return;
+  }
+#endif
+  int64_t m = 0;
+  for (; m + kMaxRows <= M; m += kMaxRows)
+    tile_rows<kMaxRows>(xs + m * padded_k, padded_k, x_scales + m, w, os, ss, ys + m * N, N, channels);
+  tile_remainder<kMaxRows - 1>(M - m, xs + m * padded_k, padded_k, x_scales + m, w, os, ss, ys + m * N, N, channels);
+}
+
+// Runs body(item) for items [0, items) over the threads, each thread's tiles configured
+// for the tile unit around its share where `tile_unit`.
+template <typename F>
+void parallel_items(int64_t items, bool tile_unit, F&& body) {
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+#ifdef SERVELAB_AMX_INT8
+    if (tile_unit) configure_full_tiles();
+#endif
+    for (int64_t item = begin; item < end; ++item) body(item);
+#ifdef SERVELAB_AMX_INT8
+    if (tile_unit) _tile_release();
+#endif
+  });
+}
+
+bool tile_unit_here() {
+#ifdef SERVELAB_AMX_INT8
+  return amx_available();
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+void w8a8_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& offsets,
+                 const at::Tensor& scales) {
+  const int64_t padded_k = check_w8a8("w8a8_linear", out, x, packed, offsets, scales);
+  const int64_t M = x.size(0), N = out.size(1);
+  constexpr int64_t tile_channels = kTileVecs * kBlock;
+  const bool tile_unit = M >= kTileUnitRows && tile_unit_here();
+  const auto [xs, x_scales] = quantized_rows(x, padded_k);
   const int8_t* ws = packed.data_ptr<int8_t>();
   const int32_t* os = offsets.data_ptr<int32_t>();
   const float* ss = scales.data_ptr<float>();
   float* ys = out.data_ptr<float>();
-#ifdef SERVELAB_AMX_INT8
-  if (tile_unit) {
-    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-      configure_full_tiles();
-      for (int64_t t = begin; t < end; ++t) {
-        const int64_t n = t * tile_channels, channels = std::min(tile_channels, N - n);
-        for (int64_t m0 = 0; m0 < M; m0 += kTileRows)
-          tile_unit_rows(xs, padded_k, m0, M, x_scales, ws + n * padded_k, os + n, ss + n, ys + n, N, channels);
-      }
-      _tile_release();
-    });
-    return;
-  }
-#endif
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t n = t * tile_channels, channels = std::min(tile_channels, N - n);
-      const int8_t* w = ws + n * padded_k;
-      int64_t m = 0;
-      for (; m + kMaxRows <= M; m += kMaxRows)
-        tile_rows<kMaxRows>(xs + m * padded_k, padded_k, x_scales + m, w, os + n, ss + n, ys + m * N + n,
-                            N, channels);
-      tile_remainder<kMaxRows - 1>(M - m, xs + m * padded_k, padded_k, x_scales + m, w, os + n, ss + n,
-                                   ys + m * N + n, N, channels);
-    }
+  parallel_items((N + tile_channels - 1) / tile_channels, tile_unit, [&](int64_t t) {
+    const int64_t n = t * tile_channels;
+    tile_item(tile_unit, xs, padded_k, x_scales, M, ws + n * padded_k, os + n, ss + n, ys + n, N,
+              std::min(tile_channels, N - n));
+  });
+}
+
+void grouped_w8a8_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& offsets,
+                         const at::Tensor& scales, at::IntArrayRef experts, at::IntArrayRef starts,
+                         at::IntArrayRef counts) {
+  TORCH_CHECK(packed.dim() == 4 && offsets.dim() == 2 && scales.dim() == 2 && !experts.empty() &&
+                  experts.size() == starts.size() && experts.size() == counts.size(),
+              "grouped_w8a8_linear: packed [E, N / 16, K' / 4, 64], offsets and scales [E, N'] with one start and "
+              "count per expert");
+  const int64_t padded_k = check_w8a8("grouped_w8a8_linear", out, x, packed.select(0, experts[0]),
+                                      offsets.select(0, experts[0]), scales.select(0, experts[0]));
+  const int64_t N = out.size(1), padded_n = offsets.size(1), expert_stride = packed.stride(0);
+  constexpr int64_t tile_channels = kTileVecs * kBlock;
+  const int64_t tiles = (N + tile_channels - 1) / tile_channels;
+  const bool tile_unit = tile_unit_here() && *std::max_element(counts.begin(), counts.end()) >= kTileUnitRows;
+  const auto [xs, x_scales] = quantized_rows(x, padded_k);
+  const int8_t* ws = packed.data_ptr<int8_t>();
+  const int32_t* os = offsets.data_ptr<int32_t>();
+  const float* ss = scales.data_ptr<float>();
+  float* ys = out.data_ptr<float>();
+  parallel_items(static_cast<int64_t>(experts.size()) * tiles, tile_unit, [&](int64_t item) {
+    const int64_t g = item / tiles, n = (item % tiles) * tile_channels, e = experts[g], m = starts[g];
+    tile_item(tile_unit, xs + m * padded_k, padded_k, x_scales + m, counts[g], ws + e * expert_stride + n * padded_k,
+              os + e * padded_n + n, ss + e * padded_n + n, ys + m * N + n, N, std::min(tile_channels, N - n));
   });
 }
 
@@ -244,6 +305,12 @@ bool supports_w8a8() { return false; }
 
 void w8a8_linear(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&) {
   TORCH_CHECK(false, "w8a8_linear needs a CPU with AVX512-VNNI (int8 dot products), which this build does not target");
+}
+
+void grouped_w8a8_linear(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                         at::IntArrayRef, at::IntArrayRef, at::IntArrayRef) {
+  TORCH_CHECK(false, "grouped_w8a8_linear needs a CPU with AVX512-VNNI (int8 dot products), which this build does "
+              "not target");
 }
 
 #endif
