@@ -238,7 +238,7 @@ class QuantizedStackedWeight(nn.Module):
                                     requires_grad=False)
         self.scales = nn.Parameter(torch.ones(experts * out_features, dtype=dtype), requires_grad=False)
         self._layers: tuple[tuple, list[QuantizedLinear]] | None = None
-        self._stacked: tuple[tuple, tuple[torch.Tensor, ...]] | None = None
+        self._stacked: tuple[tuple, tuple[torch.Tensor, ...] | None] | None = None
 
     def layers(self) -> list[QuantizedLinear]:
         """One ``QuantizedLinear`` per expert over views of its rows."""
@@ -268,19 +268,18 @@ class QuantizedStackedWeight(nn.Module):
         """Every expert's CPU kernel tensors (``QuantizedLinear.packed_kernel_weights``)
         stacked along a first dimension, the experts' layers then multiplying with views of
         them (no second copy); None where the kernel does not run."""
-        layers = self.layers()
-        probe = self.scales.new_empty(0)
-        packs = [layer.packed_kernel_weights(probe) for layer in layers]
-        if any(pack is None for pack in packs):
-            return None
-        key = tuple(tensor.data_ptr() for pack in packs for tensor in pack)
+        qweight, scales = self.qweight, self.scales
+        key = (qweight._version, qweight.data_ptr(), scales._version, scales.data_ptr())
         if self._stacked is None or self._stacked[0] != key:
-            self._stacked = None
-            with torch.inference_mode(False):  # normal tensors, usable in and out of inference mode
-                stacked = tuple(torch.stack(parts) for parts in zip(*packs))
-            for index, layer in enumerate(layers):
-                layer.share_packed(tuple(tensor[index] for tensor in stacked))
-            key = tuple(tensor.data_ptr() for layer in layers for tensor in layer.packed_kernel_weights(probe))
+            self._stacked = None  # free the old stack before packing the new one
+            layers = self.layers()
+            packs = [layer.packed_kernel_weights(scales.new_empty(0)) for layer in layers]
+            stacked = None
+            if all(pack is not None for pack in packs):
+                with torch.inference_mode(False):  # normal tensors, usable in and out of inference mode
+                    stacked = tuple(torch.stack(parts) for parts in zip(*packs))
+                for index, layer in enumerate(layers):
+                    layer.share_packed(tuple(tensor[index] for tensor in stacked))
             self._stacked = (key, stacked)
         return self._stacked[1]
 

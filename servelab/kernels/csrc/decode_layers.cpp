@@ -57,6 +57,9 @@ at::Tensor linear(const at::Tensor& x, at::TensorList w, int64_t kind, int64_t o
   return out;
 }
 
+// The four tensors of a layer's i-th linear (0 qkv, 1 output, 2 gate/up, 3 down).
+at::TensorList linear_tensors(at::TensorList w, int64_t i) { return w.slice(1 + i * kLinearTensors, kLinearTensors); }
+
 // Each expert's rows of `pairs` (grouped as `experts`, `starts`, `counts` say) times that
 // expert's linear of stacked tensors `w` (float32, int8 or w8a8), in one grouped call.
 at::Tensor experts_linear(const at::Tensor& pairs, at::TensorList w, int64_t kind, int64_t out_features,
@@ -109,12 +112,10 @@ at::Tensor sparse_mlp(const at::Tensor& x, at::TensorList w, const int64_t* kind
   for (int64_t i = 0; i < pairs; ++i) {
     std::copy_n(source + order[i] / top_k * hidden, hidden, row + i * hidden);
   }
-  at::TensorList gate_up_w = w.slice(1 + 2 * kLinearTensors, kLinearTensors);
-  at::TensorList down_w = w.slice(1 + 3 * kLinearTensors, kLinearTensors);
-  at::Tensor gate_up = experts_linear(rows, gate_up_w, kind[2], width[2], active, starts, counts);
+  at::Tensor gate_up = experts_linear(rows, linear_tensors(w, 2), kind[2], width[2], active, starts, counts);
   at::Tensor gated = at::empty({pairs, width[2] / 2}, x.options());
   silu_and_mul(gated, gate_up);
-  at::Tensor out = experts_linear(gated, down_w, kind[3], width[3], active, starts, counts);
+  at::Tensor out = experts_linear(gated, linear_tensors(w, 3), kind[3], width[3], active, starts, counts);
   float* result = out.data_ptr<float>();
   const float* weight = weights.data_ptr<float>();
   for (int64_t i = 0; i < pairs; ++i) {  // every product rounded (stored) before any add
@@ -168,7 +169,7 @@ at::Tensor decode_layers(const at::Tensor& hidden, at::Tensor residual, bool has
       residual.copy_(x);
       rms_norm(x, residual, w[0], eps);
     }
-    at::Tensor qkv = linear(x, w.slice(1, kLinearTensors), kind[0], width[0]);
+    at::Tensor qkv = linear(x, linear_tensors(w, 0), kind[0], width[0]);
     at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
     at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
@@ -181,17 +182,16 @@ at::Tensor decode_layers(const at::Tensor& hidden, at::Tensor residual, bool has
     at::Tensor attended = at::empty({tokens, num_heads, head_dim}, x.options());
     paged_attention(attended, q, kv_caches[l], block_table, query_start_loc, seq_lens, requests, scale, 0,
                     c10::nullopt, c10::nullopt);
-    at::Tensor o = linear(attended.view({tokens, q_size}), w.slice(1 + kLinearTensors, kLinearTensors), kind[1],
-                          width[1]);
+    at::Tensor o = linear(attended.view({tokens, q_size}), linear_tensors(w, 1), kind[1], width[1]);
     add_rms_norm(o, residual, w[kPostNorm], eps);
     if (w[kRouter].numel()) {
       x = sparse_mlp(o, w, kind, width, top_k, normalize);
       continue;
     }
-    at::Tensor gate_up = linear(o, w.slice(1 + 2 * kLinearTensors, kLinearTensors), kind[2], width[2]);
+    at::Tensor gate_up = linear(o, linear_tensors(w, 2), kind[2], width[2]);
     at::Tensor gated = at::empty({tokens, width[2] / 2}, x.options());
     silu_and_mul(gated, gate_up);
-    x = linear(gated, w.slice(1 + 3 * kLinearTensors, kLinearTensors), kind[3], width[3]);
+    x = linear(gated, linear_tensors(w, 3), kind[3], width[3]);
   }
   return x;
 }
