@@ -107,11 +107,12 @@ def build_llama_cpp(source: Path, build: Path, jobs: int) -> Path:
 
 
 def sentencepiece_packages(workdir: Path) -> Path:
-    """A folder with the ``sentencepiece`` package (the converter's SentencePiece reader),
-    installed there and not into servelab's environment."""
+    """A folder with the ``sentencepiece`` package (the converter's SentencePiece reader)
+    and the ``protobuf`` its model file needs, installed there and not into servelab's
+    environment."""
     target = workdir / "converter-packages"
-    if not (target / "sentencepiece").exists():
-        run([sys.executable, "-m", "pip", "install", "--quiet", "--target", str(target), "sentencepiece"])
+    if not ((target / "sentencepiece").exists() and (target / "google" / "protobuf").exists()):
+        run([sys.executable, "-m", "pip", "install", "--quiet", "--target", str(target), "sentencepiece", "protobuf"])
     return target
 
 
@@ -150,7 +151,8 @@ def gguf_file(folder: Path, mode: str, source: Path, binaries: Path, packages: P
         run([str(binaries / "llama-quantize"), str(full), str(target), "Q4_0"])
         return target
     copy = folder.parent / f"{folder.name}-spm"
-    if not copy.exists():
+    if not (copy / "tokenizer.model").exists():  # written last: an interrupted copy is made again
+        shutil.rmtree(copy, ignore_errors=True)
         copy.mkdir()
         for name in os.listdir(folder):
             if name.endswith(".safetensors") or name in ("config.json", "generation_config.json"):

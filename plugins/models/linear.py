@@ -4,7 +4,8 @@
 that reorder dominates at decode batch sizes. ``Linear`` keeps a packed copy: float32
 weights in servelab's blocked layout for ``float_linear`` (``servelab/kernels/blocked_linear.py``),
 bfloat16 ones for oneDNN, whose input rows it pads to a few bucket sizes so oneDNN compiles
-a bounded set of kernels; see docs/cpu_kernels.md.
+a bounded set of kernels, and a blocked bfloat16 copy for ``bf16_linear`` at decode row
+counts; see docs/cpu_kernels.md.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ from servelab.kernels.blocked_linear import pack_blocks
 from servelab.kernels.cpu_ops import native_cpu_available, native_cpu_enabled
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
+BLOCKED_BFLOAT16_ROWS = 16
+"""A bfloat16 ``Linear`` on the CPU multiplies at most this many rows with ``bf16_linear``
+over a blocked copy of its weight (decode steps: the weight streams at memory speed with
+no call overhead), more with oneDNN (prefill: its bfloat16 matmul instructions)."""
 
 
 def padded_rows(rows: int) -> int:
@@ -36,23 +41,62 @@ def padded_rows(rows: int) -> int:
 
 def warm_up_linears(module: nn.Module, max_rows: int) -> int:
     """Pack every CPU ``Linear`` of ``module`` and multiply once through each distinct
-    oneDNN-packed shape at every row bucket up to ``max_rows`` (zeros in, nothing kept), so
-    neither the packing nor oneDNN's kernel compilation happens during the first requests;
-    returns the kernels warmed (none for float32 layers: ``float_linear`` compiles nothing)."""
+    oneDNN-packed shape at every row bucket up to ``max_rows`` that oneDNN multiplies
+    (zeros in, nothing kept), so neither the packing nor oneDNN's kernel compilation
+    happens during the first requests; returns the kernels warmed (none for float32 layers
+    and bfloat16 decode rows: the blocked kernels compile nothing)."""
     buckets = sorted({padded_rows(rows) for rows in range(1, max_rows + 1)})
     shapes = set()
+    warmed = 0
     with torch.inference_mode():
         for layer in module.modules():
             if not isinstance(layer, Linear) or layer.weight.device.type != "cpu":
                 continue
             shape = (layer.in_features, layer.out_features, layer.weight.dtype, layer.bias is not None)
             packed = layer._packed_weight(layer.weight)
+            smallest = BLOCKED_BFLOAT16_ROWS + 1 if layer.blocked_bfloat16() is not None else 1
             if packed is None or is_blocked(packed) or shape in shapes:
                 continue
             shapes.add(shape)
             for rows in buckets:
-                layer(layer.weight.new_zeros(rows, layer.in_features))
-    return len(shapes) * len(buckets)
+                if rows >= smallest:
+                    layer(layer.weight.new_zeros(rows, layer.in_features))
+                    warmed += 1
+    return warmed
+
+
+class BlockedCopy:
+    """A CPU weight's copy in the blocked layout of ``float_linear`` and ``bf16_linear``
+    (``pack_blocks``), packed on first use and again when the weight changes (its version,
+    storage or dtype)."""
+
+    def __init__(self) -> None:
+        self.copy: tuple[tuple, torch.Tensor] | None = None
+
+    def of(self, weight: torch.Tensor) -> torch.Tensor:
+        """The blocked copy of ``weight`` [N, K]: [N' / 16, K, 16]."""
+        key = (weight._version, weight.data_ptr(), weight.dtype)
+        if self.copy is None or self.copy[0] != key:
+            self.copy = None  # free the old copy before packing the new one
+            with torch.inference_mode(False):  # a normal tensor, usable in and out of inference mode
+                self.copy = (key, pack_blocks(weight))
+        return self.copy[1]
+
+
+def blocked_weight_runs(weight: torch.Tensor) -> bool:
+    """True where ``weight`` can multiply through a blocked kernel: float32 or bfloat16 on
+    the CPU with the native ops built and on."""
+    return (weight.dtype in PACKED_DTYPES and weight.device.type == "cpu" and native_cpu_enabled()
+            and native_cpu_available())
+
+
+def blocked_matmul(rows: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """rows [M, K] (the packed weight's dtype) @ weight.T -> [M, out_features] through
+    ``float_linear`` or ``bf16_linear`` on the weight's blocked copy ``packed``."""
+    out = rows.new_empty(rows.shape[0], out_features)
+    kernel = torch.ops.servelab_cpu.float_linear if packed.dtype == torch.float32 else torch.ops.servelab_cpu.bf16_linear
+    kernel(out, rows.contiguous(), packed)
+    return out
 
 
 class Linear(nn.Linear):
@@ -63,11 +107,14 @@ class Linear(nn.Linear):
     weight on every call, which dominates at decode batch sizes. The copy is rebuilt when
     the weight changes (its version counter) and costs one more weight's memory (two for
     bfloat16 weights packed in float32, see ``_pack``); ``SERVELAB_NATIVE_CPU=0`` turns it
-    off with the other native CPU paths."""
+    off with the other native CPU paths. A bfloat16 layer also keeps its weight in the
+    blocked layout for inputs of at most ``BLOCKED_BFLOAT16_ROWS`` rows (``bf16_linear``:
+    float32 sums rounded once to bfloat16, as oneDNN's), one more weight's memory."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._packed: tuple[tuple, torch.Tensor | None] | None = None
+        self._blocked = BlockedCopy()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., in_features] -> [..., out_features]."""
@@ -75,9 +122,10 @@ class Linear(nn.Linear):
         if packed is None:
             return F.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, x.shape[-1])
-        if is_blocked(packed):  # float_linear's op: any row count, no padding
-            out = rows.new_empty(rows.shape[0], self.out_features)
-            torch.ops.servelab_cpu.float_linear(out, rows.contiguous(), packed)
+        blocked = packed if is_blocked(packed) else (
+            self.blocked_bfloat16() if rows.shape[0] <= BLOCKED_BFLOAT16_ROWS else None)
+        if blocked is not None:  # float_linear's op (any row count) or bf16_linear's, no padding
+            out = blocked_matmul(rows, blocked, self.out_features)
             if self.bias is not None:
                 out += self.bias
             return out.view(*x.shape[:-1], self.out_features)
@@ -100,6 +148,15 @@ class Linear(nn.Linear):
             self._packed = (key, _pack(weight))
         packed = self._packed[1]
         return packed if packed is not None and x.dtype == weight.dtype else None
+
+    def blocked_bfloat16(self) -> torch.Tensor | None:
+        """The bfloat16 weight in ``bf16_linear``'s blocked layout (packed on first use,
+        rebuilt when the weight changes), or None for other dtypes, off the CPU or without
+        the native ops."""
+        weight = self.weight
+        if weight.dtype != torch.bfloat16 or not blocked_weight_runs(weight):
+            return None
+        return self._blocked.of(weight)
 
 
 def linear_input(rows: int, columns: int, like: torch.Tensor) -> torch.Tensor:

@@ -44,7 +44,7 @@ from servelab.kernels.availability import triton_unavailable_reason
 from servelab.kernels.blocked_linear import float_linear, pack_blocks
 from servelab.kernels.quantized_weights import quantize_int8
 from servelab.plugins.models.decoder import WeightPiece, use_native
-from servelab.plugins.models.linear import Linear
+from servelab.plugins.models.linear import BLOCKED_BFLOAT16_ROWS, Linear
 from servelab.plugins.models.quantized_linear import QuantizedLinear
 from servelab.plugins.models.llama import (DecoderLayer, GatedMLP, LlamaFamilyForCausalLM, activation_of,
                                            gated_activation)
@@ -166,9 +166,11 @@ def deepseek_layout(hf_config: Any) -> ExpertLayout:
 class StackedWeight(nn.Module):
     """``experts`` matrices [out_features, in_features] in one parameter ``weight`` [experts *
     out_features, in_features] (expert e's rows from e * out_features), multiplied one expert
-    at a time: on the CPU in float32 with the native ops through a blocked copy of each
-    expert packed once for ``float_linear`` (rebuilt when the weight changes; one more
-    weight's memory, as ``Linear``'s), else ``F.linear`` on the expert's rows."""
+    at a time: on the CPU with the native ops through a blocked copy of each expert packed
+    once (rebuilt when the weight changes; one more weight's memory, as ``Linear``'s),
+    float32 for ``float_linear``, bfloat16 for ``grouped_expert_linear`` on steps whose
+    experts have at most ``BLOCKED_BFLOAT16_ROWS`` rows each, else ``F.linear`` on the
+    expert's rows."""
 
     def __init__(self, experts: int, out_features: int, in_features: int):
         super().__init__()
@@ -182,9 +184,9 @@ class StackedWeight(nn.Module):
 
     @property
     def blocked(self) -> bool:
-        """True where the experts multiply through ``float_linear`` (float32 on the CPU with
+        """True where the experts have a blocked copy (float32 or bfloat16 on the CPU with
         the native ops built)."""
-        return self.weight.dtype == torch.float32 and use_native(self.weight)
+        return self.weight.dtype in (torch.float32, torch.bfloat16) and use_native(self.weight)
 
     def packed(self) -> list[torch.Tensor]:
         """Every expert's matrix in ``float_linear``'s blocked layout (packed on first use;
@@ -207,14 +209,16 @@ class StackedWeight(nn.Module):
 
     def matmul(self, x: torch.Tensor, index: int) -> torch.Tensor:
         """x: [N, in_features] -> x @ expert(index).T [N, out_features]."""
-        if x.dtype == torch.float32 and self.blocked:
+        if x.dtype == self.weight.dtype == torch.float32 and self.blocked:
             return float_linear(x.contiguous(), self.packed()[index], self.out_features)
         return F.linear(x, self.expert(index))
 
     def grouped(self, x: torch.Tensor, groups: ExpertGroups) -> torch.Tensor | None:
-        """Each group's rows of float32 ``x`` times its expert's matrix, in one native call
-        (``grouped_expert_linear``); None where the experts do not multiply natively."""
-        if x.dtype != torch.float32 or not self.blocked:
+        """Each group's rows of ``x`` (the weight's dtype) times its expert's matrix, in one
+        native call (``grouped_expert_linear``); None where the experts do not multiply
+        natively (bfloat16: an expert with more than ``BLOCKED_BFLOAT16_ROWS`` rows)."""
+        if x.dtype != self.weight.dtype or not self.blocked or (
+                x.dtype == torch.bfloat16 and max(groups[2]) > BLOCKED_BFLOAT16_ROWS):
             return None
         out = x.new_empty(x.shape[0], self.out_features)
         torch.ops.servelab_cpu.grouped_expert_linear(out, x.contiguous(), self.stacked(), NO_SCALES, *groups)

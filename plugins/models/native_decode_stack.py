@@ -12,8 +12,10 @@ token trees or fresh prompts, which take the layer loop), in models whose layers
 the plain Llama layer (``DecoderLayer`` with ``DecoderAttention``, q/k norms or not, and a
 SiLU ``GatedMLP``: Llama, Mistral without a window, Qwen2, Qwen3) or its sparse twin with a
 mixture of experts routed by a softmax top-k without shared experts (``SparseMoeBlock``:
-Mixtral, Qwen3-MoE), in float32, on one device, with every linear layer and expert on a
-native kernel (float32, int8, w8a8 or int4; experts float32, int8 or w8a8) and no LoRA.
+Mixtral, Qwen3-MoE), on one device, with every linear layer and expert on a native kernel
+and no LoRA: float32 models (linears float32, int8, w8a8 or int4; experts float32, int8 or
+w8a8), and bfloat16 models on steps of at most ``BLOCKED_BFLOAT16_ROWS`` rows, which their
+Python layers multiply with ``bf16_linear`` too.
 ``SERVELAB_NATIVE_CPU=0`` turns it off with the other native paths.
 """
 
@@ -26,25 +28,30 @@ import torch
 
 from servelab.kernels.cpu_ops import native_cpu_available, native_cpu_enabled
 from servelab.plugins.attention.cpu import CpuAttention, CpuMetadata
-from servelab.plugins.models.linear import Linear, is_blocked
+from servelab.plugins.models.linear import BLOCKED_BFLOAT16_ROWS, Linear, blocked_weight_runs, is_blocked
 from servelab.plugins.models.quantized_linear import QuantizedLinear
 
 NO_TENSOR = torch.empty(0)
 """A linear's unused weight slots and missing bias."""
-FLOAT, INT8, W8A8, INT4 = range(4)
+FLOAT, INT8, W8A8, INT4, BFLOAT16 = range(5)
 """``decode_layers``' linear kinds."""
 VERSION = attrgetter("_version")
 
 
 def _linear_slots(linear: Any, probe: torch.Tensor) -> tuple[int, list[torch.Tensor]] | None:
     """(kind, [weights..., bias]) of ``linear`` for ``decode_layers``, or None when its
-    native kernel does not run for float32 rows."""
-    if type(linear) is Linear:
+    native kernel does not run for rows of ``probe``'s dtype."""
+    if type(linear) is Linear and probe.dtype == torch.bfloat16:
+        packed = linear.blocked_bfloat16()
+        if packed is None:
+            return None
+        kind, tensors = BFLOAT16, [packed]
+    elif type(linear) is Linear:
         packed = linear._packed_weight(probe)
         if packed is None or not is_blocked(packed):
             return None
         kind, tensors = FLOAT, [packed]
-    elif type(linear) is QuantizedLinear:
+    elif type(linear) is QuantizedLinear and probe.dtype == torch.float32:
         packed = linear.packed_kernel_weights(probe)
         if packed is None:
             return None
@@ -57,17 +64,17 @@ def _linear_slots(linear: Any, probe: torch.Tensor) -> tuple[int, list[torch.Ten
     return kind, slots
 
 
-def _expert_slots(stacked: Any) -> tuple[int, list[torch.Tensor]] | None:
+def _expert_slots(stacked: Any, dtype: torch.dtype) -> tuple[int, list[torch.Tensor]] | None:
     """(kind, [weights..., no bias]) of a layer's stacked experts (``StackedWeight`` or
     ``QuantizedStackedWeight``), each tensor with the experts along its first dimension, or
-    None when their native kernel does not run."""
+    None when their native kernel does not run for rows of ``dtype``."""
     from servelab.plugins.models.moe import QuantizedStackedWeight, StackedWeight  # moe imports llama, which imports this
 
     if type(stacked) is StackedWeight:
-        if not stacked.blocked:
+        if not stacked.blocked or stacked.weight.dtype != dtype:
             return None
-        kind, tensors = FLOAT, [stacked.stacked()]
-    elif type(stacked) is QuantizedStackedWeight:
+        kind, tensors = FLOAT if stacked.weight.dtype == torch.float32 else BFLOAT16, [stacked.stacked()]
+    elif type(stacked) is QuantizedStackedWeight and dtype == torch.float32:
         packed = stacked.stacked_kernel_weights()
         if packed is None:
             return None
@@ -89,14 +96,15 @@ def _mlp_serves(mlp: Any) -> bool:
         return False
     routing, experts = mlp.gate.routing, mlp.experts
     return (not mlp.shared and not experts.sharded and experts.fused_silu and routing.scoring == "softmax"
-            and routing.groups == 1 and routing.scale == 1.0 and not routing.correction_bias)
+            and routing.groups == 1 and routing.scale == 1.0 and not routing.correction_bias
+            and not routing.float32_logits)
 
 
 class NativeDecodeStack:
     """The decoder layers of one model as ``decode_layers``' arguments: per layer the two
     norms' weights, four linears (qkv, output, gate/up, down) as kind, packed tensors and
     bias, the q/k norms' weights (empty without them), and in a sparse layer the router's
-    weight and routed-pairs counter with the experts stacked in the gate/up and down slots;
+    blocked weight and routed-pairs counter with the experts stacked in the gate/up and down slots;
     rebuilt when a parameter changes (its version or storage)."""
 
     def __init__(self, layers: Any):
@@ -105,6 +113,7 @@ class NativeDecodeStack:
         self.attention, self.rotary = first.attention, first.rotary
         self.num_heads, self.num_kv_heads, self.head_dim = first.num_heads, first.num_kv_heads, first.head_dim
         self.eps = self.layers[0].input_layernorm.eps
+        self.dtype = self.layers[0].input_layernorm.weight.dtype
         self.qk_eps = first.q_norm.eps if first.qk_norm else 0.0
         self.params = [p for layer in self.layers for p in layer.parameters()]
         routers = [layer.mlp.gate.routing for layer in self.layers if hasattr(layer.mlp, "gate")]
@@ -138,7 +147,9 @@ class NativeDecodeStack:
         backend = first.attention
         if type(backend) is not CpuAttention or backend.spec.sliding_window is not None:
             return None
-        if first.rotary.cos.dtype != torch.float32 or layers[0].input_layernorm.weight.device.type != "cpu":
+        norm = layers[0].input_layernorm.weight
+        if norm.dtype not in (torch.float32, torch.bfloat16) or first.rotary.cos.dtype != norm.dtype or (
+                norm.device.type != "cpu"):
             return None
         stack = cls(layers)
         return stack if stack._refresh() else None
@@ -148,7 +159,7 @@ class NativeDecodeStack:
         key = (tuple(map(VERSION, self.params)), tuple(map(torch.Tensor.data_ptr, self.params)))
         if key == self.key:
             return True
-        probe = torch.empty(1, dtype=torch.float32)
+        probe = torch.empty(1, dtype=self.dtype)
         weights, kinds, widths = [], [], []
         for layer in self.layers:
             attention, mlp = layer.self_attn, layer.mlp
@@ -157,7 +168,8 @@ class NativeDecodeStack:
             linears = [_linear_slots(attention.qkv_proj, probe), _linear_slots(attention.o_proj, probe)]
             if sparse:
                 experts = mlp.experts
-                linears += [_expert_slots(experts.gate_up_proj), _expert_slots(experts.down_proj)]
+                linears += [_expert_slots(experts.gate_up_proj, self.dtype),
+                            _expert_slots(experts.down_proj, self.dtype)]
                 widths += [attention.qkv_proj.out_features, attention.o_proj.out_features,
                            experts.gate_up_proj.out_features, experts.down_proj.out_features]
             else:
@@ -173,15 +185,19 @@ class NativeDecodeStack:
             norms = (attention.q_norm.weight.detach(), attention.k_norm.weight.detach()) if attention.qk_norm else (
                 NO_TENSOR, NO_TENSOR)
             weights += norms
-            weights += (mlp.gate.weight.detach(), mlp.experts.routed) if sparse else (NO_TENSOR, NO_TENSOR)
+            if sparse and not blocked_weight_runs(mlp.gate.weight):
+                return False
+            weights += (mlp.gate.blocked_weight(), mlp.experts.routed) if sparse else (NO_TENSOR, NO_TENSOR)
         self.key, self.weights, self.kinds, self.widths = key, weights, kinds, widths
         return True
 
     def serves(self, hidden: torch.Tensor, meta: Any) -> bool:
-        """True when this step can run through the stack: float32 rows and every request
-        reading from the paged cache without a token tree."""
+        """True when this step can run through the stack: rows of the model's dtype (at most
+        ``BLOCKED_BFLOAT16_ROWS`` in bfloat16) and every request reading from the paged
+        cache without a token tree."""
         return (type(meta) is CpuMetadata and not meta.fresh_starts and meta.layout.tree is None
-                and hidden.dtype == torch.float32 and self._refresh())
+                and hidden.dtype == self.dtype
+                and (self.dtype == torch.float32 or hidden.shape[0] <= BLOCKED_BFLOAT16_ROWS) and self._refresh())
 
     def __call__(self, state: tuple, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: Any) -> tuple:
         """The layers' output state (last MLP output, residual) from the first layer's input state."""

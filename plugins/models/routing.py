@@ -11,6 +11,11 @@ weights, for every family servelab serves, as transformers computes them:
   ``e_score_correction_bias`` and keeps the ``top_groups`` groups whose two best experts
   add up highest; the weights are the chosen experts' scores without the bias,
   renormalised when ``normalize`` and times the scaling factor.
+
+On the CPU with servelab's native ops, the softmax top-k without groups or bias is one
+native call (``softmax_topk``: the decoder stack routes with it too), and the router's
+matmul runs on a blocked copy of its weight (``float_linear``; ``bf16_linear`` for at
+most ``BLOCKED_BFLOAT16_ROWS`` bfloat16 rows).
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from servelab.core.errors import ConfigError
+from servelab.kernels.cpu_ops import native_cpu_available, native_cpu_enabled
+from servelab.plugins.models.linear import BLOCKED_BFLOAT16_ROWS, BlockedCopy, blocked_matmul, blocked_weight_runs
 
 GROUP_SCORES = ("max", "top2_sum")
 """How a group of experts is scored: by its best expert (DeepSeek-V2), or by its two best
@@ -70,6 +77,12 @@ class Routing:
     def route(self, logits: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Router logits [T, E] (and the correction bias [E]) -> (float32 weights [T, top_k],
         expert indices [T, top_k])."""
+        if (self.scoring == "softmax" and self.groups == 1 and bias is None and logits.device.type == "cpu"
+                and native_cpu_enabled() and native_cpu_available()):
+            weights = logits.new_empty(logits.shape[0], self.top_k, dtype=torch.float32)
+            experts = logits.new_empty(logits.shape[0], self.top_k, dtype=torch.long)
+            torch.ops.servelab_cpu.softmax_topk(weights, experts, logits.contiguous(), self.top_k, self.normalize)
+            return (weights * self.scale if self.scale != 1.0 else weights), experts
         if self.scoring == "sigmoid":
             scores = logits.float().sigmoid()
         else:
@@ -106,14 +119,23 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         if routing.correction_bias:
             self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts))
+        self._blocked = BlockedCopy()
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, hidden] -> (float32 weights [T, top_k], expert indices [T, top_k])."""
         if self.routing.float32_logits:
             logits = F.linear(x.float(), self.weight.float())
+        elif x.dtype == self.weight.dtype and (x.dtype == torch.float32 or x.shape[0] <= BLOCKED_BFLOAT16_ROWS) and (
+                blocked_weight_runs(self.weight)):
+            logits = blocked_matmul(x, self.blocked_weight(), self.weight.shape[0])
         else:
             logits = F.linear(x, self.weight)
         return self.routing.route(logits, getattr(self, "e_score_correction_bias", None))
+
+    def blocked_weight(self) -> torch.Tensor:
+        """The weight's blocked copy (``BlockedCopy``), which the CPU's float32 logits and
+        bfloat16 logits of a few rows multiply with."""
+        return self._blocked.of(self.weight)
 
 
 def checked(routing: Routing, num_experts: int, experts_field: str) -> Routing:

@@ -1,5 +1,5 @@
 """The native decoder stack (``decode_layers``): the decode steps of plain Llama-shaped
-float32 models and of mixtures of experts (Mixtral, Qwen3-MoE) on ``attention=cpu`` run
+float32 and bfloat16 models and of mixtures of experts (Mixtral, Qwen3-MoE) on ``attention=cpu`` run
 their layers in one native call, with the same tokens, log-probabilities (to the bit) and
 expert load as the Python layer loop, and greedy output equal to transformers; models and
 steps it does not serve take the loop."""
@@ -68,20 +68,23 @@ def test_greedy_output_equals_transformers_through_the_stack(checkpoints, family
         llm.shutdown()
 
 
-@pytest.mark.parametrize("family, quantization", [
-    ("llama", "none"), ("llama", "int8"),
-    pytest.param("llama", "w8a8", marks=pytest.mark.skipif(w8a8_unavailable_reason() is not None,
-                                                          reason=str(w8a8_unavailable_reason()))),
-    ("llama", "int4"), ("qwen3", "none"), ("mixtral", "none"), ("qwen3-moe", "int8"),
-    pytest.param("qwen3-moe", "w8a8", marks=pytest.mark.skipif(w8a8_unavailable_reason() is not None,
-                                                              reason=str(w8a8_unavailable_reason())))])
-def test_the_stack_equals_the_layer_loop_to_the_bit(checkpoints, family, quantization):
+W8A8 = pytest.mark.skipif(w8a8_unavailable_reason() is not None, reason=str(w8a8_unavailable_reason()))
+
+
+@pytest.mark.parametrize("family, dtype, quantization", [
+    ("llama", "float32", "none"), ("llama", "float32", "int8"), pytest.param("llama", "float32", "w8a8", marks=W8A8),
+    ("llama", "float32", "int4"), ("qwen3", "float32", "none"), ("mixtral", "float32", "none"),
+    ("qwen3-moe", "float32", "int8"), pytest.param("qwen3-moe", "float32", "w8a8", marks=W8A8),
+    ("qwen2", "bfloat16", "none"), ("qwen3", "bfloat16", "none"), ("mixtral", "bfloat16", "none"),
+    ("qwen3-moe", "bfloat16", "none")])
+def test_the_stack_equals_the_layer_loop_to_the_bit(checkpoints, family, dtype, quantization):
     """Same tokens and log-probabilities with the stack and with the Python loop, in float32
     and with every weight-quantization kernel (int4 in groups of 32: the model is narrow),
-    with Qwen3's q/k norms, and for mixtures of experts in float32, int8 and w8a8 (the same
-    pairs counted per expert). A 40-token prompt's later chunks of 16 give experts several
-    rows in one step (w8a8's tile unit, where the CPU has one, from 4)."""
-    overrides = [*BASE, "model.dtype=float32", "scheduler=chunked", "scheduler.token_budget=16"]
+    with Qwen3's q/k norms, for mixtures of experts in float32, int8 and w8a8 (the same
+    pairs counted per expert), and in bfloat16 (steps of at most 16 rows: bf16_linear in
+    both). A 40-token prompt's later chunks of 16 give experts several rows in one step
+    (w8a8's tile unit, where the CPU has one, from 4)."""
+    overrides = [*BASE, f"model.dtype={dtype}", "scheduler=chunked", "scheduler.token_budget=16"]
     overrides += [] if quantization == "none" else [f"model.quantization={quantization}"]
     if quantization == "int4":
         overrides.append("model.quantization_group_size=32")
@@ -108,7 +111,7 @@ def test_the_stack_equals_the_layer_loop_to_the_bit(checkpoints, family, quantiz
     ("qwen2-moe", ["model.dtype=float32"]),  # gated shared experts
     ("deepseek-v3", ["model.dtype=float32"]),  # latent attention, grouped sigmoid routing
     ("llama", ["model.dtype=float32", "attention=sdpa"]),
-    ("llama", ["model.dtype=bfloat16"]),
+    ("llama", ["model.dtype=bfloat16", "model.quantization=int8"]),  # quantized kernels take float32 rows
 ])
 def test_models_the_stack_does_not_serve_take_the_loop(checkpoints, family, overrides):
     llm = LLM(checkpoints[family], overrides=[*BASE, *overrides])

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from servelab.kernels.cpu_ops import native_cpu_available, native_cpu_enabled
-from servelab.plugins.models.linear import (Linear, bfloat16_matmul_supported, is_blocked, linear_input, padded_rows,
+from servelab.plugins.models.linear import (BLOCKED_BFLOAT16_ROWS, Linear, bfloat16_matmul_supported, is_blocked, linear_input, padded_rows,
                                            pads_rows, release_padding_buffers, warm_up_linears)
 
 packing = pytest.mark.skipif(not (native_cpu_enabled() and torch.backends.mkldnn.is_available()),
@@ -14,6 +14,13 @@ packing = pytest.mark.skipif(not (native_cpu_enabled() and torch.backends.mkldnn
 blocked = pytest.mark.skipif(not native_cpu_available(), reason="the native CPU ops are unavailable here")
 bfloat16_rows_in_place = pytest.mark.skipif(not (native_cpu_enabled() and bfloat16_matmul_supported()),
                                             reason="no bfloat16 oneDNN matmul here: bfloat16 rows go through float32")
+
+
+def onednn_buckets(max_rows: int) -> set[int]:
+    """The row buckets up to ``max_rows`` that a bfloat16 ``Linear`` multiplies with oneDNN
+    (fewer rows take ``bf16_linear`` where the native ops are built)."""
+    smallest = BLOCKED_BFLOAT16_ROWS + 1 if native_cpu_available() else 1
+    return {padded_rows(rows) for rows in range(smallest, max_rows + 1)}
 
 
 def test_row_buckets_are_few_and_waste_little():
@@ -60,7 +67,7 @@ def test_packed_linear_keeps_leading_dims_and_follows_weight_updates():
 @packing
 def test_warm_up_visits_each_distinct_onednn_shape_once_per_bucket():
     model = torch.nn.Sequential(Linear(32, 64), Linear(32, 64), Linear(64, 32)).to(torch.bfloat16)
-    buckets = {padded_rows(rows) for rows in range(1, 41)}
+    buckets = onednn_buckets(40)
     assert warm_up_linears(model, 40) == 2 * len(buckets)
     assert warm_up_linears(model, 0) == 0
 
@@ -154,8 +161,8 @@ def test_bfloat16_without_native_matmuls_multiplies_in_float32(monkeypatch, nati
 @packing
 def test_llm_warm_up_compiles_every_bucket_and_generation_is_unchanged(llama):
     """``LLM.warm_up(n)`` multiplies through each distinct oneDNN-packed linear shape of the
-    model at every row bucket up to n (the LM head included), leaves the outputs as they
-    were, and names a bad argument."""
+    model at every row bucket up to n that oneDNN multiplies (the LM head included), leaves
+    the outputs as they were, and names a bad argument."""
     from servelab import LLM, SamplingParams
 
     llm = LLM(llama, overrides=["model.dtype=bfloat16", "device=cpu"])
@@ -163,7 +170,7 @@ def test_llm_warm_up_compiles_every_bucket_and_generation_is_unchanged(llama):
     before = llm.generate("hello world", params, use_tqdm=False)[0].outputs[0].token_ids
     model = llm.engine.executor.model
     shapes = {(m.in_features, m.out_features) for m in model.modules() if isinstance(m, Linear)}
-    buckets = {padded_rows(rows) for rows in range(1, 65)}
+    buckets = onednn_buckets(64)
     assert llm.warm_up(64) == len(shapes) * len(buckets)
     assert llm.generate("hello world", params, use_tqdm=False)[0].outputs[0].token_ids == before
     with pytest.raises(ValueError, match="max_tokens must be 0 or more"):
@@ -185,12 +192,13 @@ def test_warm_up_defaults_to_the_step_budget_and_packs_every_layer(llama, monkey
     model = llm.engine.executor.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     shapes = {(m.in_features, m.out_features) for m in linears}
-    buckets = {padded_rows(rows) for rows in range(1, 97)}
+    buckets = onednn_buckets(96)
     blocked_layers = dtype == "float32" and native_cpu_available()
     assert llm.warm_up() == (0 if blocked_layers else len(shapes) * len(buckets))
     assert len(linears) > len(shapes)  # layers sharing a shape are packed too
     assert all(m._packed is not None and m._packed[1] is not None for m in linears)
     assert all(is_blocked(m._packed[1]) == blocked_layers for m in linears)
+    assert all((m._blocked.copy is not None) == (dtype == "bfloat16" and native_cpu_available()) for m in linears)
 
     def no_packing(weight):
         raise AssertionError("a weight was packed after warm_up")

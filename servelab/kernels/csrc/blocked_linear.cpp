@@ -1,9 +1,12 @@
 // blocked_linear: y = x @ W.T for float32 rows x and a weight repacked once at load into
 // blocks of 16 output channels stored k-major (servelab/kernels/blocked_linear.py builds it):
 // packed[b][k][j] = W[16 b + j][k], the channels padded with zeros to a multiple of
-// kPackChannels. Two weight types share the kernel:
+// kPackChannels. Three weight types share the kernel:
 //
 //   float_linear  float32 weights (the default CPU matmul of float32 models)
+//   bf16_linear   bfloat16 weights (a bfloat16 model's small matmuls), each vector widened to
+//                 float32 in registers; bfloat16 rows are widened first and the float32 sums
+//                 rounded once to bfloat16, as a bfloat16 matmul that accumulates in float32
 //   int8_linear   int8 weights with one scale per output channel (weight-only int8), each
 //                 int8 vector widened to float32 in registers, so the weight crosses memory
 //                 as bytes, a quarter of float32's traffic; the scale multiplies the
@@ -19,6 +22,7 @@
 // keep every thread busy. grouped_expert_linear multiplies several experts' rows, each by
 // its own matrix of a stack, in one parallel region.
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -99,6 +103,19 @@ int64_t check_blocked(const char* op, const at::Tensor& out, const at::Tensor& x
   return padded;
 }
 
+// Calls multiply(out32, x32) on float32 rows: x and out themselves when x is float32; for
+// bfloat16 x and out, a float32 copy of x and a float32 result then rounded once into out.
+template <typename Multiply>
+void on_float_rows(const char* op, at::Tensor& out, const at::Tensor& x, Multiply multiply) {
+  if (x.scalar_type() == at::kFloat) return multiply(out, x);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 &&
+                  out.is_contiguous(),
+              op, ": x and out must be float32 or bfloat16 [M, K] and [M, N] tensors of one dtype, out contiguous");
+  at::Tensor result = at::empty(out.sizes(), out.options().dtype(at::kFloat));
+  multiply(result, x.to(at::kFloat).contiguous());
+  out.copy_(result);
+}
+
 }  // namespace
 
 void float_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed) {
@@ -116,6 +133,14 @@ void int8_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
                  scales.data_ptr<float>(), out.size(1));
 }
 
+void bf16_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed) {
+  on_float_rows("bf16_linear", out, x, [&](at::Tensor& out32, const at::Tensor& x32) {
+    check_blocked("bf16_linear", out32, x32, packed, at::kBFloat16, "bfloat16");
+    blocked_linear(out32.data_ptr<float>(), x32.data_ptr<float>(), x32.size(0), x32.size(1),
+                   packed.data_ptr<c10::BFloat16>(), nullptr, out32.size(1));
+  });
+}
+
 void grouped_expert_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                            at::IntArrayRef experts, at::IntArrayRef starts, at::IntArrayRef counts) {
   TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.size(3) == kBlock && !experts.empty() &&
@@ -123,18 +148,27 @@ void grouped_expert_linear(at::Tensor out, const at::Tensor& x, const at::Tensor
               "grouped_expert_linear: packed must be contiguous [E, N / 16, K, 16] with one start and count per "
               "expert");
   const at::Tensor first = packed.select(0, experts[0]);
-  if (scales.defined() && scales.numel()) {
-    const int64_t padded = check_blocked("grouped_expert_linear", out, x, first, at::kChar, "int8");
-    TORCH_CHECK(scales.dim() == 2 && scales.is_contiguous() && scales.size(1) == padded &&
-                    scales.scalar_type() == at::kFloat,
-                "grouped_expert_linear: scales must be a contiguous float32 [E, ", padded, "] tensor");
-    grouped_blocked_linear(out.data_ptr<float>(), x.data_ptr<float>(), x.size(1), packed.data_ptr<int8_t>(),
-                           first.numel(), scales.data_ptr<float>(), padded, out.size(1), experts, starts, counts);
-  } else {
-    check_blocked("grouped_expert_linear", out, x, first, at::kFloat, "float32");
-    grouped_blocked_linear(out.data_ptr<float>(), x.data_ptr<float>(), x.size(1), packed.data_ptr<float>(),
-                           first.numel(), nullptr, 0, out.size(1), experts, starts, counts);
-  }
+  on_float_rows("grouped_expert_linear", out, x, [&](at::Tensor& out32, const at::Tensor& x32) {
+    float* y = out32.data_ptr<float>();
+    const float* rows = x32.data_ptr<float>();
+    const int64_t K = x32.size(1), N = out32.size(1);
+    if (scales.defined() && scales.numel()) {
+      const int64_t padded = check_blocked("grouped_expert_linear", out32, x32, first, at::kChar, "int8");
+      TORCH_CHECK(scales.dim() == 2 && scales.is_contiguous() && scales.size(1) == padded &&
+                      scales.scalar_type() == at::kFloat,
+                  "grouped_expert_linear: scales must be a contiguous float32 [E, ", padded, "] tensor");
+      grouped_blocked_linear(y, rows, K, packed.data_ptr<int8_t>(), first.numel(), scales.data_ptr<float>(), padded,
+                             N, experts, starts, counts);
+    } else if (packed.scalar_type() == at::kBFloat16) {
+      check_blocked("grouped_expert_linear", out32, x32, first, at::kBFloat16, "bfloat16");
+      grouped_blocked_linear(y, rows, K, packed.data_ptr<c10::BFloat16>(), first.numel(), nullptr, 0, N, experts,
+                             starts, counts);
+    } else {
+      check_blocked("grouped_expert_linear", out32, x32, first, at::kFloat, "float32");
+      grouped_blocked_linear(y, rows, K, packed.data_ptr<float>(), first.numel(), nullptr, 0, N, experts, starts,
+                             counts);
+    }
+  });
 }
 
 }  // namespace servelab_cpu

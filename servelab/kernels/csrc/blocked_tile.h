@@ -1,5 +1,5 @@
-// The register tile of servelab's blocked matmuls (blocked_linear.cpp: float32 and int8
-// weights; int4_linear.cpp: int4 weights dequantized a K slice at a time): a weight
+// The register tile of servelab's blocked matmuls (blocked_linear.cpp: float32, bfloat16
+// and int8 weights; int4_linear.cpp: int4 weights dequantized a K slice at a time): a weight
 // repacked into blocks of 16 output channels stored k-major, packed[b][k][j] =
 // W[16 b + j][k], and the micro-kernel that multiplies one tile of kTileVecs vectors of
 // channels into up to kMaxRows rows of x over one K slice.
@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <type_traits>
+
+#include <c10/util/BFloat16.h>
 
 #include "vec.h"
 
@@ -38,6 +40,20 @@ inline VecRegister load_weights(const int8_t* p) {
 #else
   float values[kLanes];
   for (int64_t i = 0; i < kLanes; ++i) values[i] = p[i];
+  return Vec::loadu(values);
+#endif
+}
+
+inline VecRegister load_weights(const c10::BFloat16* p) {  // a bfloat16 is a float32's high half
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512i halves = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(halves, 16));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256i halves = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(halves, 16));
+#else
+  float values[kLanes];
+  for (int64_t i = 0; i < kLanes; ++i) values[i] = static_cast<float>(p[i]);
   return Vec::loadu(values);
 #endif
 }

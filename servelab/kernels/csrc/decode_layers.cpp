@@ -15,18 +15,23 @@
 //   kind 1, int8:        packed, scales, -                                 -> int8_linear
 //   kind 2, w8a8:        packed, offsets, scales                           -> w8a8_linear
 //   kind 3, int4:        packed, params, -                                 -> int4_linear
+//   kind 4, bfloat16:    packed (blocked_linear's layout), -, -            -> bf16_linear
 // then the bias (an empty tensor for none). A layer is the input norm's weight, the qkv,
 // output, gate/up and down linears (4 tensors each), the post-attention norm's weight, the
 // q and k norms' weights (empty tensors without q/k norms), the router's weight and the
 // routed-pairs counter (empty tensors in a dense layer): 22 tensors, kinds 4 entries.
 //
-// A sparse layer (a router's weight [E, hidden] present) runs the MoE block as the Python one
-// does (moe.py, routing.py): softmax scores of the router's logits, the top_k experts of each
-// token, their weights renormalised when `normalize`, the step's pairs per expert added to the
-// counter; the (token, choice) pairs sorted by expert, each expert with pairs multiplies its
+// A sparse layer (a router's weight present, in the blocked layout of its float_linear or
+// bf16_linear) runs the MoE block as the Python one does (moe.py, routing.py): the router's
+// logits, softmax_topk's top_k experts of each token and their weights (renormalised when
+// `normalize`), the step's pairs per expert added to the counter; the (token, choice) pairs sorted by expert, each expert with pairs multiplies its
 // rows at once (gate/up, SiLU x up, down), the outputs scaled by their weights and added onto
 // their tokens with one index_add_. Its gate/up and down linears hold every expert stacked
 // along a first dimension (expert e's tensors are their e-th entries; no bias).
+//
+// The hidden states are float32 (every linear kind), or bfloat16 with bfloat16 linears and
+// experts (a bfloat16 model's decode steps of at most 16 rows, which its Python layers
+// multiply with the same bf16_linear), each op rounding to bfloat16 where the Python one does.
 
 #include <ATen/ATen.h>
 
@@ -49,6 +54,7 @@ at::Tensor linear(const at::Tensor& x, at::TensorList w, int64_t kind, int64_t o
     case 1: int8_linear(out, x, w[0], w[1]); break;
     case 2: w8a8_linear(out, x, w[0], w[1], w[2]); break;
     case 3: int4_linear(out, x, w[0], w[1]); break;
+    case 4: bf16_linear(out, x, w[0]); break;
     default: TORCH_CHECK(false, "decode_layers: unknown linear kind ", kind);
   }
   if (w[3].numel()) {
@@ -61,13 +67,14 @@ at::Tensor linear(const at::Tensor& x, at::TensorList w, int64_t kind, int64_t o
 at::TensorList linear_tensors(at::TensorList w, int64_t i) { return w.slice(1 + i * kLinearTensors, kLinearTensors); }
 
 // Each expert's rows of `pairs` (grouped as `experts`, `starts`, `counts` say) times that
-// expert's linear of stacked tensors `w` (float32, int8 or w8a8), in one grouped call.
+// expert's linear of stacked tensors `w` (float32, int8, w8a8 or bfloat16), in one grouped call.
 at::Tensor experts_linear(const at::Tensor& pairs, at::TensorList w, int64_t kind, int64_t out_features,
                           const std::vector<int64_t>& experts, const std::vector<int64_t>& starts,
                           const std::vector<int64_t>& counts) {
   at::Tensor out = at::empty({pairs.size(0), out_features}, pairs.options());
   switch (kind) {
-    case 0: grouped_expert_linear(out, pairs, w[0], at::Tensor(), experts, starts, counts); break;
+    case 0:
+    case 4: grouped_expert_linear(out, pairs, w[0], at::Tensor(), experts, starts, counts); break;
     case 1: grouped_expert_linear(out, pairs, w[0], w[1], experts, starts, counts); break;
     case 2: grouped_w8a8_linear(out, pairs, w[0], w[1], w[2], experts, starts, counts); break;
     default: TORCH_CHECK(false, "decode_layers: experts of linear kind ", kind, " are not served");
@@ -75,22 +82,56 @@ at::Tensor experts_linear(const at::Tensor& pairs, at::TensorList w, int64_t kin
   return out;
 }
 
-// The mixture of experts of a sparse layer on its normed input `x` (see the header). The
-// router's float math is ATen's, as in Python; the bookkeeping after it (pairs per expert,
-// the stable sort by expert, gathering rows, the weighted sum onto the tokens) is plain
-// loops with the same results: a product rounded before it is added, adds in pair order.
+// The (token, choice) pairs' rows of x sorted by expert (`order`: pair indices, top_k per
+// token), and their experts' outputs `result` scaled by the pairs' routing weights and
+// added onto their tokens, as the Python layer's index_select, mul_ and index_add_ do in
+// the rows' dtype T: every product rounded to T before any add, adds in pair order.
+template <typename T>
+at::Tensor gather_pairs(const at::Tensor& x, const std::vector<int64_t>& order, int64_t top_k) {
+  const int64_t hidden = x.size(1);
+  at::Tensor rows = at::empty({static_cast<int64_t>(order.size()), hidden}, x.options());
+  const T* source = x.data_ptr<T>();
+  T* row = rows.data_ptr<T>();
+  for (size_t i = 0; i < order.size(); ++i) std::copy_n(source + order[i] / top_k * hidden, hidden, row + i * hidden);
+  return rows;
+}
+
+template <typename T>
+at::Tensor weighted_sum(const at::Tensor& x, at::Tensor& result, const float* weight, const std::vector<int64_t>& order,
+                        int64_t top_k) {
+  const int64_t hidden = x.size(1), pairs = static_cast<int64_t>(order.size());
+  T* out = result.data_ptr<T>();
+  for (int64_t i = 0; i < pairs; ++i) {
+    for (int64_t h = 0; h < hidden; ++h) out[i * hidden + h] = static_cast<T>(static_cast<float>(out[i * hidden + h]) *
+                                                                               weight[order[i]]);
+  }
+  at::Tensor mixed = at::zeros_like(x);
+  T* dst = mixed.data_ptr<T>();
+  for (int64_t i = 0; i < pairs; ++i) {
+    T* token = dst + order[i] / top_k * hidden;
+    for (int64_t h = 0; h < hidden; ++h) token[h] = static_cast<T>(static_cast<float>(token[h]) +
+                                                                   static_cast<float>(out[i * hidden + h]));
+  }
+  return mixed;
+}
+
+// The mixture of experts of a sparse layer on its normed input `x` (see the header): the
+// router's logits on its blocked weight and softmax_topk, as the Python router computes
+// them; the bookkeeping after it (pairs per expert, the stable sort by expert, gathering
+// rows, the weighted sum onto the tokens) is plain loops with the Python layer's results.
 at::Tensor sparse_mlp(const at::Tensor& x, at::TensorList w, const int64_t* kind, const int64_t* width,
                       int64_t top_k, bool normalize) {
   const at::Tensor& router = w[kRouter];
-  const int64_t experts = router.size(0), tokens = x.size(0), hidden = x.size(1), pairs = tokens * top_k;
-  at::Tensor scores = at::softmax(at::linear(x, router), -1, at::kFloat);
-  at::Tensor chosen = std::get<1>(at::topk(scores, top_k, -1));
-  at::Tensor weights = scores.gather(1, chosen);
-  if (normalize) {
-    weights = weights / weights.sum(-1, true);
+  const int64_t experts = w[kRouted].size(0), tokens = x.size(0), pairs = tokens * top_k;
+  at::Tensor logits = at::empty({tokens, experts}, x.options());
+  if (router.scalar_type() == at::kBFloat16) {
+    bf16_linear(logits, x, router);
+  } else {
+    float_linear(logits, x, router);
   }
-  chosen = chosen.contiguous();
-  weights = weights.contiguous();
+  at::Tensor weights = at::empty({tokens, top_k}, x.options().dtype(at::kFloat));
+  at::Tensor chosen = at::empty({tokens, top_k}, x.options().dtype(at::kLong));
+  softmax_topk(weights, chosen, logits, top_k, normalize);
   const int64_t* choice = chosen.data_ptr<int64_t>();
   std::vector<int64_t> count(experts, 0), next(experts, 0), order(pairs);
   for (int64_t p = 0; p < pairs; ++p) ++count[choice[p]];
@@ -106,28 +147,14 @@ at::Tensor sparse_mlp(const at::Tensor& x, at::TensorList w, const int64_t* kind
     }
   }
   for (int64_t p = 0; p < pairs; ++p) order[next[choice[p]]++] = p;  // stable by expert
-  at::Tensor rows = at::empty({pairs, hidden}, x.options());
-  const float* source = x.data_ptr<float>();
-  float* row = rows.data_ptr<float>();
-  for (int64_t i = 0; i < pairs; ++i) {
-    std::copy_n(source + order[i] / top_k * hidden, hidden, row + i * hidden);
-  }
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  at::Tensor rows = bf16 ? gather_pairs<c10::BFloat16>(x, order, top_k) : gather_pairs<float>(x, order, top_k);
   at::Tensor gate_up = experts_linear(rows, linear_tensors(w, 2), kind[2], width[2], active, starts, counts);
   at::Tensor gated = at::empty({pairs, width[2] / 2}, x.options());
   silu_and_mul(gated, gate_up);
   at::Tensor out = experts_linear(gated, linear_tensors(w, 3), kind[3], width[3], active, starts, counts);
-  float* result = out.data_ptr<float>();
   const float* weight = weights.data_ptr<float>();
-  for (int64_t i = 0; i < pairs; ++i) {  // every product rounded (stored) before any add
-    for (int64_t h = 0; h < hidden; ++h) result[i * hidden + h] *= weight[order[i]];
-  }
-  at::Tensor mixed = at::zeros_like(x);
-  float* dst = mixed.data_ptr<float>();
-  for (int64_t i = 0; i < pairs; ++i) {
-    float* token = dst + order[i] / top_k * hidden;
-    for (int64_t h = 0; h < hidden; ++h) token[h] += result[i * hidden + h];
-  }
-  return mixed;
+  return bf16 ? weighted_sum<c10::BFloat16>(x, out, weight, order, top_k) : weighted_sum<float>(x, out, weight, order, top_k);
 }
 
 // RMSNorm of each head of x [T, heads, head_dim] as the Python layer takes it: the native
@@ -154,8 +181,9 @@ at::Tensor decode_layers(const at::Tensor& hidden, at::Tensor residual, bool has
                   static_cast<int64_t>(out_features.size()) == layers * kLayerLinears,
               "decode_layers: ", layers, " layers need ", kLayerTensors, " weights and ", kLayerLinears,
               " linear kinds and widths each");
-  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous() && hidden.scalar_type() == at::kFloat,
-              "decode_layers: hidden must be a contiguous float32 [T, hidden]");
+  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous() &&
+                  (hidden.scalar_type() == at::kFloat || hidden.scalar_type() == at::kBFloat16),
+              "decode_layers: hidden must be a contiguous float32 or bfloat16 [T, hidden]");
   const int64_t tokens = hidden.size(0);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   at::Tensor x = hidden.clone();

@@ -9,10 +9,12 @@
 //   rotary_embedding.cpp  rotary_embedding
 //   silu_and_mul.cpp      silu_and_mul
 //   argmax_rows.cpp       argmax_rows
-//   blocked_linear.cpp    float_linear, int8_linear (float32 and weight-only int8 matmuls on a
-//                         weight repacked into blocks of 16 channels)
+//   blocked_linear.cpp    float_linear, bf16_linear, int8_linear, grouped_expert_linear (float32,
+//                         bfloat16 and weight-only int8 matmuls on a weight repacked into blocks
+//                         of 16 channels)
 //   w8a8_linear.cpp       w8a8_linear, supports_w8a8 (int8 weights and per-row int8 activations)
 //   int4_linear.cpp       int4_linear (group-wise int4 weights, any number of rows)
+//   softmax_topk.cpp      softmax_topk (a mixture of experts' softmax top-k routing)
 //   decode_layers.cpp     decode_layers (a Llama-shaped decoder stack in one call, from the ops above)
 //
 // Shared helpers: vec.h (SIMD, dtype conversions and dispatch), amx.h (the tile unit),
@@ -41,8 +43,10 @@ void silu_and_mul(at::Tensor out, const at::Tensor& x);
 void argmax_rows(at::Tensor out, const at::Tensor& logits);
 void float_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed);
 void int8_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales);
+void bf16_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed);
 // For each g: out[starts[g] : +counts[g]] = the same rows of x @ expert experts[g]'s matrix,
-// from stacked packed weights [E, N / 16, K, 16]: float32, or int8 with scales [E, N'].
+// from stacked packed weights [E, N / 16, K, 16]: float32, bfloat16, or int8 with scales
+// [E, N']; x and out float32, or bfloat16 (the sums rounded once).
 void grouped_expert_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                            at::IntArrayRef experts, at::IntArrayRef starts, at::IntArrayRef counts);
 bool supports_w8a8();
@@ -54,6 +58,7 @@ void grouped_w8a8_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& 
                          const at::Tensor& scales, at::IntArrayRef experts, at::IntArrayRef starts,
                          at::IntArrayRef counts);
 void int4_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& params);
+void softmax_topk(at::Tensor weights, at::Tensor experts, const at::Tensor& logits, int64_t top_k, bool normalize);
 at::Tensor decode_layers(const at::Tensor& hidden, at::Tensor residual, bool has_residual, const at::Tensor& positions,
                          at::TensorList kv_caches, const at::Tensor& slot_mapping, const at::Tensor& block_table,
                          const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& requests,

@@ -25,6 +25,7 @@ TORCH_LIBRARY(servelab_cpu, m) {
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("argmax_rows(Tensor(a!) out, Tensor logits) -> ()");
   m.def("float_linear(Tensor(a!) out, Tensor x, Tensor packed) -> ()");
+  m.def("bf16_linear(Tensor(a!) out, Tensor x, Tensor packed) -> ()");
   m.def("int8_linear(Tensor(a!) out, Tensor x, Tensor packed, Tensor scales) -> ()");
   m.def("int4_linear(Tensor(a!) out, Tensor x, Tensor packed, Tensor params) -> ()");
   m.def("supports_w8a8() -> bool");
@@ -33,6 +34,7 @@ TORCH_LIBRARY(servelab_cpu, m) {
         "int[] counts) -> ()");
   m.def("grouped_w8a8_linear(Tensor(a!) out, Tensor x, Tensor packed, Tensor offsets, Tensor scales, int[] experts, "
         "int[] starts, int[] counts) -> ()");
+  m.def("softmax_topk(Tensor(a!) weights, Tensor(b!) experts, Tensor logits, int top_k, bool normalize) -> ()");
   m.def("causal_prefill_attention(Tensor(a!) out, Tensor q, Tensor k, Tensor v, int[] starts, int[] lengths, "
         "float scale) -> ()");
   m.def("decode_layers(Tensor hidden, Tensor(a!) residual, bool has_residual, Tensor positions, Tensor[] kv_caches, "
@@ -56,11 +58,13 @@ TORCH_LIBRARY_IMPL(servelab_cpu, CPU, m) {
   m.impl("silu_and_mul", &servelab_cpu::silu_and_mul);
   m.impl("argmax_rows", &servelab_cpu::argmax_rows);
   m.impl("float_linear", &servelab_cpu::float_linear);
+  m.impl("bf16_linear", &servelab_cpu::bf16_linear);
   m.impl("int8_linear", &servelab_cpu::int8_linear);
   m.impl("w8a8_linear", &servelab_cpu::w8a8_linear);
   m.impl("grouped_expert_linear", &servelab_cpu::grouped_expert_linear);
   m.impl("grouped_w8a8_linear", &servelab_cpu::grouped_w8a8_linear);
   m.impl("int4_linear", &servelab_cpu::int4_linear);
+  m.impl("softmax_topk", &servelab_cpu::softmax_topk);
   m.impl("causal_prefill_attention", &servelab_cpu::causal_prefill_attention);
   m.impl("decode_layers", &servelab_cpu::decode_layers);
 }
