@@ -1,7 +1,7 @@
 """The grouped expert matmuls (``grouped_expert_linear`` in csrc/blocked_linear.cpp,
 ``grouped_w8a8_linear`` in csrc/w8a8_linear.cpp): several experts' rows, each times its own
-matrix of a stack, in one call, equal to the bit to one ``float_linear`` / ``int8_linear`` /
-``w8a8_linear`` call per expert, for groups of 1 to 40 rows (the VNNI tiles of up to 6 rows,
+matrix of a stack, in one call, equal to the bit to one ``float_linear`` / ``bf16_linear`` /
+``int8_linear`` / ``w8a8_linear`` call per expert, for groups of 1 to 40 rows (the VNNI tiles of up to 6 rows,
 the tile unit's 16 from 4 rows), experts without rows skipped and in any order."""
 
 from __future__ import annotations
@@ -51,6 +51,21 @@ def test_float32_and_int8_experts_equal_one_call_each(experts, sizes):
         one = torch.empty(size, OUT_FEATURES)
         torch.ops.servelab_cpu.int8_linear(one, rows, *int8[expert])
         assert torch.equal(grouped_int8[start:start + size], one)
+
+
+@pytest.mark.parametrize("experts, sizes", GROUPS)
+def test_bfloat16_experts_equal_one_call_each(experts, sizes):
+    """bfloat16 rows and experts: each group's rows as ``bf16_linear`` gives them (float32
+    sums rounded once)."""
+    stacked = torch.stack([pack_blocks(w.bfloat16()) for w in matrices(2)])
+    x = torch.randn(sum(sizes), IN_FEATURES).bfloat16()
+    args = grouped_args(experts, sizes)
+    grouped = torch.empty(x.shape[0], OUT_FEATURES, dtype=torch.bfloat16)
+    torch.ops.servelab_cpu.grouped_expert_linear(grouped, x, stacked, torch.empty(0), *args)
+    for expert, start, size in zip(*args):
+        one = torch.empty(size, OUT_FEATURES, dtype=torch.bfloat16)
+        torch.ops.servelab_cpu.bf16_linear(one, x[start:start + size], stacked[expert])
+        assert torch.equal(grouped[start:start + size], one)
 
 
 @pytest.mark.skipif(w8a8_unavailable_reason() is not None, reason=str(w8a8_unavailable_reason()))
