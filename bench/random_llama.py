@@ -66,16 +66,19 @@ def make_checkpoint(folder: str, name: str) -> str:
     return folder
 
 
-def matmul_parameters(name: str) -> int:
+def matmul_parameters(name: str, experts: float | None = None) -> float:
     """Parameters that take part in a matmul per token: every linear layer (of a mixture,
     the router and the experts the token passes) and the LM head (the embedding lookup is
-    not a matmul); a token costs twice that in FLOPs."""
+    not a matmul); a token costs twice that in FLOPs. ``experts``: the experts a step
+    multiplies per sparse layer instead (a batch's tokens together pass more than one
+    token's ``num_experts_per_tok``), for the weight bytes a step reads."""
     m = MODELS[name]
     hidden, layers = m["hidden_size"], m["num_hidden_layers"]
     head = m.get("head_dim", hidden // m["num_attention_heads"])
     query, kv = m["num_attention_heads"] * head, m["num_key_value_heads"] * head
     if "num_experts" in m:  # the router and the experts a token passes
-        mlp = hidden * m["num_experts"] + 3 * hidden * m["moe_intermediate_size"] * m["num_experts_per_tok"]
+        passed = m["num_experts_per_tok"] if experts is None else experts
+        mlp = hidden * m["num_experts"] + 3 * hidden * m["moe_intermediate_size"] * passed
     else:
         mlp = 3 * hidden * m["intermediate_size"]
     per_layer = hidden * (query + 2 * kv) + query * hidden + mlp

@@ -3,8 +3,9 @@ bytes it must read divided by this machine's read bandwidth.
 
 A decode step reads every weight the forward pass multiplies by once, at its stored
 width (``servelab.bench.random_llama.matmul_parameters``: every linear layer and the LM
-head; int8 as one byte, int4 as half of one, bfloat16 two, float32 four; scales left
-out), the embedding rows of its tokens, and the KV cache each request attends over, at
+head, of a mixture of experts the router and the experts the step's tokens were routed
+to, counted per step; int8 as one byte, int4 as half of one, bfloat16 two, float32 four;
+scales left out), the embedding rows of its tokens, and the KV cache each request attends over, at
 the cache's dtype. The read bandwidth is measured in the same run with the engine's
 threads: the best of several passes of a 1 GiB float32 matrix-vector product and sum,
 the reads a decode step is made of. For each batch size, ``batch`` requests with
@@ -76,35 +77,47 @@ WIDTH = {"float32": 4.0, "bfloat16": 2.0, "int8": 1.0, "w8a8": 1.0, "int4": 0.5,
 """Bytes per stored weight of each mode."""
 
 
-def weight_bytes(name: str, mode: str, batch: int) -> float:
+def weight_bytes(name: str, mode: str, batch: int, experts: float | None = None) -> float:
     """Bytes one decode step reads of the weights: the matmul weights at their stored
-    width (int4's LM head in float32, int4-head's in int8) and the ``batch`` embedding rows
-    (float32 in the quantized modes)."""
+    width (int4's LM head in float32, int4-head's in int8; of a mixture, ``experts``
+    experts per sparse layer) and the ``batch`` embedding rows (float32 in the quantized
+    modes)."""
     shape = MODELS[name]
     hidden = shape["hidden_size"]
     row = WIDTH[mode] if mode not in QUANTIZATIONS else 4.0
     head = hidden * shape.get("vocab_size", VOCAB)
     if mode in ("int4", "int4-head"):
         head_width = 4.0 if mode == "int4" else 1.0
-        return (matmul_parameters(name) - head) * WIDTH[mode] + head * head_width + batch * hidden * row
-    return matmul_parameters(name) * WIDTH[mode] + batch * hidden * row
+        return (matmul_parameters(name, experts) - head) * WIDTH[mode] + head * head_width + batch * hidden * row
+    return matmul_parameters(name, experts) * WIDTH[mode] + batch * hidden * row
 
 
-def decode_step_seconds(llm: Any, batch: int, clock: Callable[[], float]) -> tuple[float, float]:
+def decode_step_seconds(llm: Any, batch: int, clock: Callable[[], float]) -> tuple[float, float, float | None]:
     """Median seconds (by ``clock``) of the decode-only steps of ``batch`` requests decoding
-    ``DECODE_TOKENS`` tokens together, and their mean context length."""
+    ``DECODE_TOKENS`` tokens together, their mean context length, and for a mixture of
+    experts the mean number of experts a sparse layer multiplied in those steps (read from
+    the layers' routed-pair counters between steps, outside the timing; None when dense)."""
     from servelab import SamplingParams
+    from servelab.plugins.models.moe import routed_pairs
 
     engine = llm.engine
+    model = engine.executor.worker.model
     params = SamplingParams(temperature=0.0, max_tokens=DECODE_TOKENS, ignore_eos=True)
     for i in range(batch):
         engine.add_request([2 + (i * 7 + j) % 1000 for j in range(PROMPT_TOKENS)], params)
     times: list[float] = []
+    touched: list[float] = []
+    counts = routed_pairs(model)
     while engine.has_unfinished_requests():
         started = clock()
         engine.step()
         times.append(clock() - started)
-    return statistics.median(times[1:]), PROMPT_TOKENS + DECODE_TOKENS / 2  # the first step prefills them all
+        after = routed_pairs(model)
+        if after:
+            touched.append(statistics.mean(sum(b > a for a, b in zip(counts[layer], after[layer])) for layer in after))
+        counts = after
+    experts = statistics.mean(touched[1:]) if touched else None
+    return statistics.median(times[1:]), PROMPT_TOKENS + DECODE_TOKENS / 2, experts  # the first step prefills
 
 
 def measure(name: str, folder: str, mode: str, batches: list[int], threads: int, bandwidth: float,
@@ -117,8 +130,8 @@ def measure(name: str, folder: str, mode: str, batches: list[int], threads: int,
     llm.warm_up()
     rows = []
     for batch in batches:
-        seconds, context = decode_step_seconds(llm, batch, clock)
-        read = weight_bytes(name, mode, batch) + batch * context * llm.engine.cache.spec.bytes_per_token
+        seconds, context, experts = decode_step_seconds(llm, batch, clock)
+        read = weight_bytes(name, mode, batch, experts) + batch * context * llm.engine.cache.spec.bytes_per_token
         rows.append({"mode": mode, "batch": batch, "step_ms": seconds * 1e3, "tokens_per_s": batch / seconds,
                      "mb_per_step": read / 1e6, "gb_per_s": read / seconds / 1e9,
                      "fraction": read / seconds / bandwidth})

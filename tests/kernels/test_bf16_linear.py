@@ -58,5 +58,5 @@ def test_refuses_mixed_dtypes_and_a_packed_weight_of_the_wrong_type():
         bf16_linear(torch.randn(2, 32), pack_blocks(weight.float()), 64)
     with pytest.raises(RuntimeError, match="one dtype"):
         native_cpu_ops().bf16_linear(torch.empty(2, 64), torch.randn(2, 32).bfloat16(), pack_blocks(weight))
-    with pytest.raises(RuntimeError, match="one dtype"):
+    with pytest.raises(RuntimeError, match="x must be a contiguous float32 or bfloat16"):
         native_cpu_ops().bf16_linear(torch.empty(2, 64).half(), torch.randn(2, 32).half(), pack_blocks(weight))

@@ -22,10 +22,10 @@
 // keep every thread busy. grouped_expert_linear multiplies several experts' rows, each by
 // its own matrix of a stack, in one parallel region.
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <vector>
 
 #include "blocked_tile.h"
 #include "ops.h"
@@ -86,34 +86,39 @@ void grouped_blocked_linear(float* out, const float* x, int64_t K, const W* pack
   });
 }
 
-// Checks the shapes shared by both ops and returns the padded channel count.
+// Checks the shapes shared by the ops and returns the padded channel count. x and out are
+// float32, or both bfloat16 where `bf16_rows` allows it.
 int64_t check_blocked(const char* op, const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
-                      at::ScalarType weight_type, const char* weight_name) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, op,
-              ": x must be a contiguous float32 [M, K] tensor");
+                      at::ScalarType weight_type, const char* weight_name, bool bf16_rows = false) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
+                  (x.scalar_type() == at::kFloat || (bf16_rows && x.scalar_type() == at::kBFloat16)),
+              op, ": x must be a contiguous float32", bf16_rows ? " or bfloat16" : "", " [M, K] tensor");
   const int64_t K = x.size(1);
   TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == weight_type &&
                   packed.size(1) == K && packed.size(2) == kBlock && (packed.size(0) * kBlock) % kPackChannels == 0,
               op, ": packed must be a contiguous ", weight_name, " [N / ", kBlock, ", K, ", kBlock,
               "] tensor with N a multiple of ", kPackChannels);
   const int64_t padded = packed.size(0) * kBlock;
-  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.scalar_type() == at::kFloat && out.size(0) == x.size(0) &&
-                  out.size(1) <= padded && out.size(1) > padded - kPackChannels,
-              op, ": out must be a contiguous float32 [M, N] tensor");
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.scalar_type() == x.scalar_type() &&
+                  out.size(0) == x.size(0) && out.size(1) <= padded && out.size(1) > padded - kPackChannels,
+              op, ": out must be a contiguous [M, N] tensor of one dtype with x");
   return padded;
 }
 
-// Calls multiply(out32, x32) on float32 rows: x and out themselves when x is float32; for
-// bfloat16 x and out, a float32 copy of x and a float32 result then rounded once into out.
+// Calls multiply(out32, x32) with float32 pointers of the (checked) rows x [M, K] and out
+// [M, N]: their own data when float32; for bfloat16, thread-local float32 copies of x and a
+// float32 result then rounded once into out (no tensors allocated at decode sizes).
 template <typename Multiply>
-void on_float_rows(const char* op, at::Tensor& out, const at::Tensor& x, Multiply multiply) {
-  if (x.scalar_type() == at::kFloat) return multiply(out, x);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 &&
-                  out.is_contiguous(),
-              op, ": x and out must be float32 or bfloat16 [M, K] and [M, N] tensors of one dtype, out contiguous");
-  at::Tensor result = at::empty(out.sizes(), out.options().dtype(at::kFloat));
-  multiply(result, x.to(at::kFloat).contiguous());
-  out.copy_(result);
+void on_float_rows(at::Tensor& out, const at::Tensor& x, Multiply multiply) {
+  if (x.scalar_type() == at::kFloat) return multiply(out.data_ptr<float>(), x.data_ptr<float>());
+  thread_local std::vector<float> rows, result;
+  rows.resize(x.numel());
+  result.resize(out.numel());
+  const c10::BFloat16* source = x.data_ptr<c10::BFloat16>();
+  for (int64_t i = 0; i < x.numel(); ++i) rows[i] = static_cast<float>(source[i]);
+  multiply(result.data(), rows.data());
+  c10::BFloat16* target = out.data_ptr<c10::BFloat16>();
+  for (int64_t i = 0; i < out.numel(); ++i) target[i] = static_cast<c10::BFloat16>(result[i]);
 }
 
 }  // namespace
@@ -134,10 +139,9 @@ void int8_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
 }
 
 void bf16_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed) {
-  on_float_rows("bf16_linear", out, x, [&](at::Tensor& out32, const at::Tensor& x32) {
-    check_blocked("bf16_linear", out32, x32, packed, at::kBFloat16, "bfloat16");
-    blocked_linear(out32.data_ptr<float>(), x32.data_ptr<float>(), x32.size(0), x32.size(1),
-                   packed.data_ptr<c10::BFloat16>(), nullptr, out32.size(1));
+  check_blocked("bf16_linear", out, x, packed, at::kBFloat16, "bfloat16", true);
+  on_float_rows(out, x, [&](float* y, const float* rows) {
+    blocked_linear(y, rows, x.size(0), x.size(1), packed.data_ptr<c10::BFloat16>(), nullptr, out.size(1));
   });
 }
 
@@ -148,27 +152,29 @@ void grouped_expert_linear(at::Tensor out, const at::Tensor& x, const at::Tensor
               "grouped_expert_linear: packed must be contiguous [E, N / 16, K, 16] with one start and count per "
               "expert");
   const at::Tensor first = packed.select(0, experts[0]);
-  on_float_rows("grouped_expert_linear", out, x, [&](at::Tensor& out32, const at::Tensor& x32) {
-    float* y = out32.data_ptr<float>();
-    const float* rows = x32.data_ptr<float>();
-    const int64_t K = x32.size(1), N = out32.size(1);
-    if (scales.defined() && scales.numel()) {
-      const int64_t padded = check_blocked("grouped_expert_linear", out32, x32, first, at::kChar, "int8");
-      TORCH_CHECK(scales.dim() == 2 && scales.is_contiguous() && scales.size(1) == padded &&
-                      scales.scalar_type() == at::kFloat,
-                  "grouped_expert_linear: scales must be a contiguous float32 [E, ", padded, "] tensor");
+  const int64_t K = x.size(1), N = out.size(1);
+  if (scales.defined() && scales.numel()) {
+    const int64_t padded = check_blocked("grouped_expert_linear", out, x, first, at::kChar, "int8", true);
+    TORCH_CHECK(scales.dim() == 2 && scales.is_contiguous() && scales.size(1) == padded &&
+                    scales.scalar_type() == at::kFloat,
+                "grouped_expert_linear: scales must be a contiguous float32 [E, ", padded, "] tensor");
+    on_float_rows(out, x, [&](float* y, const float* rows) {
       grouped_blocked_linear(y, rows, K, packed.data_ptr<int8_t>(), first.numel(), scales.data_ptr<float>(), padded,
                              N, experts, starts, counts);
-    } else if (packed.scalar_type() == at::kBFloat16) {
-      check_blocked("grouped_expert_linear", out32, x32, first, at::kBFloat16, "bfloat16");
+    });
+  } else if (packed.scalar_type() == at::kBFloat16) {
+    check_blocked("grouped_expert_linear", out, x, first, at::kBFloat16, "bfloat16", true);
+    on_float_rows(out, x, [&](float* y, const float* rows) {
       grouped_blocked_linear(y, rows, K, packed.data_ptr<c10::BFloat16>(), first.numel(), nullptr, 0, N, experts,
                              starts, counts);
-    } else {
-      check_blocked("grouped_expert_linear", out32, x32, first, at::kFloat, "float32");
+    });
+  } else {
+    check_blocked("grouped_expert_linear", out, x, first, at::kFloat, "float32", true);
+    on_float_rows(out, x, [&](float* y, const float* rows) {
       grouped_blocked_linear(y, rows, K, packed.data_ptr<float>(), first.numel(), nullptr, 0, N, experts, starts,
                              counts);
-    }
-  });
+    });
+  }
 }
 
 }  // namespace servelab_cpu
