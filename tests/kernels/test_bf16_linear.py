@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(native_cpu_unavailable_reason() is not None,
 # no inputs, partial vectors and tiles, several tiles, and K past one slice (4096 bfloat16
 # values) with a partial last slice.
 SHAPES = [(3, 0), (5, 3), (17, 31), (200, 130), (70, 4200)]
-ROWS = [1, 5, 6, 7, 16, 49]
+ROWS = [0, 1, 5, 6, 7, 16, 49]
 
 
 def bf16_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:

@@ -52,6 +52,7 @@ void tile_item(float* out, const float* x, int64_t K, const W* packed, const flo
 template <typename W>
 void blocked_linear(float* out, const float* x, int64_t M, int64_t K, const W* packed, const float* scales,
                     int64_t N) {
+  if (M == 0) return;  // no rows (a rank's empty share of a step's tokens)
   if (K == 0) return std::fill(out, out + M * N, 0.f);
   const int64_t tiles = (N + kTileChannels - 1) / kTileChannels;
   const int64_t row_blocks = (M + kMaxRows - 1) / kMaxRows;
