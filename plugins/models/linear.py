@@ -26,6 +26,12 @@ over a blocked copy of its weight (decode steps: the weight streams at memory sp
 no call overhead), more with oneDNN (prefill: its bfloat16 matmul instructions)."""
 
 
+def blocked_rows(rows: int, dtype: torch.dtype) -> bool:
+    """True where ``rows`` input rows of ``dtype`` multiply through a blocked kernel:
+    float32 at any count, bfloat16 up to ``BLOCKED_BFLOAT16_ROWS``."""
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and rows <= BLOCKED_BFLOAT16_ROWS)
+
+
 def padded_rows(rows: int) -> int:
     """``rows`` rounded up to one of a few bucket sizes: exact up to 16, then multiples of
     16, then of an eighth of the power of two below (at most 12.5% more rows).
@@ -123,7 +129,7 @@ class Linear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, x.shape[-1])
         blocked = packed if is_blocked(packed) else (
-            self.blocked_bfloat16() if rows.shape[0] <= BLOCKED_BFLOAT16_ROWS else None)
+            self.blocked_bfloat16() if blocked_rows(rows.shape[0], rows.dtype) else None)
         if blocked is not None:  # float_linear's op (any row count) or bf16_linear's, no padding
             out = blocked_matmul(rows, blocked, self.out_features)
             if self.bias is not None:

@@ -28,7 +28,7 @@ import torch
 
 from servelab.kernels.cpu_ops import native_cpu_available, native_cpu_enabled
 from servelab.plugins.attention.cpu import CpuAttention, CpuMetadata
-from servelab.plugins.models.linear import BLOCKED_BFLOAT16_ROWS, Linear, blocked_weight_runs, is_blocked
+from servelab.plugins.models.linear import Linear, blocked_rows, blocked_weight_runs, is_blocked
 from servelab.plugins.models.quantized_linear import QuantizedLinear
 
 NO_TENSOR = torch.empty(0)
@@ -196,8 +196,7 @@ class NativeDecodeStack:
         ``BLOCKED_BFLOAT16_ROWS`` in bfloat16) and every request reading from the paged
         cache without a token tree."""
         return (type(meta) is CpuMetadata and not meta.fresh_starts and meta.layout.tree is None
-                and hidden.dtype == self.dtype
-                and (self.dtype == torch.float32 or hidden.shape[0] <= BLOCKED_BFLOAT16_ROWS) and self._refresh())
+                and hidden.dtype == self.dtype and blocked_rows(hidden.shape[0], self.dtype) and self._refresh())
 
     def __call__(self, state: tuple, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: Any) -> tuple:
         """The layers' output state (last MLP output, residual) from the first layer's input state."""

@@ -28,7 +28,7 @@ from torch import nn
 
 from servelab.core.errors import ConfigError
 from servelab.kernels.cpu_ops import native_cpu_available, native_cpu_enabled
-from servelab.plugins.models.linear import BLOCKED_BFLOAT16_ROWS, BlockedCopy, blocked_matmul, blocked_weight_runs
+from servelab.plugins.models.linear import BlockedCopy, blocked_matmul, blocked_rows, blocked_weight_runs
 
 GROUP_SCORES = ("max", "top2_sum")
 """How a group of experts is scored: by its best expert (DeepSeek-V2), or by its two best
@@ -125,8 +125,7 @@ class Router(nn.Module):
         """x: [T, hidden] -> (float32 weights [T, top_k], expert indices [T, top_k])."""
         if self.routing.float32_logits:
             logits = F.linear(x.float(), self.weight.float())
-        elif x.dtype == self.weight.dtype and (x.dtype == torch.float32 or x.shape[0] <= BLOCKED_BFLOAT16_ROWS) and (
-                blocked_weight_runs(self.weight)):
+        elif x.dtype == self.weight.dtype and blocked_rows(x.shape[0], x.dtype) and blocked_weight_runs(self.weight):
             logits = blocked_matmul(x, self.blocked_weight(), self.weight.shape[0])
         else:
             logits = F.linear(x, self.weight)
