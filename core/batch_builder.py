@@ -42,6 +42,13 @@ class StepInputs:
         """The layout of every KV cache group (they differ in block tables and slots only)."""
         return (self.layout, *self.group_layouts)
 
+    @property
+    def logits_are_all_rows(self) -> bool:
+        """True when ``logits_indices`` is every row in order (a decode step whose every
+        request samples one token), so the hidden states need no gather."""
+        return (self.layout.max_query_len == 1 and not self.prompt_spans
+                and self.logits_indices.shape[0] == self.input_ids.shape[0])
+
 
 def prompt_span(grant: ScheduledRequest) -> PromptSpan | None:
     """The prompt tokens whose logprobs ``grant`` can compute and its request still lacks:
@@ -60,9 +67,19 @@ def prompt_span(grant: ScheduledRequest) -> PromptSpan | None:
 def build_step_inputs(grants: Sequence[ScheduledRequest], drafts: Sequence[list[int]], block_size: int,
                       device: torch.device, prompt_logprobs: bool = False) -> StepInputs:
     """Flatten the grants (with ``drafts[i]`` appended to the i-th sampling request) into
-    one unpadded token batch; positions and slots are computed with array ops. With
+    one unpadded token batch: a decode step (one sampled token per request, no drafts)
+    through ``decode_step_inputs``, any other through ``flat_step_inputs``. With
     ``prompt_logprobs``, the rows that give requests their missing prompt logprobs lead
     ``logits_indices``."""
+    if grants and not any(drafts) and all(grant.num_new_tokens == 1 and grant.samples for grant in grants) and not (
+            prompt_logprobs and any(prompt_span(grant) is not None for grant in grants)):
+        return decode_step_inputs(grants, block_size, device)
+    return flat_step_inputs(grants, drafts, block_size, device, prompt_logprobs)
+
+
+def flat_step_inputs(grants: Sequence[ScheduledRequest], drafts: Sequence[list[int]], block_size: int,
+                     device: torch.device, prompt_logprobs: bool = False) -> StepInputs:
+    """``build_step_inputs`` for any step (prefill chunks, drafts, prompt logprobs)."""
     token_ids: list[int] = []
     spans: list[PromptSpan] = []
     prompt_rows: list[int] = []
@@ -129,3 +146,35 @@ def _group_layout(tables: Sequence[Sequence[int]], request_index: np.ndarray, po
     slot_array = (block_array[request_index, position_array // block_size].astype(np.int64) * block_size
                   + position_array % block_size)
     return torch.from_numpy(block_array).to(device), torch.from_numpy(slot_array).to(device)
+
+
+def decode_step_inputs(grants: Sequence[ScheduledRequest], block_size: int, device: torch.device) -> StepInputs:
+    """``build_step_inputs`` for a step of one new token per request, every one sampled: the
+    same tensors, cut from one int64 and one int32 tensor built from flat lists. At batch 1
+    a step's host work is bound by the number of calls it makes (each slowed by caches the
+    forward pass has just refilled), and this makes two instead of about thirty."""
+    count = len(grants)
+    computed = [grant.num_computed_tokens for grant in grants]
+    seq_lens = [start + 1 for start in computed]
+    longs = [grant.request.token_ids[start] for grant, start in zip(grants, computed)]
+    longs += computed
+    longs += range(count)
+    ints = list(range(count + 1)) + seq_lens
+    widths = []
+    for tables in zip(*(grant.block_tables for grant in grants)):
+        width = max(map(len, tables))
+        widths.append(width)
+        longs += [table[start // block_size] * block_size + start % block_size for table, start in zip(tables, computed)]
+        for table in tables:
+            ints += table
+            ints += [0] * (width - len(table))
+    input_ids, positions, logits_indices, *slots = torch.tensor(longs, dtype=torch.int64, device=device).split(count)
+    query_start_loc, seq_lens_tensor, *tables = torch.tensor(ints, dtype=torch.int32, device=device).split(
+        [count + 1, count, *(count * width for width in widths)])
+    first = BatchLayout(query_start_loc=query_start_loc, seq_lens=seq_lens_tensor,
+                        block_table=tables[0].view(count, widths[0]), slot_mapping=slots[0], block_size=block_size,
+                        max_query_len=1, max_seq_len=max(seq_lens), query_lens=(1,) * count,
+                        seq_lens_list=tuple(seq_lens))
+    return StepInputs(input_ids=input_ids, positions=positions, layout=first, logits_indices=logits_indices,
+                      group_layouts=tuple(replace(first, block_table=table.view(count, width), slot_mapping=slot)
+                                          for table, width, slot in zip(tables[1:], widths[1:], slots[1:])))

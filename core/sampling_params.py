@@ -29,7 +29,7 @@ class SamplingParams:
     cache.
     ``structured_output`` constrains the text to a JSON schema, a choice, a regex or a
     grammar (``StructuredOutputParams``); it needs ``decoding=sampling`` or ``greedy``.
-    ``stop_strings``, ``greedy`` and ``needs_penalties`` are derived on construction.
+    ``stop_strings``, ``greedy``, ``needs_penalties`` and ``plain_argmax`` are derived on construction.
     """
 
     n: int = 1
@@ -60,6 +60,9 @@ class SamplingParams:
     """True when this request takes the argmax token at every step."""
     needs_penalties: bool = field(init=False, repr=False)
     """True when any presence, frequency or repetition penalty is active."""
+    plain_argmax: bool = field(init=False, repr=False)
+    """True when the token is the argmax of the raw logits and nothing else is asked of a
+    step's logits: greedy, no logit bias, min_tokens, penalties, grammar or logprobs."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -70,6 +73,8 @@ class SamplingParams:
         self.greedy = self.temperature == 0.0 or self.top_k == 1
         self.needs_penalties = (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                                 or self.repetition_penalty != 1.0)
+        self.plain_argmax = (self.greedy and not self.logit_bias and not self.min_tokens and not self.needs_penalties
+                             and self.structured_output is None and self.logprobs is None)
         if self.logit_bias:
             self.logit_bias = {token: max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(value)))
                                for token, value in self.logit_bias.items()}

@@ -8,7 +8,7 @@ import torch
 
 from servelab.core.component import ComponentSpec
 from servelab.core.decoding import DecodeBatch, DecodeResult, Proposal
-from servelab.plugins.decoding.sampler import GrammarDecoding, sample_tokens, token_logprobs
+from servelab.plugins.decoding.sampler import GrammarDecoding, greedy_tokens, sample_tokens, token_logprobs
 
 
 @dataclass
@@ -22,6 +22,8 @@ class SamplingDecoding(GrammarDecoding):
 
     def accept(self, logits: torch.Tensor, batch: DecodeBatch, proposal: Proposal | None) -> DecodeResult:
         """Sample one token per request."""
+        if all(request.sampling_params.plain_argmax for request in batch.requests):  # greedy, nothing else asked
+            return DecodeResult([[t] for t in greedy_tokens(logits).tolist()], None)
         raw = logits.clone() if any(r.sampling_params.logprobs is not None for r in batch.requests) else logits
         tokens = sample_tokens(logits, batch.requests, self.grammars).tolist()
         logprobs = token_logprobs(raw, tokens, batch.requests)

@@ -346,8 +346,12 @@ class DecoderForCausalLM(CausalLM):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, features] -> float32 logits [N, vocab] (this rank's vocabulary rows,
         gathered from every tensor-parallel rank)."""
-        logits = self.lm_head(hidden).float()
-        return (self.parallel.all_gather(logits) if self.parallel.tp_size > 1 else logits)[:, :self.vocab_size]
+        logits = self.lm_head(hidden)
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        if self.parallel.tp_size > 1:
+            logits = self.parallel.all_gather(logits)
+        return logits if logits.shape[1] == self.vocab_size else logits[:, :self.vocab_size]
 
     def warm_up(self, max_tokens: int) -> int:
         """Compile the prepacked CPU matmuls for every row bucket up to ``max_tokens`` and

@@ -100,6 +100,8 @@ class QuantizedLinear(nn.Module):
         bias = self._parameters.get("bias")  # None: no bias (a plain attribute)
         if bias is not None:
             out += bias
+        if x.dim() == 2 and x.dtype == torch.float32:  # already the shape and dtype asked for
+            return out
         return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def packed_kernel_weights(self, x: torch.Tensor) -> tuple | None:
@@ -156,7 +158,7 @@ class QuantizedHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., in_features] -> [..., out_features] in x's dtype."""
-        return self.quantized()(x)
+        return self.quantized().forward(x)  # no module hooks on the inner layer: skip nn.Module's call
 
     def quantized(self) -> QuantizedLinear:
         """The int8 layer quantized from the current float weight."""

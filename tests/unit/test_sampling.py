@@ -124,3 +124,12 @@ def test_logit_bias_holds_under_speculative_verification():
     for temperature in (0.0, 0.8):
         params = SamplingParams(temperature=temperature, seed=1, max_tokens=8, logit_bias={7: 100})
         assert _tokens(ngram.generate("abc abc abc", params, use_tqdm=False)) == [[7] * 8]
+
+
+@pytest.mark.parametrize("extra, plain", [
+    ({}, True), ({"top_k": 1, "temperature": 0.7}, True), ({"temperature": 0.7}, False), ({"logprobs": 0}, False),
+    ({"logit_bias": {3: 1.0}}, False), ({"min_tokens": 2}, False), ({"repetition_penalty": 1.2}, False),
+    ({"presence_penalty": 0.5}, False)])
+def test_plain_argmax_is_greedy_with_nothing_else_asked(extra, plain):
+    """The sampling strategy's greedy fast path (argmax of the raw logits) applies to these alone."""
+    assert SamplingParams(**{"temperature": 0.0, **extra}).plain_argmax is plain
