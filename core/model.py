@@ -416,6 +416,14 @@ class CausalLM(nn.Module, abc.ABC):
         """hidden: [N, hidden] -> logits [N, vocab] in float32 (on the last stage; every
         tensor-parallel rank takes part and gets the whole vocabulary)."""
 
+    def hidden_and_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                          attn_meta: Any, logits_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A whole step on a single stage: ``forward``'s hidden states [T, hidden] and
+        ``compute_logits`` of its rows ``logits_rows`` (None: every row). A model may run
+        both at once; by default it calls the two."""
+        hidden = self(input_ids, positions, kv_caches, attn_meta)
+        return hidden, self.compute_logits(hidden if logits_rows is None else hidden[logits_rows])
+
     def warm_up(self, max_tokens: int) -> int:
         """Prepare whatever kernels steps of up to ``max_tokens`` tokens will need (compiled
         on first use otherwise); returns how many were prepared. Nothing by default."""

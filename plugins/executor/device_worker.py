@@ -121,9 +121,12 @@ class DeviceWorker:
                 carried: tuple | None = None) -> Any:
         """This stage's layers over the step (``layouts``: one per KV cache group): hidden
         states [T, hidden] on the last stage, else the state the next stage carries on with."""
-        layered = isinstance(self.attention, LayerAttention)
-        meta = self.attention.build_metadata(layouts if layered else layouts[0])
-        return self.model(input_ids, positions, self.kv_caches, meta, carried)
+        return self.model(input_ids, positions, self.kv_caches, self._metadata(layouts), carried)
+
+    def _metadata(self, layouts: tuple[BatchLayout, ...]) -> Any:
+        """The attention backend's metadata of a step's layouts (all of them for a backend
+        that holds several KV cache groups, else the first)."""
+        return self.attention.build_metadata(layouts if isinstance(self.attention, LayerAttention) else layouts[0])
 
     @torch.inference_mode()
     def logits(self, inputs: StepInputs) -> torch.Tensor | None:
@@ -135,10 +138,14 @@ class DeviceWorker:
     def hidden_and_logits(self, inputs: StepInputs, carried: tuple | None = None) -> tuple[torch.Tensor, Any]:
         """The last hidden states of every token of ``inputs`` [T, hidden] and ``logits``'s
         rows; ``carried``: the first layer's input state instead of the embedded tokens."""
-        hidden = self.forward(inputs.input_ids, inputs.positions, inputs.layouts, carried)
         if not inputs.logits_indices.numel():
-            return hidden, None
-        return hidden, self.model.compute_logits(hidden[inputs.logits_indices])
+            return self.forward(inputs.input_ids, inputs.positions, inputs.layouts, carried), None
+        rows = None if inputs.logits_are_all_rows else inputs.logits_indices
+        if carried is None:  # the model's whole step (its native stack may run it in one call)
+            return self.model.hidden_and_logits(inputs.input_ids, inputs.positions, self.kv_caches,
+                                                self._metadata(inputs.layouts), rows)
+        hidden = self.forward(inputs.input_ids, inputs.positions, inputs.layouts, carried)
+        return hidden, self.model.compute_logits(hidden if rows is None else hidden[rows])
 
     def release(self) -> None:
         """Drop the model, the attention backend and the KV tensors."""

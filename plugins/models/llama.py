@@ -237,6 +237,7 @@ class LlamaFamilyForCausalLM(DecoderForCausalLM):
         self.finish_init(hf_config.hidden_size, getattr(self.model, "embed_tokens", None), dtype)
         self.rotary.to(dtype)
         self._native_stack: NativeDecodeStack | None | bool = False
+        self.single_stage = parallel.is_first_stage and parallel.is_last_stage
 
     @property
     def decoder_layers(self) -> nn.ModuleList:
@@ -247,13 +248,47 @@ class LlamaFamilyForCausalLM(DecoderForCausalLM):
         """The embedded tokens and no residual yet."""
         return self.model.embed_tokens(input_ids), None
 
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                attn_meta: Any, carried: tuple[torch.Tensor, ...] | None = None) -> Any:
+        """As ``DecoderForCausalLM.forward``; on one stage, a step the native stack serves runs
+        whole (embedding, layers, final norm) in its one call."""
+        stack = self._whole_step_stack(input_ids, attn_meta) if carried is None else None
+        if stack is not None:
+            return stack.model_hidden(input_ids, self.model.embed_tokens.weight, self.model.norm, positions,
+                                      kv_caches, attn_meta)[0]
+        return super().forward(input_ids, positions, kv_caches, attn_meta, carried)
+
+    def hidden_and_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                          attn_meta: Any, logits_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """As ``CausalLM.hidden_and_logits``; where the native stack serves the step and every
+        row needs its logits, the LM head runs in the stack's call too."""
+        stack = self._whole_step_stack(input_ids, attn_meta) if logits_rows is None else None
+        if stack is None:
+            hidden = self(input_ids, positions, kv_caches, attn_meta)
+            return hidden, self.compute_logits(hidden if logits_rows is None else hidden[logits_rows])
+        hidden, logits = stack.model_hidden(input_ids, self.model.embed_tokens.weight, self.model.norm, positions,
+                                            kv_caches, attn_meta, self.vocab_size)
+        return hidden, self.compute_logits(hidden) if logits is None else logits
+
+    def _whole_step_stack(self, input_ids: torch.Tensor, attn_meta: Any) -> NativeDecodeStack | None:
+        """The native stack where it can run this whole step (one stage, rows it serves), else None."""
+        stack = self.native_stack()
+        if (stack is not None and self.single_stage and self.model.embed_tokens.weight.dtype == stack.dtype
+                and stack.serves(input_ids.shape[0], attn_meta)):
+            return stack
+        return None
+
+    def native_stack(self) -> NativeDecodeStack | None:
+        """The decoder layers as one native call (``NativeDecodeStack``), None where it cannot serve them."""
+        if self._native_stack is False:  # not worked out yet (after the weights are loaded)
+            self._native_stack = NativeDecodeStack.of(self)
+        return self._native_stack
+
     def run_layers(self, state: tuple, positions: torch.Tensor, kv_caches: list[torch.Tensor], attn_meta: Any) -> tuple:
         """The layers through ``NativeDecodeStack`` (one native call) where it serves the step,
         else one after the other."""
-        if self._native_stack is False:  # not worked out yet (after the weights are loaded)
-            self._native_stack = NativeDecodeStack.of(self)
-        stack = self._native_stack
-        if stack is not None and stack.serves(state[0], attn_meta):
+        stack = self.native_stack()
+        if stack is not None and state[0].dtype == stack.dtype and stack.serves(state[0].shape[0], attn_meta):
             return stack(state, positions, kv_caches, attn_meta)
         return super().run_layers(state, positions, kv_caches, attn_meta)
 

@@ -6,6 +6,10 @@ matmuls. ``NativeDecodeStack`` hands the whole layer loop of such a step to the 
 ``torch.ops.servelab_cpu.decode_layers``, which runs the same native ops in the same order
 (so the output is the same to the bit) without returning to Python between them.
 
+On a single stage it runs a served step whole: the embedding's rows, the layers, the final
+norm and, where every row needs its logits (decode steps) and the LM head has a native
+kernel, the LM head (``LlamaFamilyForCausalLM.hidden_and_logits``).
+
 It serves steps whose every request reads its context from the paged cache through
 ``attention=cpu`` (decode steps, chunks after a prompt's first, speculative chains; not
 token trees or fresh prompts, which take the layer loop), in models whose layers are all
@@ -29,7 +33,7 @@ import torch
 from servelab.kernels.cpu_ops import native_cpu_available, native_cpu_enabled
 from servelab.plugins.attention.cpu import CpuAttention, CpuMetadata
 from servelab.plugins.models.linear import Linear, blocked_rows, blocked_weight_runs, is_blocked
-from servelab.plugins.models.quantized_linear import QuantizedLinear
+from servelab.plugins.models.quantized_linear import QuantizedHead, QuantizedLinear
 
 NO_TENSOR = torch.empty(0)
 """A linear's unused weight slots and missing bias."""
@@ -105,10 +109,12 @@ class NativeDecodeStack:
     norms' weights, four linears (qkv, output, gate/up, down) as kind, packed tensors and
     bias, the q/k norms' weights (empty without them), and in a sparse layer the router's
     blocked weight and routed-pairs counter with the experts stacked in the gate/up and down slots;
+    and the LM head's kind and tensors where ``head`` (the last stage's) has a native kernel;
     rebuilt when a parameter changes (its version or storage)."""
 
-    def __init__(self, layers: Any):
+    def __init__(self, layers: Any, head: Any = None):
         self.layers = list(layers)
+        self.head = head
         first = self.layers[0].self_attn
         self.attention, self.rotary = first.attention, first.rotary
         self.num_heads, self.num_kv_heads, self.head_dim = first.num_heads, first.num_kv_heads, first.head_dim
@@ -116,12 +122,14 @@ class NativeDecodeStack:
         self.dtype = self.layers[0].input_layernorm.weight.dtype
         self.qk_eps = first.q_norm.eps if first.qk_norm else 0.0
         self.params = [p for layer in self.layers for p in layer.parameters()]
+        self.params += [] if head is None else list(head.parameters())
         routers = [layer.mlp.gate.routing for layer in self.layers if hasattr(layer.mlp, "gate")]
         self.top_k, self.normalize = (routers[0].top_k, routers[0].normalize) if routers else (0, False)
         self.key: tuple | None = None
         self.weights: list[torch.Tensor] = []
         self.kinds: list[int] = []
         self.widths: list[int] = []
+        self.head_kind, self.head_weights = 0, []
 
     @classmethod
     def of(cls, model: Any) -> NativeDecodeStack | None:
@@ -151,7 +159,7 @@ class NativeDecodeStack:
         if norm.dtype not in (torch.float32, torch.bfloat16) or first.rotary.cos.dtype != norm.dtype or (
                 norm.device.type != "cpu"):
             return None
-        stack = cls(layers)
+        stack = cls(layers, model.lm_head if model.is_last_stage else None)
         return stack if stack._refresh() else None
 
     def _refresh(self) -> bool:
@@ -189,14 +197,17 @@ class NativeDecodeStack:
                 return False
             weights += (mlp.gate.blocked_weight(), mlp.experts.routed) if sparse else (NO_TENSOR, NO_TENSOR)
         self.key, self.weights, self.kinds, self.widths = key, weights, kinds, widths
+        head = self.head.quantized() if type(self.head) is QuantizedHead else self.head
+        slots = None if head is None else _linear_slots(head, probe)  # None: the head multiplies in Python
+        self.head_kind, self.head_weights = slots or (0, [])
         return True
 
-    def serves(self, hidden: torch.Tensor, meta: Any) -> bool:
-        """True when this step can run through the stack: rows of the model's dtype (at most
-        ``BLOCKED_BFLOAT16_ROWS`` in bfloat16) and every request reading from the paged
-        cache without a token tree."""
+    def serves(self, rows: int, meta: Any) -> bool:
+        """True when a step of ``rows`` rows (of the model's dtype) can run through the stack:
+        at most ``BLOCKED_BFLOAT16_ROWS`` in bfloat16, and every request reading from the
+        paged cache without a token tree."""
         return (type(meta) is CpuMetadata and not meta.fresh_starts and meta.layout.tree is None
-                and hidden.dtype == self.dtype and blocked_rows(hidden.shape[0], self.dtype) and self._refresh())
+                and blocked_rows(rows, self.dtype) and self._refresh())
 
     def __call__(self, state: tuple, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: Any) -> tuple:
         """The layers' output state (last MLP output, residual) from the first layer's input state."""
@@ -204,10 +215,33 @@ class NativeDecodeStack:
         has_residual = residual is not None
         if not has_residual:
             residual = torch.empty_like(x)
+        out = self._decode_layers(x.contiguous(), residual, has_residual, positions, kv_caches, meta)
+        return out, residual
+
+    def model_hidden(self, input_ids: torch.Tensor, embedding: torch.Tensor, final_norm: Any,
+                     positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: Any,
+                     vocab: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The whole model's step in the one call: ``embedding``'s rows at ``input_ids``, the
+        layers, the residual add and ``final_norm`` (an ``RMSNorm``): the LM head's input
+        [T, hidden]; with ``vocab``, also every row's float32 logits [T, vocab] where the LM
+        head has a native kernel (else None)."""
+        logits = NO_TENSOR
+        if vocab is not None and self.head_weights:
+            logits = torch.empty(input_ids.shape[0], vocab)
+        hidden = self._decode_layers(NO_TENSOR, NO_TENSOR, False, positions, kv_caches, meta, input_ids, embedding,
+                                     final_norm.weight, final_norm.eps, logits)
+        return hidden, logits if logits is not NO_TENSOR else None
+
+    def _decode_layers(self, hidden: torch.Tensor, residual: torch.Tensor, has_residual: bool,
+                       positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: Any,
+                       input_ids: torch.Tensor = NO_TENSOR, embedding: torch.Tensor = NO_TENSOR,
+                       final_norm: torch.Tensor = NO_TENSOR, final_eps: float = 0.0,
+                       logits: torch.Tensor = NO_TENSOR) -> torch.Tensor:
         layout = meta.layout
-        out = torch.ops.servelab_cpu.decode_layers(
-            x.contiguous(), residual, has_residual, positions, kv_caches, layout.slot_mapping, layout.block_table,
+        head = self.head_weights if logits is not NO_TENSOR else []
+        return torch.ops.servelab_cpu.decode_layers(
+            hidden, residual, has_residual, positions, kv_caches, layout.slot_mapping, layout.block_table,
             layout.query_start_loc, layout.seq_lens, meta.cached, self.rotary.cos, self.rotary.sin,
             self.rotary.rotary_dim, self.weights, self.kinds, self.widths, self.num_heads, self.num_kv_heads,
-            self.head_dim, self.attention.spec.scale, self.eps, self.qk_eps, self.top_k, self.normalize)
-        return out, residual
+            self.head_dim, self.attention.spec.scale, self.eps, self.qk_eps, self.top_k, self.normalize, input_ids,
+            embedding, final_norm, final_eps, logits, head, self.head_kind)

@@ -30,9 +30,16 @@ def checkpoints(tmp_path_factory):
 
 
 class CountingStack(NativeDecodeStack):
-    """The stack, counting the steps it serves."""
+    """The stack, counting the steps it serves (the whole model's, or its layers')."""
 
     served = 0
+    with_head = 0
+
+    def model_hidden(self, *args):
+        CountingStack.served += 1
+        hidden, logits = super().model_hidden(*args)
+        CountingStack.with_head += logits is not None
+        return hidden, logits
 
     def __call__(self, *args):
         CountingStack.served += 1
@@ -44,7 +51,7 @@ def counted(llm) -> type[CountingStack]:
     model = llm.engine.executor.worker.model
     model._native_stack = CountingStack.of(model)
     assert model._native_stack is not None, "the native stack does not serve this model"
-    CountingStack.served = 0
+    CountingStack.served = CountingStack.with_head = 0
     return CountingStack
 
 
@@ -76,16 +83,21 @@ W8A8 = pytest.mark.skipif(w8a8_unavailable_reason() is not None, reason=str(w8a8
     ("llama", "float32", "int4"), ("qwen3", "float32", "none"), ("mixtral", "float32", "none"),
     ("qwen3-moe", "float32", "int8"), pytest.param("qwen3-moe", "float32", "w8a8", marks=W8A8),
     ("qwen2", "bfloat16", "none"), ("qwen3", "bfloat16", "none"), ("mixtral", "bfloat16", "none"),
-    ("qwen3-moe", "bfloat16", "none")])
+    ("qwen3-moe", "bfloat16", "none"), ("qwen2", "float32", "int8+head"),
+    pytest.param("llama", "float32", "w8a8+head", marks=W8A8)])
 def test_the_stack_equals_the_layer_loop_to_the_bit(checkpoints, family, dtype, quantization):
-    """Same tokens and log-probabilities with the stack and with the Python loop, in float32
-    and with every weight-quantization kernel (int4 in groups of 32: the model is narrow),
+    """Same tokens and log-probabilities with the stack (decode steps whole: embedding,
+    layers, final norm and LM head in its call) and with the Python loop, in float32
+    and with every weight-quantization kernel (int4 in groups of 32: the model is narrow;
+    the int8 LM head, weight-only and w8a8),
     with Qwen3's q/k norms, for mixtures of experts in float32, int8 and w8a8 (the same
     pairs counted per expert), and in bfloat16 (steps of at most 16 rows: bf16_linear in
     both). A 40-token prompt's later chunks of 16 give experts several rows in one step
     (w8a8's tile unit, where the CPU has one, from 4)."""
     overrides = [*BASE, f"model.dtype={dtype}", "scheduler=chunked", "scheduler.token_budget=16"]
-    overrides += [] if quantization == "none" else [f"model.quantization={quantization}"]
+    overrides += [] if quantization == "none" else [f"model.quantization={quantization.removesuffix('+head')}"]
+    if quantization.endswith("+head"):  # the int8 LM head, in the stack's call too
+        overrides.append("model.quantization_lm_head=true")
     if quantization == "int4":
         overrides.append("model.quantization_group_size=32")
     llm = LLM(checkpoints[family], overrides=overrides)
@@ -96,7 +108,7 @@ def test_the_stack_equals_the_layer_loop_to_the_bit(checkpoints, family, dtype, 
         before = routed_pairs(model)
         with_stack = sampled(llm, prompts)
         between = routed_pairs(model)
-        assert stack.served > 0
+        assert stack.served > 0 and stack.with_head > 0  # decode steps ran the LM head in the call
         model._native_stack = None
         assert sampled(llm, prompts) == with_stack
         after = routed_pairs(model)

@@ -29,6 +29,13 @@
 // their tokens with one index_add_. Its gate/up and down linears hold every expert stacked
 // along a first dimension (expert e's tensors are their e-th entries; no bias).
 //
+// The first layer's input is `hidden`, or, where `embedding` is given (not empty), the rows of
+// the embedding at `input_ids` (the whole model's step: then `residual` may be empty). With
+// `final_norm` given, the model's final residual add + RMSNorm follows the last layer and the
+// result is the LM head's input; with `head` given too (a linear's four tensors, kind
+// `head_kind`), the LM head multiplies it into `logits` [T, vocab] (float32, its first vocab
+// channels, converted from the rows' dtype as the Python head's `.float()` does).
+//
 // The hidden states are float32 (every linear kind), or bfloat16 with bfloat16 linears and
 // experts (a bfloat16 model's decode steps of at most 16 rows, which its Python layers
 // multiply with the same bf16_linear), each op rounding to bfloat16 where the Python one does.
@@ -166,6 +173,28 @@ at::Tensor head_rms_norm(const at::Tensor& x, const at::Tensor& weight, double e
   return out.view(x.sizes());
 }
 
+// The rows of `embedding` [vocab, hidden] at `input_ids` [T] (int64), as torch.embedding
+// gives them.
+at::Tensor embedded_rows(const at::Tensor& input_ids, const at::Tensor& embedding) {
+  TORCH_CHECK(embedding.dim() == 2 && embedding.is_contiguous() &&
+                  (embedding.scalar_type() == at::kFloat || embedding.scalar_type() == at::kBFloat16),
+              "decode_layers: embedding must be a contiguous float32 or bfloat16 [vocab, hidden] tensor");
+  TORCH_CHECK(input_ids.dim() == 1 && input_ids.is_contiguous() && input_ids.scalar_type() == at::kLong,
+              "decode_layers: input_ids must be a contiguous int64 [T] tensor");
+  const int64_t tokens = input_ids.size(0), vocab = embedding.size(0);
+  const int64_t row_bytes = embedding.size(1) * static_cast<int64_t>(embedding.element_size());
+  at::Tensor x = at::empty({tokens, embedding.size(1)}, embedding.options());
+  const int64_t* ids = input_ids.data_ptr<int64_t>();
+  const char* table = static_cast<const char*>(embedding.data_ptr());
+  char* rows = static_cast<char*>(x.data_ptr());
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(ids[t] >= 0 && ids[t] < vocab, "decode_layers: input_ids[", t, "] = ", ids[t],
+                " is outside the embedding's ", vocab, " rows");
+    std::copy_n(table + ids[t] * row_bytes, row_bytes, rows + t * row_bytes);
+  }
+  return x;
+}
+
 }  // namespace
 
 at::Tensor decode_layers(const at::Tensor& hidden, at::Tensor residual, bool has_residual, const at::Tensor& positions,
@@ -174,19 +203,27 @@ at::Tensor decode_layers(const at::Tensor& hidden, at::Tensor residual, bool has
                          const at::Tensor& cos, const at::Tensor& sin, int64_t rotary_dim, at::TensorList weights,
                          at::IntArrayRef kinds, at::IntArrayRef out_features, int64_t num_heads,
                          int64_t num_kv_heads, int64_t head_dim, double scale, double eps, double qk_eps,
-                         int64_t top_k, bool normalize) {
+                         int64_t top_k, bool normalize, const at::Tensor& input_ids, const at::Tensor& embedding,
+                         const at::Tensor& final_norm, double final_eps, at::Tensor logits, at::TensorList head,
+                         int64_t head_kind) {
   const int64_t layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kLayerTensors &&
                   static_cast<int64_t>(kinds.size()) == layers * kLayerLinears &&
                   static_cast<int64_t>(out_features.size()) == layers * kLayerLinears,
               "decode_layers: ", layers, " layers need ", kLayerTensors, " weights and ", kLayerLinears,
               " linear kinds and widths each");
-  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous() &&
-                  (hidden.scalar_type() == at::kFloat || hidden.scalar_type() == at::kBFloat16),
-              "decode_layers: hidden must be a contiguous float32 or bfloat16 [T, hidden]");
-  const int64_t tokens = hidden.size(0);
+  const bool embeds = embedding.numel() > 0;
+  TORCH_CHECK(embeds ? !has_residual
+                     : hidden.dim() == 2 && hidden.is_contiguous() &&
+                           (hidden.scalar_type() == at::kFloat || hidden.scalar_type() == at::kBFloat16),
+              "decode_layers: hidden must be a contiguous float32 or bfloat16 [T, hidden] (or input_ids with the "
+              "embedding, and no residual)");
+  at::Tensor x = embeds ? embedded_rows(input_ids, embedding) : hidden.clone();
+  if (!residual.numel()) {  // none given (from the embedding): the layers' own
+    residual = at::empty_like(x);
+  }
+  const int64_t tokens = x.size(0);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-  at::Tensor x = hidden.clone();
   for (int64_t l = 0; l < layers; ++l) {
     at::TensorList w = weights.slice(l * kLayerTensors, kLayerTensors);
     const int64_t* kind = kinds.data() + l * kLayerLinears;
@@ -220,6 +257,16 @@ at::Tensor decode_layers(const at::Tensor& hidden, at::Tensor residual, bool has
     at::Tensor gated = at::empty({tokens, width[2] / 2}, x.options());
     silu_and_mul(gated, gate_up);
     x = linear(gated, linear_tensors(w, 3), kind[3], width[3]);
+  }
+  if (final_norm.numel()) {
+    add_rms_norm(x, residual, final_norm, final_eps);
+  }
+  if (!head.empty()) {
+    TORCH_CHECK(final_norm.numel() && static_cast<int64_t>(head.size()) == kLinearTensors && logits.dim() == 2 &&
+                    logits.size(0) == tokens && logits.is_contiguous() && logits.scalar_type() == at::kFloat,
+                "decode_layers: the LM head needs the final norm, its ", kLinearTensors,
+                " tensors and a contiguous float32 [T, vocab] logits tensor");
+    logits.copy_(linear(x, head, head_kind, logits.size(1)));
   }
   return x;
 }

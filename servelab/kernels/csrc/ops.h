@@ -65,6 +65,8 @@ at::Tensor decode_layers(const at::Tensor& hidden, at::Tensor residual, bool has
                          const at::Tensor& cos, const at::Tensor& sin, int64_t rotary_dim, at::TensorList weights,
                          at::IntArrayRef kinds, at::IntArrayRef out_features, int64_t num_heads,
                          int64_t num_kv_heads, int64_t head_dim, double scale, double eps, double qk_eps,
-                         int64_t top_k, bool normalize);
+                         int64_t top_k, bool normalize, const at::Tensor& input_ids, const at::Tensor& embedding,
+                         const at::Tensor& final_norm, double final_eps, at::Tensor logits, at::TensorList head,
+                         int64_t head_kind);
 
 }  // namespace servelab_cpu

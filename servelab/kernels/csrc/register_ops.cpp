@@ -40,7 +40,9 @@ TORCH_LIBRARY(servelab_cpu, m) {
   m.def("decode_layers(Tensor hidden, Tensor(a!) residual, bool has_residual, Tensor positions, Tensor[] kv_caches, "
         "Tensor slot_mapping, Tensor block_table, Tensor query_start_loc, Tensor seq_lens, Tensor requests, "
         "Tensor cos, Tensor sin, int rotary_dim, Tensor[] weights, int[] kinds, int[] out_features, int num_heads, "
-        "int num_kv_heads, int head_dim, float scale, float eps, float qk_eps, int top_k, bool normalize) -> Tensor");
+        "int num_kv_heads, int head_dim, float scale, float eps, float qk_eps, int top_k, bool normalize, "
+        "Tensor input_ids, Tensor embedding, Tensor final_norm, float final_eps, Tensor(b!) logits, Tensor[] head, "
+        "int head_kind) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(servelab_cpu, CatchAll, m) {
