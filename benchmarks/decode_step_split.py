@@ -1,0 +1,155 @@
+"""Where a batch-1 decode step's time goes: the model with its LM head (the native stack's
+one call, or the layer loop), building the step's inputs, choosing the token, scheduling,
+and the rest.
+
+One request (16-token prompt, 128 tokens, greedy) through the offline ``LLM`` on one of
+``servelab.bench.random_llama``'s models; each part is timed around its call at every step
+and the medians over the decode steps are printed, with the tokens/s of untimed runs:
+
+    python benchmarks/decode_step_split.py --model 26m --modes float32 w8a8
+    python benchmarks/decode_step_split.py --model 05b --modes w8a8 --runs 3
+
+It also prints what a trivial call (``torch.Tensor.dim`` through a Python function) costs
+right after the weights streamed through the caches, against the same call in a warm
+loop: the host work between two forward passes runs with caches the forward pass has just
+refilled, so it is bound by how many distinct calls it makes more than by their work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from typing import Any, Callable
+
+import torch
+
+from servelab import LLM, SamplingParams
+from servelab.bench.random_llama import MODELS, make_checkpoint
+from servelab.plugins.executor import model as executor_module
+
+MODES = {"float32": [], "bfloat16": ["model.dtype=bfloat16"],
+         "int8": ["model.quantization=int8", "model.quantization_lm_head=true"],
+         "w8a8": ["model.quantization=w8a8", "model.quantization_lm_head=true"],
+         "int4": ["model.quantization=int4", "model.quantization_lm_head=true"]}
+PROMPT = [2 + j for j in range(16)]
+
+
+class StepTimer:
+    """Times calls of wrapped methods, keyed by part, one list of seconds per part."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, list[float]] = defaultdict(list)
+
+    def wrap(self, owner: Any, name: str, part: str) -> None:
+        """Time every call of ``owner.name`` as ``part``."""
+        setattr(owner, name, self.timed(getattr(owner, name), part))
+
+    def timed(self, fn: Callable, part: str) -> Callable:
+        """``fn``, timed as ``part``."""
+        def call(*args, **kwargs):
+            started = time.perf_counter()
+            result = fn(*args, **kwargs)
+            self.seconds[part].append(time.perf_counter() - started)
+            return result
+        return call
+
+    def medians_us(self) -> dict[str, float]:
+        """Each part's median call in microseconds."""
+        return {part: 1e6 * statistics.median(values) for part, values in self.seconds.items()}
+
+
+def decode_tokens_per_s(llm: LLM) -> float:
+    """One request's decode tokens/s (128 tokens after the 16-token prompt)."""
+    params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
+    times = llm.generate([PROMPT], params, use_tqdm=False)[0].metrics.token_times
+    return (len(times) - 1) / (times[-1] - times[0])
+
+
+def split(llm: LLM) -> dict[str, float]:
+    """The medians of one timed run's parts (microseconds); ``other`` is the step less its parts."""
+    engine = llm.engine
+    executor = engine.executor
+    timer = StepTimer()
+    timer.wrap(engine, "step", "step")
+    timer.wrap(engine.scheduler, "schedule", "schedule")
+    timer.wrap(executor.worker, "hidden_and_logits", "model")
+    timer.wrap(executor.strategy, "accept", "choose token")
+    built = executor_module.build_step_inputs
+    executor_module.build_step_inputs = timer.timed(built, "inputs")
+    try:
+        decode_tokens_per_s(llm)
+    finally:
+        executor_module.build_step_inputs = built
+        for owner, name in ((engine, "step"), (engine.scheduler, "schedule"), (executor.worker, "hidden_and_logits"),
+                            (executor.strategy, "accept")):
+            delattr(owner, name)
+    medians = timer.medians_us()
+    medians["other"] = medians["step"] - sum(v for k, v in medians.items() if k != "step")
+    return medians
+
+
+def cold_call_us(llm: LLM) -> tuple[float, float]:
+    """A trivial call's median time in a warm loop, and right after each of 128 decode steps."""
+    x = torch.zeros(1)
+
+    def trivial() -> int:
+        return x.dim()
+
+    warm = []
+    for _ in range(1000):
+        started = time.perf_counter()
+        trivial()
+        warm.append(time.perf_counter() - started)
+    cold = []
+    worker = llm.engine.executor.worker
+    forward = worker.hidden_and_logits
+
+    def forward_then_probe(*args, **kwargs):
+        result = forward(*args, **kwargs)
+        started = time.perf_counter()
+        trivial()
+        cold.append(time.perf_counter() - started)
+        return result
+
+    worker.hidden_and_logits = forward_then_probe
+    try:
+        decode_tokens_per_s(llm)
+    finally:
+        del worker.hidden_and_logits
+    return 1e6 * statistics.median(warm), 1e6 * statistics.median(cold)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="26m", choices=sorted(MODELS))
+    parser.add_argument("--modes", nargs="+", default=["float32", "w8a8"], choices=sorted(MODES))
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--runs", type=int, default=5, help="untimed runs for tokens/s (median)")
+    parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "servelab-compare"))
+    args = parser.parse_args()
+
+    folder = make_checkpoint(os.path.join(args.workdir, args.model), args.model)
+    parts = ["model", "inputs", "choose token", "schedule", "other", "step"]
+    print("| model | mode | tok/s | " + " | ".join(f"{p} us" for p in parts) + " | trivial call warm / after forward us |")
+    print("|---|---|---:|" + "---:|" * (len(parts) + 1))
+    for mode in args.modes:
+        llm = LLM(folder, overrides=["device=cpu", "model.max_model_len=512", f"parallel.threads={args.threads}",
+                                     *MODES[mode]])
+        try:
+            llm.warm_up()
+            decode_tokens_per_s(llm)
+            rate = statistics.median(decode_tokens_per_s(llm) for _ in range(args.runs))
+            medians = split(llm)
+            warm, cold = cold_call_us(llm)
+        finally:
+            llm.shutdown()
+        print(f"| {args.model} | {mode} | {rate:.1f} | " + " | ".join(f"{medians[p]:.0f}" for p in parts)
+              + f" | {warm:.2f} / {cold:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
