@@ -235,14 +235,18 @@ at::Tensor decode_layers(const at::Tensor& hidden, at::Tensor residual, bool has
       rms_norm(x, residual, w[0], eps);
     }
     at::Tensor qkv = linear(x, linear_tensors(w, 0), kind[0], width[0]);
-    at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
-    at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
-    at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
+    const int64_t row = qkv.size(1), start = qkv.storage_offset();  // q, k, v: views of each row's heads
+    at::Tensor q = qkv.as_strided({tokens, num_heads, head_dim}, {row, head_dim, 1}, start);
+    at::Tensor k = qkv.as_strided({tokens, num_kv_heads, head_dim}, {row, head_dim, 1}, start + q_size);
+    at::Tensor v = qkv.as_strided({tokens, num_kv_heads, head_dim}, {row, head_dim, 1}, start + q_size + kv_size);
     if (w[kQNorm].numel()) {
       q = head_rms_norm(q, w[kQNorm], qk_eps);
       k = head_rms_norm(k, w[kKNorm], qk_eps);
+      rotary_embedding(q.narrow(2, 0, rotary_dim), k.narrow(2, 0, rotary_dim), positions, cos, sin);
+    } else {
+      rotary_embedding_rows(q.data_ptr(), num_heads, k.data_ptr(), num_kv_heads, qkv.scalar_type(), tokens, row,
+                            head_dim, rotary_dim, positions, cos, sin);
     }
-    rotary_embedding(q.narrow(2, 0, rotary_dim), k.narrow(2, 0, rotary_dim), positions, cos, sin);
     write_kv_cache(kv_caches[l], k, v, slot_mapping);
     at::Tensor attended = at::empty({tokens, num_heads, head_dim}, x.options());
     paged_attention(attended, q, kv_caches[l], block_table, query_start_loc, seq_lens, requests, scale, 0,

@@ -37,6 +37,12 @@ void causal_prefill_attention(at::Tensor out, const at::Tensor& q, const at::Ten
                               at::IntArrayRef starts, at::IntArrayRef lengths, double scale);
 void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps);
 void add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps);
+// rotary_embedding of the `tokens` rows of q (q_heads heads) and k (k_heads) of `dtype` at raw
+// pointers, rows `row_stride` and heads `head_stride` elements apart, the first `dim` of each
+// head rotated (decode_layers' q and k inside one qkv row, no views made).
+void rotary_embedding_rows(void* q, int64_t q_heads, void* k, int64_t k_heads, at::ScalarType dtype, int64_t tokens,
+                           int64_t row_stride, int64_t head_stride, int64_t dim, const at::Tensor& positions,
+                           const at::Tensor& cos, const at::Tensor& sin);
 void rotary_embedding(at::Tensor q, at::Tensor k, const at::Tensor& positions, const at::Tensor& cos,
                       const at::Tensor& sin);
 void silu_and_mul(at::Tensor out, const at::Tensor& x);

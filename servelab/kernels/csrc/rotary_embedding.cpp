@@ -26,15 +26,12 @@ inline void store_rotated(T* dst, const Vec& a_low, const Vec& a_high, const flo
 //   x_i = round(round(x_i c_i) + round(-x_{i+D/2} s_i)),
 //   x_{i+D/2} = round(round(x_{i+D/2} c_{i+D/2}) + round(x_i s_{i+D/2}))
 // with c, s the rows of the cos/sin tables [positions, D] at each token's position.
+// x: `tokens` rows of `heads` heads at `data` (strides in elements), the first `dim` of each
+// head rotated.
 template <typename T>
-void rotary_one(at::Tensor& x, const int64_t* positions, const T* cos, const T* sin, int64_t table_stride) {
-  const int64_t tokens = x.size(0);
-  const int64_t heads = x.size(1);
-  const int64_t dim = x.size(2);
+void rotary_one(T* data, int64_t tokens, int64_t heads, int64_t dim, int64_t row_stride, int64_t head_stride,
+                const int64_t* positions, const T* cos, const T* sin, int64_t table_stride) {
   const int64_t half = dim / 2;
-  const int64_t row_stride = x.stride(0);
-  const int64_t head_stride = x.stride(1);
-  T* data = x.data_ptr<T>();
   at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> c(dim), s(dim);
     for (int64_t t = begin; t < end; ++t) {
@@ -61,25 +58,46 @@ void rotary_one(at::Tensor& x, const int64_t* positions, const T* cos, const T* 
   });
 }
 
+// Checks the position and table tensors for `tokens` rows and heads of width `dim` in `dtype`.
+void check_tables(const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin, int64_t tokens,
+                  int64_t dim, at::ScalarType dtype) {
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.size(0) == tokens,
+              "rotary_embedding: positions must be contiguous int64 [T]");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(1) == dim && cos.is_contiguous() && sin.is_contiguous(),
+              "rotary_embedding: cos and sin must be contiguous [positions, D]");
+  TORCH_CHECK(cos.scalar_type() == dtype && sin.scalar_type() == dtype,
+              "rotary_embedding: q, k and the tables must share a dtype");
+}
+
 }  // namespace
+
+void rotary_embedding_rows(void* q, int64_t q_heads, void* k, int64_t k_heads, at::ScalarType dtype, int64_t tokens,
+                           int64_t row_stride, int64_t head_stride, int64_t dim, const at::Tensor& positions,
+                           const at::Tensor& cos, const at::Tensor& sin) {
+  check_tables(positions, cos, sin, tokens, dim, dtype);
+  dispatch_dtype(dtype, "rotary_embedding", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    rotary_one<scalar_t>(static_cast<scalar_t*>(q), tokens, q_heads, dim, row_stride, head_stride, pos,
+                         cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(), cos.stride(0));
+    rotary_one<scalar_t>(static_cast<scalar_t*>(k), tokens, k_heads, dim, row_stride, head_stride, pos,
+                         cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(), cos.stride(0));
+  });
+}
 
 void rotary_embedding(at::Tensor q, at::Tensor k, const at::Tensor& positions, const at::Tensor& cos,
                       const at::Tensor& sin) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1 && q.size(2) % 2 == 0,
               "rotary_embedding: q and k must be [T, heads, D] with unit last stride and even D");
   TORCH_CHECK(q.size(0) == k.size(0) && q.size(2) == k.size(2), "rotary_embedding: q and k disagree");
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.size(0) == q.size(0),
-              "rotary_embedding: positions must be contiguous int64 [T]");
-  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(1) == q.size(2) && cos.is_contiguous() && sin.is_contiguous(),
-              "rotary_embedding: cos and sin must be contiguous [positions, D]");
-  TORCH_CHECK(cos.scalar_type() == q.scalar_type() && sin.scalar_type() == q.scalar_type() &&
-                  k.scalar_type() == q.scalar_type(),
-              "rotary_embedding: q, k and the tables must share a dtype");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type(), "rotary_embedding: q, k and the tables must share a dtype");
+  check_tables(positions, cos, sin, q.size(0), q.size(2), q.scalar_type());
   dispatch_dtype(q.scalar_type(), "rotary_embedding", [&](auto tag) {
     using scalar_t = decltype(tag);
     const int64_t* pos = positions.data_ptr<int64_t>();
-    rotary_one<scalar_t>(q, pos, cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(), cos.stride(0));
-    rotary_one<scalar_t>(k, pos, cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(), cos.stride(0));
+    for (at::Tensor* x : {&q, &k})
+      rotary_one<scalar_t>(x->data_ptr<scalar_t>(), x->size(0), x->size(1), x->size(2), x->stride(0), x->stride(1),
+                           pos, cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(), cos.stride(0));
   });
 }
 
