@@ -40,7 +40,7 @@ def assert_same_inputs(got, want) -> None:
 
 
 @pytest.mark.parametrize("groups", [1, 2])
-@pytest.mark.parametrize("lengths", [[1], [17], [3, 9, 4, 12], [8, 5]])
+@pytest.mark.parametrize("lengths", [[1], [17], [3, 9, 4, 12], [8, 5], [5 + 3 * i for i in range(24)]])
 def test_decode_step_equals_the_general_builder(lengths, groups):
     grants = [decode_grant(i, n, groups) for i, n in enumerate(lengths)]
     got = build_step_inputs(grants, (), BLOCK_SIZE, torch.device("cpu"), prompt_logprobs=True)
