@@ -71,8 +71,9 @@ def build_step_inputs(grants: Sequence[ScheduledRequest], drafts: Sequence[list[
     through ``decode_step_inputs``, any other through ``flat_step_inputs``. With
     ``prompt_logprobs``, the rows that give requests their missing prompt logprobs lead
     ``logits_indices``."""
-    if grants and not any(drafts) and all(grant.num_new_tokens == 1 and grant.samples for grant in grants) and not (
-            prompt_logprobs and any(prompt_span(grant) is not None for grant in grants)):
+    # A one-token grant that samples is at the prompt's last position or later, so it has
+    # no prompt logprobs to compute (``prompt_span`` is None): the decode path needs none.
+    if grants and not any(drafts) and all(grant.num_new_tokens == 1 and grant.samples for grant in grants):
         return decode_step_inputs(grants, block_size, device)
     return flat_step_inputs(grants, drafts, block_size, device, prompt_logprobs)
 
