@@ -40,7 +40,7 @@ from servelab.bench.random_llama import MODELS, VOCAB, make_checkpoint, matmul_p
 
 PROMPT_TOKENS = 16
 DECODE_TOKENS = 128
-QUANTIZATIONS = ("int8", "w8a8", "int4", "int4-head")
+QUANTIZATIONS = ("int8", "w8a8", "int4", "int4-head", "w4a8")
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 """``--clock``: the wall clock, or the CPU time of this process (all its threads)."""
 
@@ -62,8 +62,8 @@ def read_bandwidth(threads: int, clock: Callable[[], float] = time.perf_counter,
 
 
 def overrides_for(mode: str) -> list[str]:
-    """The engine overrides of a mode: a dtype, or a weight quantization (int8 and w8a8
-    with the LM head in int8 too; int4 keeps a float32 head, int4-head has an int8 one)."""
+    """The engine overrides of a mode: a dtype, or a weight quantization (int8, w8a8 and
+    w4a8 with the LM head in int8 too; int4 keeps a float32 head, int4-head has an int8 one)."""
     if mode == "int4":
         return ["model.dtype=float32", "model.quantization=int4"]
     if mode == "int4-head":
@@ -73,20 +73,20 @@ def overrides_for(mode: str) -> list[str]:
     return [f"model.dtype={mode}"]
 
 
-WIDTH = {"float32": 4.0, "bfloat16": 2.0, "int8": 1.0, "w8a8": 1.0, "int4": 0.5, "int4-head": 0.5}
+WIDTH = {"float32": 4.0, "bfloat16": 2.0, "int8": 1.0, "w8a8": 1.0, "int4": 0.5, "int4-head": 0.5, "w4a8": 0.5}
 """Bytes per stored weight of each mode."""
 
 
 def weight_bytes(name: str, mode: str, batch: int, experts: float | None = None) -> float:
     """Bytes one decode step reads of the weights: the matmul weights at their stored
-    width (int4's LM head in float32, int4-head's in int8; of a mixture, ``experts``
+    width (int4's LM head in float32, int4-head's and w4a8's in int8; of a mixture, ``experts``
     experts per sparse layer) and the ``batch`` embedding rows (float32 in the quantized
     modes)."""
     shape = MODELS[name]
     hidden = shape["hidden_size"]
     row = WIDTH[mode] if mode not in QUANTIZATIONS else 4.0
     head = hidden * shape.get("vocab_size", VOCAB)
-    if mode in ("int4", "int4-head"):
+    if mode in ("int4", "int4-head", "w4a8"):
         head_width = 4.0 if mode == "int4" else 1.0
         return (matmul_parameters(name, experts) - head) * WIDTH[mode] + head * head_width + batch * hidden * row
     return matmul_parameters(name, experts) * WIDTH[mode] + batch * hidden * row

@@ -34,7 +34,8 @@ from servelab.plugins.executor import model as executor_module
 MODES = {"float32": [], "bfloat16": ["model.dtype=bfloat16"],
          "int8": ["model.quantization=int8", "model.quantization_lm_head=true"],
          "w8a8": ["model.quantization=w8a8", "model.quantization_lm_head=true"],
-         "int4": ["model.quantization=int4", "model.quantization_lm_head=true"]}
+         "int4": ["model.quantization=int4", "model.quantization_lm_head=true"],
+         "w4a8": ["model.quantization=w4a8", "model.quantization_lm_head=true"]}
 PROMPT = [2 + j for j in range(16)]
 
 

@@ -2,8 +2,8 @@
 channels) against oneDNN with a prepacked weight and against ``F.linear``.
 
 ``layers`` (the default) times one linear layer of the 26m benchmark model per shape and
-row count. Each method cycles through enough copies of the weight (about 3x the last-level
-cache) that every call reads it from memory, as a decode step's layers do, and the methods
+row count. Each method cycles through enough copies of the weight (1 GiB, more than the
+last-level cache) that every call reads it from memory, as a decode step's layers do, and the methods
 take turns within each round, so their ratios share the machine's moment. Prints a markdown
 table of median microseconds per call:
 

@@ -1,9 +1,11 @@
-"""Time per call of one linear layer with float32, int8 and int4 weight-only and int8 x int8
-(weights and dynamically quantized activations) matmuls, at the 0.5B model's layer shapes.
+"""Time per call of one linear layer with float32, int8 and int4 weight-only, int8 x int8 and
+int4 x int8 (weights and dynamically quantized activations) matmuls, at the 0.5B model's layer
+shapes.
 
-Each method cycles through enough copies of the layer that their weights (float32:
-about 3x the last-level cache) come from memory on every call, as a model's 24 layers
-do in a decode step; a single copy would stay in the cache and show its speed instead.
+Each method cycles through enough copies of the layer that its weights (``--footprint-mib``
+of them for every method, default 1 GiB: more than the last-level cache of the machines
+measured, 480 MiB on the largest) come from memory on every call, as a model's layers do in
+a decode step; a single copy would stay in the cache and show its speed instead.
 Methods run interleaved per shape and row count, so their ratios share the machine's
 moment. Prints a markdown table of the median ms per call (and ratios to float32):
 
@@ -12,7 +14,8 @@ moment. Prints a markdown table of the median ms per call (and ratios to float32
 Methods: ``float32`` servelab's ``Linear`` (float32 weights in ``float_linear``'s blocked
 layout), ``int8`` servelab's weight-only kernel (``torch.ops.servelab_cpu.int8_linear``),
 ``w8a8`` servelab's int8 x int8 kernel (``w8a8_linear``: activations quantized per row),
-``int4`` servelab's weight-only int4 kernel (``int4_linear``, groups of 128), ``dynamic``
+``int4`` servelab's weight-only int4 kernel (``int4_linear``, groups of 128), ``w4a8`` its
+int4 x int8 kernel (``w4a8_linear``: the same int4 weights, activations quantized per row), ``dynamic``
 torch's quantized ``linear_dynamic`` (x86 engine: activations quantized per tensor, int8
 dot products).
 """
@@ -29,34 +32,45 @@ from servelab.plugins.models.linear import Linear
 from servelab.kernels.int4_cpu import int4_linear, pack_int4_blocks
 from servelab.kernels.quantized_cpu import int8_linear, pack_int8
 from servelab.kernels.quantized_weights import quantize_int4, quantize_int8
+from servelab.kernels.w4a8_cpu import pack_w4a8, w4a8_linear
 from servelab.kernels.w8a8_cpu import pack_w8a8, w8a8_linear
 
 SHAPES = ((4864, 896), (896, 4864), (896, 896), (128, 896))
 """(out, in) features: the 0.5B model's MLP up and down, attention output and one KV head group."""
-CACHE_BYTES = 96 << 20
+FOOTPRINT_MIB = 1024
+
+
+def copies_of(tensors: tuple[torch.Tensor, ...], count: int) -> list[tuple[torch.Tensor, ...]]:
+    """``count`` independent copies (fresh memory) of a packed weight's tensors."""
+    return [tuple(t.clone() for t in tensors) for _ in range(count)]
 
 
 def methods(out_features: int, in_features: int, copies: int) -> dict[str, list]:
-    """Per method, ``copies`` callables x -> y over independent copies of one random layer."""
+    """Per method, callables x -> y over independent copies of one random layer: ``copies``
+    of the float32 weight, and as many more of the narrower ones as fill the same bytes."""
     torch.manual_seed(0)
-    result: dict[str, list] = {"float32": [], "int8": [], "w8a8": [], "int4": [], "dynamic": []}
+    weight = torch.randn(out_features, in_features) * 0.02
+    qweight, scales = quantize_int8(weight)
+    int4 = quantize_int4(weight, 128)
+    qtensor = torch._make_per_channel_quantized_tensor(qweight, scales.double(),
+                                                       torch.zeros(out_features, dtype=torch.long), 0)
+    linears = []
     for _ in range(copies):
-        weight = torch.randn(out_features, in_features) * 0.02
         linear = Linear(in_features, out_features, bias=False)
         with torch.no_grad():
             linear.weight.copy_(weight)
-        result["float32"].append(linear)
-        qweight, scales = quantize_int8(weight)
-        packed, padded_scales = pack_int8(qweight, scales)
-        result["int8"].append(lambda x, p=packed, s=padded_scales: int8_linear(x, p, s, out_features))
-        result["w8a8"].append(lambda x, p=pack_w8a8(qweight, scales): w8a8_linear(x, *p, out_features))
-        packed4 = pack_int4_blocks(*quantize_int4(weight, 128))
-        result["int4"].append(lambda x, p=packed4: int4_linear(x, *p, out_features))
-        qtensor = torch._make_per_channel_quantized_tensor(qweight, scales.double(),
-                                                           torch.zeros(out_features, dtype=torch.long), 0)
-        prepacked = torch.ops.quantized.linear_prepack(qtensor, None)
-        result["dynamic"].append(lambda x, p=prepacked: torch.ops.quantized.linear_dynamic(x, p, False))
-    return result
+        linears.append(linear)
+    return {
+        "float32": linears,
+        "int8": [lambda x, p=p: int8_linear(x, *p, out_features) for p in copies_of(pack_int8(qweight, scales),
+                                                                                  4 * copies)],
+        "w8a8": [lambda x, p=p: w8a8_linear(x, *p, out_features) for p in copies_of(pack_w8a8(qweight, scales),
+                                                                                  4 * copies)],
+        "int4": [lambda x, p=p: int4_linear(x, *p, out_features) for p in copies_of(pack_int4_blocks(*int4),
+                                                                                  8 * copies)],
+        "w4a8": [lambda x, p=p: w4a8_linear(x, *p, out_features) for p in copies_of(pack_w4a8(*int4), 8 * copies)],
+        "dynamic": [lambda x, p=torch.ops.quantized.linear_prepack(qtensor.clone(), None):
+                    torch.ops.quantized.linear_dynamic(x, p, False) for _ in range(4 * copies)]}
 
 
 def median_ms(calls: dict[str, list], x: torch.Tensor, rounds: int) -> dict[str, float]:
@@ -72,12 +86,14 @@ def median_ms(calls: dict[str, list], x: torch.Tensor, rounds: int) -> dict[str,
     return {name: statistics.median(values) * 1e3 for name, values in times.items()}
 
 
-def timed_cases(shapes, methods_of, threads_list: list[int], rows_list: list[int], rounds: int):
+def timed_cases(shapes, methods_of, threads_list: list[int], rows_list: list[int], rounds: int,
+                footprint_mib: int = FOOTPRINT_MIB):
     """For every (out, in) shape, thread count and row count, yields (threads, out_features,
     in_features, rows, median ms per method) over ``methods_of(out, in, copies)``'s
-    callables, enough copies of each weight that every call reads it from memory."""
+    callables, ``copies`` float32 weights filling ``footprint_mib`` so that every call
+    reads its weight from memory."""
     for out_features, in_features in shapes:
-        copies = max(1, -(-CACHE_BYTES // (4 * out_features * in_features)))
+        copies = max(1, -(-(footprint_mib << 20) // (4 * out_features * in_features)))
         calls = methods_of(out_features, in_features, copies)
         for threads in threads_list:
             torch.set_num_threads(threads)
@@ -93,13 +109,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--footprint-mib", type=int, default=FOOTPRINT_MIB,
+                        help="bytes of weight copies each method cycles through (MiB)")
     args = parser.parse_args()
     torch.backends.quantized.engine = "x86"
-    print("| threads | layer N x K | M | float32 ms | int8 ms | w8a8 ms | int4 ms | dynamic ms | int8 speed-up "
-          "| w8a8 speed-up | int4 speed-up | dynamic speed-up |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| threads | layer N x K | M | float32 ms | int8 ms | w8a8 ms | int4 ms | w4a8 ms | dynamic ms "
+          "| int8 speed-up | w8a8 speed-up | int4 speed-up | w4a8 speed-up | dynamic speed-up |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for threads, out_features, in_features, rows, ms in timed_cases(SHAPES, methods, args.threads, args.rows,
-                                                                     args.rounds):
+                                                                     args.rounds, args.footprint_mib):
         times = " | ".join(f"{value:.3f}" for value in ms.values())
         ratios = " | ".join(f"{ms['float32'] / value:.2f}x" for value in list(ms.values())[1:])
         print(f"| {threads} | {out_features}x{in_features} | {rows} | {times} | {ratios} |", flush=True)

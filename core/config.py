@@ -98,13 +98,13 @@ class ModelConfig:
     ``dtype``: auto | float32 | bfloat16 | float16 (auto = float32 on CPU, the checkpoint's
     dtype on GPU and in simulation). ``max_model_len``: prompt + output limit per sequence
     (default: the model's ``max_position_embeddings``). ``seed``: random weights' seed.
-    ``quantization``: auto | none | int8 | w8a8 | int4, the decoder's linear weights (auto =
-    as the checkpoint holds them: a folder saved quantized loads quantized, else float;
-    w8a8: int8 weights and activations quantized to int8 per row, CPUs with AVX512-VNNI);
-    ``quantization_group_size``: input features per int4 scale (default 128; a saved int4
-    folder's own); ``quantization_lm_head``: int8, w8a8 and int4 also multiply the LM head
-    with int8 weights, quantized at load (default false: the head stays float). See
-    docs/quantization.md.
+    ``quantization``: auto | none | int8 | w8a8 | int4 | w4a8, the decoder's linear weights
+    (auto = as the checkpoint holds them: a folder saved quantized loads quantized, else
+    float; w8a8 and w4a8: int8 and int4 weights with activations quantized to int8 per row,
+    CPUs with AVX512-VNNI); ``quantization_group_size``: input features per int4 scale
+    (default 128, a multiple of 8 for w4a8; a saved int4 folder's own);
+    ``quantization_lm_head``: every mode also multiplies the LM head with int8 weights,
+    quantized at load (default false: the head stays float). See docs/quantization.md.
     """
 
     path: Optional[str] = None

@@ -2,12 +2,12 @@
 checks, the checkpoint tensors it rewrites and the layers it replaces (docs/quantization.md).
 
 ``model.quantization``: auto (the folder's own: quantized when its config.json has a
-servelab ``quantization_config``, else float) | none | int8 | w8a8 | int4, and
-``model.quantization_group_size`` (int4 only, default 128). Every linear layer inside the
-decoder layers (``model.layers.*``: attention and MLP projections) is quantized; the
-embeddings, norms and LM head stay in floating point. ``w8a8`` stores int8 weights as
-``int8`` does and also quantizes each activation row to int8 at every call (CPUs with
-AVX512-VNNI only).
+servelab ``quantization_config``, else float) | none | int8 | w8a8 | int4 | w4a8, and
+``model.quantization_group_size`` (int4 and w4a8, default 128). Every linear layer inside
+the decoder layers (``model.layers.*``: attention and MLP projections) is quantized; the
+embeddings, norms and LM head stay in floating point. ``w8a8`` and ``w4a8`` store int8 and
+int4 weights as ``int8`` and ``int4`` do and also quantize each activation row to int8 at
+every call (CPUs with AVX512-VNNI only).
 """
 
 from __future__ import annotations
@@ -21,7 +21,11 @@ import torch
 
 from servelab.core.errors import ConfigError
 
-MODES = ("auto", "none", "int8", "w8a8", "int4")
+MODES = ("auto", "none", "int8", "w8a8", "int4", "w4a8")
+INT8_ACTIVATION_MODES = {8: "w8a8", 4: "w4a8"}
+"""The mode that quantizes activations to int8 too, by weight bits."""
+W4A8_GROUP_MULTIPLE = 8
+"""w4a8's group sizes are multiples of this (its kernel reads 8 inputs of a channel at a time)."""
 DEFAULT_GROUP_SIZE = 128
 QUANT_METHOD = "servelab"
 DECODER_PREFIX = "model.layers."
@@ -34,8 +38,9 @@ class WeightQuantization:
     output channel; ``group_size`` -1) or 4 (int4 in groups of ``group_size`` input
     features). ``prequantized``: the checkpoint already holds the integers (a folder
     written by ``python -m servelab.core.entrypoints.quantize``), else they are computed at load.
-    ``int8_activations`` (int8 weights only): activation rows are quantized to int8 at
-    every call and multiplied with int8 dot products (``model.quantization=w8a8``).
+    ``int8_activations``: activation rows are quantized to int8 at every call and
+    multiplied with int8 dot products (``model.quantization=w8a8`` for int8 weights,
+    ``w4a8`` for int4).
     ``lm_head``: the LM head multiplies with int8 weights too (with int8 activations under
     w8a8, float ones under int8 and int4), quantized at load from its float weight
     (``model.quantization_lm_head``)."""
@@ -48,8 +53,8 @@ class WeightQuantization:
 
     @property
     def mode(self) -> str:
-        """``int8``, ``w8a8`` or ``int4``: the ``model.quantization`` value."""
-        return "w8a8" if self.int8_activations else f"int{self.bits}"
+        """``int8``, ``w8a8``, ``int4`` or ``w4a8``: the ``model.quantization`` value."""
+        return INT8_ACTIVATION_MODES[self.bits] if self.int8_activations else f"int{self.bits}"
 
     def bytes_per_weight(self, in_features: int, scale_bytes: float) -> float:
         """Stored bytes per weight of a layer with ``in_features`` inputs: the integer and
@@ -87,8 +92,8 @@ def resolve_quantization(model_config: Any, hf_config: Any | None) -> WeightQuan
     if group_size is not None and (group_size <= 0 or group_size % 2):
         problems.append(f"model.quantization_group_size must be a positive even number, got {group_size}")
     stored = stored_quantization(hf_config) if hf_config is not None else None
-    if stored is not None and stored.bits == 8 and mode == "w8a8":
-        stored = WeightQuantization(8, stored.group_size, prequantized=True, int8_activations=True)
+    if stored is not None and mode == INT8_ACTIVATION_MODES[stored.bits]:
+        stored = dataclasses.replace(stored, int8_activations=True)
     if stored is not None and mode not in ("auto", stored.mode):
         problems.append(f"model.quantization={mode} but the checkpoint holds {stored.mode} weights "
                         f"(quantization_config in its config.json): use model.quantization=auto or {stored.mode}, "
@@ -99,12 +104,16 @@ def resolve_quantization(model_config: Any, hf_config: Any | None) -> WeightQuan
     quantization = stored
     if stored is None and mode in ("int8", "w8a8"):
         quantization = WeightQuantization(8, -1, int8_activations=mode == "w8a8")
-    elif stored is None and mode == "int4":
-        quantization = WeightQuantization(4, group_size or DEFAULT_GROUP_SIZE)
+    elif stored is None and mode in ("int4", "w4a8"):
+        quantization = WeightQuantization(4, group_size or DEFAULT_GROUP_SIZE, int8_activations=mode == "w4a8")
+    if (quantization is not None and quantization.mode == "w4a8"
+            and quantization.group_size % W4A8_GROUP_MULTIPLE):
+        problems.append(f"model.quantization=w4a8 needs model.quantization_group_size a multiple of "
+                        f"{W4A8_GROUP_MULTIPLE}, got {quantization.group_size}")
     lm_head = bool(getattr(model_config, "quantization_lm_head", False))
     if lm_head and quantization is None:
-        problems.append(f"model.quantization_lm_head=true needs quantized weights (model.quantization=int8, w8a8 "
-                        f"or int4), got model.quantization={mode}")
+        problems.append(f"model.quantization_lm_head=true needs quantized weights (model.quantization=int8, w8a8, "
+                        f"int4 or w4a8), got model.quantization={mode}")
     if problems:
         raise ConfigError(problems)
     return dataclasses.replace(quantization, lm_head=True) if lm_head else quantization
@@ -124,8 +133,8 @@ def quantization_problems(quantization: WeightQuantization | None, shape: Any, t
 
         reason = w8a8_unavailable_reason() if device.type == "cpu" else f"it runs on the CPU only, not on {device}"
         if reason is not None:
-            problems.append(f"model.quantization=w8a8 cannot run here: {reason}; model.quantization=int8 keeps "
-                            f"the activations in floating point and runs everywhere")
+            problems.append(f"model.quantization={mode} cannot run here: {reason}; model.quantization="
+                            f"int{quantization.bits} keeps the activations in floating point and runs everywhere")
     elif runs_model and device.type == "cuda" and importlib.util.find_spec("triton") is None:
         problems.append(f"model.quantization={mode} on device={device} needs the 'triton' package for its "
                         f"matmul kernel, which is not installed")

@@ -17,7 +17,7 @@ the plain Llama layer (``DecoderLayer`` with ``DecoderAttention``, q/k norms or 
 SiLU ``GatedMLP``: Llama, Mistral without a window, Qwen2, Qwen3) or its sparse twin with a
 mixture of experts routed by a softmax top-k without shared experts (``SparseMoeBlock``:
 Mixtral, Qwen3-MoE), on one device, with every linear layer and expert on a native kernel
-and no LoRA: float32 models (linears float32, int8, w8a8 or int4; experts float32, int8 or
+and no LoRA: float32 models (linears float32, int8, w8a8, int4 or w4a8; experts float32, int8 or
 w8a8), and bfloat16 models on steps of at most ``BLOCKED_BFLOAT16_ROWS`` rows, which their
 Python layers multiply with ``bf16_linear`` too.
 ``SERVELAB_NATIVE_CPU=0`` turns it off with the other native paths.
@@ -37,7 +37,7 @@ from servelab.plugins.models.quantized_linear import QuantizedHead, QuantizedLin
 
 NO_TENSOR = torch.empty(0)
 """A linear's unused weight slots and missing bias."""
-FLOAT, INT8, W8A8, INT4, BFLOAT16 = range(5)
+FLOAT, INT8, W8A8, INT4, BFLOAT16, W4A8 = range(6)
 """``decode_layers``' linear kinds."""
 VERSION = attrgetter("_version")
 
@@ -59,7 +59,8 @@ def _linear_slots(linear: Any, probe: torch.Tensor) -> tuple[int, list[torch.Ten
         packed = linear.packed_kernel_weights(probe)
         if packed is None:
             return None
-        kind = W8A8 if linear.int8_activations else INT8 if linear.bits == 8 else INT4
+        kind = ((W8A8 if linear.bits == 8 else W4A8) if linear.int8_activations
+                else INT8 if linear.bits == 8 else INT4)
         tensors = list(packed)
     else:
         return None

@@ -7,7 +7,10 @@ float32 in registers, any number of rows), or, with ``int8_activations`` (w8a8),
 x int8 kernel (``servelab/kernels/w8a8_cpu.py``: each input row quantized to int8, int8 dot
 products; its torch reference where the kernel is missing); int4 layers through servelab's
 native int4 kernel (``servelab/kernels/int4_cpu.py``: a copy repacked once, the nibbles
-widened to float32 in registers, any number of rows and any even group size). On CUDA,
+widened to float32 in registers, any number of rows and any even group size), or, with
+``int8_activations`` (w4a8), its int4 x int8 kernel (``servelab/kernels/w4a8_cpu.py``: int8
+dot products of the nibbles, groups of multiples of 8; its torch reference where the
+kernel is missing). On CUDA,
 servelab's Triton kernel (``servelab/kernels/quantized_matmul.py``, int4 groups of multiples
 of 32) dequantizes the weight tile by tile inside the matmul. Elsewhere (another device or
 dtype, no native CPU ops or ``SERVELAB_NATIVE_CPU=0`` on the CPU) the reference runs:
@@ -28,6 +31,7 @@ from servelab.kernels.cpu_ops import native_cpu_available, native_cpu_enabled
 from servelab.kernels.int4_cpu import int4_linear, pack_int4_blocks
 from servelab.kernels.quantized_cpu import int8_linear, pack_int8
 from servelab.kernels.quantized_weights import dequantize_int4, dequantize_int8, quantize_int8
+from servelab.kernels.w4a8_cpu import STEP_INPUTS, pack_w4a8, w4a8_linear, w4a8_linear_reference
 from servelab.kernels.w8a8_cpu import pack_w8a8, w8a8_linear, w8a8_linear_reference, w8a8_unavailable_reason
 
 BITS = (8, 4)
@@ -40,8 +44,9 @@ class QuantizedLinear(nn.Module):
     """``y = x @ w.T + bias`` with ``w`` [out_features, in_features] stored as ``bits``-bit
     integers: ``qweight``, ``scales`` (and ``zeros`` for int4, groups of ``group_size``
     input features) as parameters named like the checkpoint's tensors; ``bias`` and the
-    scales in ``dtype`` (the activations' dtype). ``int8_activations`` (int8 only): each
-    input row is quantized to int8 as well (w8a8). The CPU kernels' packed copy is built on
+    scales in ``dtype`` (the activations' dtype). ``int8_activations``: each input row is
+    quantized to int8 as well (w8a8, or w4a8 for int4 with groups of multiples of 8). The
+    CPU kernels' packed copy is built on
     first use (or by ``pack_quantized_linears``) and rebuilt when a weight changes."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, bits: int, group_size: int,
@@ -49,8 +54,9 @@ class QuantizedLinear(nn.Module):
         super().__init__()
         if bits not in BITS:
             raise ValueError(f"bits must be one of {BITS}, got {bits}")
-        if int8_activations and bits != 8:
-            raise ValueError(f"int8 activations need int8 weights, got bits={bits}")
+        if int8_activations and bits == 4 and group_size % STEP_INPUTS:
+            raise ValueError(f"int4 weights with int8 activations need a group size that is a multiple of "
+                             f"{STEP_INPUTS}, got group_size={group_size}")
         if bits == 4 and (group_size <= 0 or group_size % 2 or in_features % group_size):
             raise ValueError(f"int4 needs an even group size that divides in_features={in_features}, "
                              f"got group_size={group_size}")
@@ -66,7 +72,8 @@ class QuantizedLinear(nn.Module):
             self.zeros = _frozen(torch.zeros(out_features, groups, dtype=dtype))
         self.bias = _frozen(torch.zeros(out_features, dtype=dtype)) if bias else None
         self._packed: tuple[tuple, tuple | None] | None = None
-        self._kernel = w8a8_linear if int8_activations else int8_linear if bits == 8 else int4_linear
+        self._kernel = ((w8a8_linear if bits == 8 else w4a8_linear) if int8_activations
+                        else int8_linear if bits == 8 else int4_linear)
 
     def extra_repr(self) -> str:
         """``in_features, out_features, bits, group_size, bias``."""
@@ -88,8 +95,10 @@ class QuantizedLinear(nn.Module):
         packed = self.packed_kernel_weights(x)
         if packed is not None:  # a CPU kernel: float32 rows in, float32 out
             out = self._kernel(rows.float().contiguous(), *packed, self.out_features)
-        elif self.int8_activations:
+        elif self.int8_activations and self.bits == 8:
             out = w8a8_linear_reference(rows.float().contiguous(), self.qweight, self.scales)
+        elif self.int8_activations:
+            out = w4a8_linear_reference(rows.float().contiguous(), self.qweight, self.scales, self.zeros)
         elif x.device.type == "cuda" and (self.bits == 8 or self.group_size % TRITON_GROUP_MULTIPLE == 0):
             from servelab.kernels.quantized_matmul import quantized_matmul
 
@@ -106,8 +115,8 @@ class QuantizedLinear(nn.Module):
 
     def packed_kernel_weights(self, x: torch.Tensor) -> tuple | None:
         """What the CPU kernel multiplies ``x`` with: ``pack_int8``'s (packed weight,
-        scales) for int8, ``pack_w8a8``'s for w8a8, ``pack_int4_blocks``' for int4; None
-        where the reference runs."""
+        scales) for int8, ``pack_w8a8``'s for w8a8, ``pack_int4_blocks``' for int4,
+        ``pack_w4a8``'s for w4a8; None where the reference runs."""
         if x.device.type != "cpu" or x.dtype not in FAST_DTYPES:
             return None
         # Read from the parameter dict: nn.Module's attribute lookup costs about a
@@ -134,7 +143,9 @@ class QuantizedLinear(nn.Module):
             if w8a8_unavailable_reason() is not None:
                 return None
             with torch.inference_mode(False):  # normal tensors, usable in and out of inference mode
-                return pack_w8a8(self.qweight, self.scales)
+                if self.bits == 8:
+                    return pack_w8a8(self.qweight, self.scales)
+                return pack_w4a8(self.qweight, self.scales, self.zeros)
         if not native_cpu_available():
             return None
         with torch.inference_mode(False):  # normal tensors, usable in and out of inference mode

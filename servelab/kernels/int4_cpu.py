@@ -25,12 +25,19 @@ def pack_int4_blocks(qweight: torch.Tensor, scales: torch.Tensor,
     (zero channels past N): ``packed[b, p, j] = qweight[16 b + j, p]``, ``params[b, g, 0, j]``
     the scale of channel 16 b + j in group g and ``params[b, g, 1, j]`` its offset
     ``zeros - 8 * scales``, so that ``w = q * scale + offset``."""
-    rows = qweight.shape[0]
+    return pack_blocks(qweight), int4_params(scales, zeros)
+
+
+def int4_params(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """(scales and zeros [N, G]) -> float32 [N' / 16, G, 2, 16]: ``[b, g, 0, j]`` the scale of
+    channel 16 b + j in group g, ``[b, g, 1, j]`` its offset ``zeros - 8 * scales`` (zeros
+    past N), as the int4 kernels read them."""
+    rows = scales.shape[0]
     scales, zeros = scales.float(), zeros.float()
     params = torch.stack((scales, zeros - INT4_OFFSET * scales), dim=-1)  # [N, G, 2]
     params = F.pad(params, (0, 0, 0, 0, 0, -rows % PACK_CHANNELS))
     params = params.view(-1, BLOCK, *params.shape[1:]).permute(0, 2, 3, 1)  # [N' / 16, G, 2, 16]
-    return pack_blocks(qweight), params.contiguous()
+    return params.contiguous()
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, params: torch.Tensor, out_features: int) -> torch.Tensor:

@@ -19,11 +19,12 @@ MODES = {"int8": ["model.quantization=int8"],
          "w8a8": ["model.quantization=w8a8"],
          "int8+head": ["model.quantization=int8", "model.quantization_lm_head=true"],
          "int4": ["model.quantization=int4", "model.quantization_group_size=32"],
-         "int4+head": ["model.quantization=int4", "model.quantization_group_size=32", "model.quantization_lm_head=true"]}
+         "int4+head": ["model.quantization=int4", "model.quantization_group_size=32", "model.quantization_lm_head=true"],
+         "w4a8": ["model.quantization=w4a8", "model.quantization_group_size=32"]}
 # Relative error of the logits (Frobenius norm of the difference over the float logits')
 # on the tiny random Llama: measured 0.0070 (int8), 0.0090 (w8a8), 0.0092 (int8 with the
 # LM head) and 0.0843 (int4, groups of 32) on 2026-12-01.
-LOGIT_TOLERANCE = {"int8": 0.015, "w8a8": 0.02, "int8+head": 0.02, "int4": 0.12, "int4+head": 0.12}
+LOGIT_TOLERANCE = {"int8": 0.015, "w8a8": 0.02, "int8+head": 0.02, "int4": 0.12, "int4+head": 0.12, "w4a8": 0.12}
 MIXTURE_W8A8_TOLERANCE = 0.05
 """The tiny Qwen2-MoE's w8a8 logits against its float ones (measured 2026-12-04: see the
 test's output)."""
@@ -68,7 +69,7 @@ def reference(llama):
     return prompt_logits(llm), greedy(llm)
 
 
-@pytest.mark.parametrize("mode", [pytest.param(mode, marks=needs_w8a8) if mode == "w8a8" else mode
+@pytest.mark.parametrize("mode", [pytest.param(mode, marks=needs_w8a8) if mode in ("w8a8", "w4a8") else mode
                                   for mode in MODES])
 def test_logits_stay_close_to_the_float_model(llama, reference, mode):
     llm = LLM(llama, overrides=[*BASE, *MODES[mode]])
@@ -100,11 +101,21 @@ def test_a_saved_folder_loads_to_the_logits_of_quantizing_at_load(llama, tmp_pat
         LLM(folder, overrides=[*BASE, "model.quantization=int8"])
 
 
+@needs_w8a8
+def test_a_saved_int4_folder_serves_with_int8_activations(llama, tmp_path):
+    folder = save_quantized(llama, str(tmp_path / "int4"), "int4", 32)
+    saved = LLM(folder, overrides=[*BASE, "model.quantization=w4a8"])
+    at_load = LLM(llama, overrides=[*BASE, *MODES["w4a8"]])
+    for got, expected in zip(prompt_logits(saved), prompt_logits(at_load)):
+        assert torch.equal(got, expected)
+
+
 @pytest.mark.parametrize("mode, split, tolerance", [
     ("int8", "tensor_parallel_size", 1e-4), ("int4", "tensor_parallel_size", 1e-4),
     ("int4", "pipeline_parallel_size", 1e-4),
     # each rank quantizes its own share of the output and down projections' input rows
-    pytest.param("w8a8", "tensor_parallel_size", 2e-2, marks=needs_w8a8)])
+    pytest.param("w8a8", "tensor_parallel_size", 2e-2, marks=needs_w8a8),
+    pytest.param("w4a8", "tensor_parallel_size", 2e-2, marks=needs_w8a8)])
 def test_parallel_shards_equal_one_device(llama, mode, split, tolerance):
     one = prompt_logprobs(LLM(llama, overrides=[*BASE, *MODES[mode]]))
     llm = LLM(llama, overrides=[*BASE, *MODES[mode], f"parallel.{split}=2"])
@@ -119,7 +130,9 @@ def test_parallel_shards_equal_one_device(llama, mode, split, tolerance):
                                   "model.layers.*.self_attn.q_proj"),
     (["model.quantization=int4", "model.quantization_group_size=64", "parallel.tensor_parallel_size=4"],
      "in_features=16 of model.layers.*.self_attn.o_proj \\(its share on each of 4 tensor-parallel ranks\\)"),
-    (["model.quantization=fp4"], "model.quantization must be one of auto, none, int8, w8a8, int4, got 'fp4'"),
+    (["model.quantization=fp4"], "model.quantization must be one of auto, none, int8, w8a8, int4, w4a8, got 'fp4'"),
+    (["model.quantization=w4a8", "model.quantization_group_size=4"],
+     "model.quantization=w4a8 needs model.quantization_group_size a multiple of 8, got 4"),
     (["model.quantization=int4", "executor=simulated"], "model.quantization_group_size=128 does not divide"),
 ])
 def test_bad_combinations_fail_at_start_up(llama, overrides, message):

@@ -130,3 +130,12 @@ def windowed():
 def close():
     """The ``assert_close`` helper, as a fixture."""
     return assert_close
+
+
+@pytest.fixture
+def torch_threads():
+    """``torch_threads(n)`` sets torch's intra-op thread count for the test; the previous
+    count comes back after it."""
+    previous = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(previous)

@@ -80,7 +80,8 @@ W8A8 = pytest.mark.skipif(w8a8_unavailable_reason() is not None, reason=str(w8a8
 
 @pytest.mark.parametrize("family, dtype, quantization", [
     ("llama", "float32", "none"), ("llama", "float32", "int8"), pytest.param("llama", "float32", "w8a8", marks=W8A8),
-    ("llama", "float32", "int4"), ("qwen3", "float32", "none"), ("mixtral", "float32", "none"),
+    ("llama", "float32", "int4"), pytest.param("llama", "float32", "w4a8", marks=W8A8),
+    ("qwen3", "float32", "none"), ("mixtral", "float32", "none"),
     ("qwen3-moe", "float32", "int8"), pytest.param("qwen3-moe", "float32", "w8a8", marks=W8A8),
     ("qwen2", "bfloat16", "none"), ("qwen3", "bfloat16", "none"), ("mixtral", "bfloat16", "none"),
     ("qwen3-moe", "bfloat16", "none"), ("qwen2", "float32", "int8+head"),
@@ -88,8 +89,8 @@ W8A8 = pytest.mark.skipif(w8a8_unavailable_reason() is not None, reason=str(w8a8
 def test_the_stack_equals_the_layer_loop_to_the_bit(checkpoints, family, dtype, quantization):
     """Same tokens and log-probabilities with the stack (decode steps whole: embedding,
     layers, final norm and LM head in its call) and with the Python loop, in float32
-    and with every weight-quantization kernel (int4 in groups of 32: the model is narrow;
-    the int8 LM head, weight-only and w8a8),
+    and with every weight-quantization kernel (int4 and w4a8 in groups of 32: the model is
+    narrow; the int8 LM head, weight-only and w8a8),
     with Qwen3's q/k norms, for mixtures of experts in float32, int8 and w8a8 (the same
     pairs counted per expert), and in bfloat16 (steps of at most 16 rows: bf16_linear in
     both). A 40-token prompt's later chunks of 16 give experts several rows in one step
@@ -98,7 +99,7 @@ def test_the_stack_equals_the_layer_loop_to_the_bit(checkpoints, family, dtype, 
     overrides += [] if quantization == "none" else [f"model.quantization={quantization.removesuffix('+head')}"]
     if quantization.endswith("+head"):  # the int8 LM head, in the stack's call too
         overrides.append("model.quantization_lm_head=true")
-    if quantization == "int4":
+    if quantization in ("int4", "w4a8"):
         overrides.append("model.quantization_group_size=32")
     llm = LLM(checkpoints[family], overrides=overrides)
     try:

@@ -1,12 +1,14 @@
 """servelab's int8 x int8 CPU matmul (csrc/w8a8_linear.cpp) against its torch reference
-(each row quantized to int8, exact integer dot products, both scales), bit for bit."""
+(each row quantized to int8, exact integer dot products, both scales), bit for bit; and
+both int8-activation kernels' (w8a8, w4a8) rows independent of the batch."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from servelab.kernels.quantized_weights import dequantize_int8, quantize_int8
+from servelab.kernels.quantized_weights import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+from servelab.kernels.w4a8_cpu import pack_w4a8, w4a8_linear
 from servelab.kernels.w8a8_cpu import (ACTIVATION_OFFSET, BLOCK, PACK_CHANNELS, PACK_INPUTS, pack_w8a8,
                                        quantize_rows, w8a8_linear, w8a8_linear_reference, w8a8_unavailable_reason)
 
@@ -50,22 +52,31 @@ def test_kernel_equals_the_reference_bit_for_bit(out_features, in_features, rows
     assert torch.equal(out, w8a8_linear_reference(x, qweight, scales))
 
 
+def int8_activation_kernel(mode: str):
+    """(weight [N, K] -> packed tensors, packed -> call, weight -> what the kernel's integers
+    stand for) of w8a8 or w4a8 (int4 in groups of 128)."""
+    if mode == "w8a8":
+        return (lambda weight: pack_w8a8(*quantize_int8(weight)), w8a8_linear,
+                lambda weight: dequantize_int8(*quantize_int8(weight), torch.float32))
+    return (lambda weight: pack_w4a8(*quantize_int4(weight, 128)), w4a8_linear,
+            lambda weight: dequantize_int4(*quantize_int4(weight, 128), torch.float32))
+
+
 @needs_kernel
+@pytest.mark.parametrize("mode", ["w8a8", "w4a8"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_rows_do_not_depend_on_the_batch_and_stay_close_to_float(threads):
-    qweight, scales = quantized(4864 // 8, 896, seed=3)
-    packed = pack_w8a8(qweight, scales)
+def test_rows_do_not_depend_on_the_batch_and_stay_close_to_float(mode, threads, torch_threads):
+    pack, multiply, dequantized = int8_activation_kernel(mode)
+    torch.manual_seed(3)
+    weight = torch.randn(4864 // 8, 896) * torch.rand(4864 // 8, 1)
+    packed = pack(weight)
     x = torch.randn(16, 896)
     x[3] *= 1000  # an outlier row changes no other row's result
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        batch = w8a8_linear(x, *packed, qweight.shape[0])
-        alone = torch.cat([w8a8_linear(x[i:i + 1], *packed, qweight.shape[0]) for i in range(16)])
-    finally:
-        torch.set_num_threads(previous)
+    torch_threads(threads)
+    batch = multiply(x, *packed, weight.shape[0])
+    alone = torch.cat([multiply(x[i:i + 1], *packed, weight.shape[0]) for i in range(16)])
     assert torch.equal(batch, alone)
-    exact = x @ dequantize_int8(qweight, scales, torch.float32).T
+    exact = x @ dequantized(weight).T
     assert float((batch - exact).norm() / exact.norm()) < 0.01
 
 

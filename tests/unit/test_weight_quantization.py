@@ -19,6 +19,7 @@ from servelab.plugins.models.quantized_linear import (QuantizedHead, QuantizedLi
                                                      quantize_linears)
 from servelab.kernels.quantized_weights import (dequantize_int4, dequantize_int8, pack_int4, quantize_int4,
                                                 quantize_int8, unpack_int4)
+from servelab.kernels.w4a8_cpu import w4a8_linear_reference
 from servelab.kernels.w8a8_cpu import w8a8_linear_reference, w8a8_unavailable_reason
 
 SHAPE = ModelShape(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, sliding_window=None, max_positions=64,
@@ -88,7 +89,8 @@ def test_cpu_kernel_equals_dequantized_reference(bits, group_size, dtype, rows):
     torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
 
 
-@pytest.mark.parametrize("bits, group_size, int8_activations", [(8, -1, False), (8, -1, True), (4, 64, False)])
+@pytest.mark.parametrize("bits, group_size, int8_activations", [(8, -1, False), (8, -1, True), (4, 64, False),
+                                                                (4, 64, True)])
 def test_quantized_layer_is_close_to_the_float_layer(bits, group_size, int8_activations):
     layer, weight = quantized_layer(bits, group_size, torch.float32, bias=False, int8_activations=int8_activations)
     x = torch.randn(16, 256)
@@ -100,20 +102,27 @@ def test_quantized_layer_is_close_to_the_float_layer(bits, group_size, int8_acti
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_w8a8_layer_equals_its_reference_with_or_without_the_kernel(monkeypatch, dtype):
-    layer, _ = quantized_layer(8, -1, dtype, int8_activations=True)
+@pytest.mark.parametrize("bits, group_size", [(8, -1), (4, 32)])
+def test_int8_activation_layers_equal_their_reference_with_or_without_the_kernel(monkeypatch, dtype, bits,
+                                                                                 group_size):
+    layer, _ = quantized_layer(bits, group_size, dtype, int8_activations=True)
     x = torch.randn(2, 9, 256).to(dtype)
     with torch.inference_mode():
         fast = layer(x)
-    expected = (w8a8_linear_reference(x.reshape(-1, 256).float(), layer.qweight, layer.scales)
-                + layer.bias.float()).to(dtype).view(2, 9, 96)
-    assert fast.dtype == dtype and torch.equal(fast, expected)
+    rows = x.reshape(-1, 256).float()
+    exact = (w8a8_linear_reference(rows, layer.qweight, layer.scales) if bits == 8
+             else w4a8_linear_reference(rows, layer.qweight, layer.scales, layer.zeros))
+    expected = (exact + layer.bias.float()).to(dtype).view(2, 9, 96)
+    # w8a8 sums exact integers once; w4a8 sums its groups in float32 in another order
+    tolerance = 0 if bits == 8 else 1e-5 if dtype == torch.float32 else 1e-2
+    assert fast.dtype == dtype
+    torch.testing.assert_close(fast, expected, atol=tolerance, rtol=tolerance)
     monkeypatch.setenv("SERVELAB_NATIVE_CPU", "0")
     assert layer.packed_kernel_weights(x) is None
     with torch.inference_mode():
         assert torch.equal(layer(x), expected)
-    with pytest.raises(ValueError, match="int8 activations need int8 weights, got bits=4"):
-        QuantizedLinear(256, 8, False, 4, 32, torch.float32, True)
+    with pytest.raises(ValueError, match="need a group size that is a multiple of 8, got group_size=4"):
+        QuantizedLinear(256, 8, False, 4, 4, torch.float32, True)
 
 
 def test_reference_path_runs_without_the_native_switch_and_follows_weight_updates(monkeypatch):
@@ -199,6 +208,8 @@ def test_a_quantized_head_multiplies_an_int8_copy_of_the_shared_float_weight(int
     ("auto", None, None), ("none", None, None), ("int8", None, WeightQuantization(8, -1)),
     ("int4", None, WeightQuantization(4, 128)), ("int4", 64, WeightQuantization(4, 64)),
     ("w8a8", None, WeightQuantization(8, -1, int8_activations=True)),
+    ("w4a8", None, WeightQuantization(4, 128, int8_activations=True)),
+    ("w4a8", 32, WeightQuantization(4, 32, int8_activations=True)),
 ])
 def test_modes_resolve_on_a_float_checkpoint(mode, group_size, expected):
     config = ModelConfig(quantization=mode, quantization_group_size=group_size)
@@ -211,14 +222,15 @@ def test_the_lm_head_option_needs_quantized_weights():
     int4 = ModelConfig(quantization="int4", quantization_lm_head=True)
     assert resolve_quantization(int4, SimpleNamespace()) == WeightQuantization(4, 128, lm_head=True)
     with pytest.raises(ConfigError, match="model.quantization_lm_head=true needs quantized weights "
-                                          "\\(model.quantization=int8, w8a8 or int4\\), got model.quantization=none"):
+                                          "\\(model.quantization=int8, w8a8, int4 or w4a8\\), got model.quantization=none"):
         resolve_quantization(ModelConfig(quantization="none", quantization_lm_head=True), SimpleNamespace())
     with pytest.raises(ConfigError, match="got model.quantization=auto$"):
         resolve_quantization(ModelConfig(quantization_lm_head=True), SimpleNamespace())
 
 
 @pytest.mark.parametrize("mode, group_size, message", [
-    ("int3", None, "model.quantization must be one of auto, none, int8, w8a8, int4, got 'int3'"),
+    ("int3", None, "model.quantization must be one of auto, none, int8, w8a8, int4, w4a8, got 'int3'"),
+    ("w4a8", 12, "model.quantization=w4a8 needs model.quantization_group_size a multiple of 8, got 12"),
     ("int4", 0, "model.quantization_group_size must be a positive even number, got 0"),
     ("int4", 33, "model.quantization_group_size must be a positive even number, got 33"),
 ])
@@ -242,6 +254,9 @@ def test_a_saved_folder_decides_unless_the_config_contradicts_it():
     assert resolve_quantization(ModelConfig(quantization="w8a8"), int8) == WeightQuantization(8, -1, True, True)
     with pytest.raises(ConfigError, match="model.quantization=w8a8 but the checkpoint holds int4 weights"):
         resolve_quantization(ModelConfig(quantization="w8a8"), stored)
+    assert resolve_quantization(ModelConfig(quantization="w4a8"), stored) == WeightQuantization(4, 64, True, True)
+    with pytest.raises(ConfigError, match="model.quantization=w4a8 but the checkpoint holds int8 weights"):
+        resolve_quantization(ModelConfig(quantization="w4a8"), int8)
     gptq = SimpleNamespace(quantization_config={"quant_method": "gptq", "bits": 4, "group_size": 128})
     with pytest.raises(ConfigError, match="quant_method='servelab'"):
         resolve_quantization(ModelConfig(), gptq)

@@ -16,6 +16,7 @@
 //   kind 2, w8a8:        packed, offsets, scales                           -> w8a8_linear
 //   kind 3, int4:        packed, params, -                                 -> int4_linear
 //   kind 4, bfloat16:    packed (blocked_linear's layout), -, -            -> bf16_linear
+//   kind 5, w4a8:        packed, params, -                                 -> w4a8_linear
 // then the bias (an empty tensor for none). A layer is the input norm's weight, the qkv,
 // output, gate/up and down linears (4 tensors each), the post-attention norm's weight, the
 // q and k norms' weights (empty tensors without q/k norms), the router's weight and the
@@ -62,6 +63,7 @@ at::Tensor linear(const at::Tensor& x, at::TensorList w, int64_t kind, int64_t o
     case 2: w8a8_linear(out, x, w[0], w[1], w[2]); break;
     case 3: int4_linear(out, x, w[0], w[1]); break;
     case 4: bf16_linear(out, x, w[0]); break;
+    case 5: w4a8_linear(out, x, w[0], w[1]); break;
     default: TORCH_CHECK(false, "decode_layers: unknown linear kind ", kind);
   }
   if (w[3].numel()) {

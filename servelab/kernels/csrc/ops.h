@@ -14,6 +14,7 @@
 //                         of 16 channels)
 //   w8a8_linear.cpp       w8a8_linear, supports_w8a8 (int8 weights and per-row int8 activations)
 //   int4_linear.cpp       int4_linear (group-wise int4 weights, any number of rows)
+//   w4a8_linear.cpp       w4a8_linear (group-wise int4 weights and per-row int8 activations)
 //   softmax_topk.cpp      softmax_topk (a mixture of experts' softmax top-k routing)
 //   decode_layers.cpp     decode_layers (a Llama-shaped decoder stack in one call, from the ops above)
 //
@@ -64,6 +65,9 @@ void grouped_w8a8_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& 
                          const at::Tensor& scales, at::IntArrayRef experts, at::IntArrayRef starts,
                          at::IntArrayRef counts);
 void int4_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& params);
+// int4 weights times activations quantized to int8 per row (AVX512-VNNI; supports_w8a8 says
+// whether this build has it).
+void w4a8_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& params);
 void softmax_topk(at::Tensor weights, at::Tensor experts, const at::Tensor& logits, int64_t top_k, bool normalize);
 at::Tensor decode_layers(const at::Tensor& hidden, at::Tensor residual, bool has_residual, const at::Tensor& positions,
                          at::TensorList kv_caches, const at::Tensor& slot_mapping, const at::Tensor& block_table,

@@ -1,7 +1,7 @@
 // Native CPU kernels for servelab: paged attention over the block table, fresh-prefill
 // attention, the fused element-wise ops of a Llama layer (residual add + RMSNorm, rotary
 // embedding, SiLU x up, greedy argmax), the quantized matmuls (weight-only int8 and int4,
-// and int8 with int8 activations) and a decoder stack made of them for decode steps,
+// and int8 or int4 weights with int8 activations) and a decoder stack made of them for decode steps,
 // registered as torch.ops.servelab_cpu.*.
 //
 // Built on first use by servelab/kernels/cpu_ops.py (torch.utils.cpp_extension, -O3 -march=native,
@@ -28,6 +28,7 @@ TORCH_LIBRARY(servelab_cpu, m) {
   m.def("bf16_linear(Tensor(a!) out, Tensor x, Tensor packed) -> ()");
   m.def("int8_linear(Tensor(a!) out, Tensor x, Tensor packed, Tensor scales) -> ()");
   m.def("int4_linear(Tensor(a!) out, Tensor x, Tensor packed, Tensor params) -> ()");
+  m.def("w4a8_linear(Tensor(a!) out, Tensor x, Tensor packed, Tensor params) -> ()");
   m.def("supports_w8a8() -> bool");
   m.def("w8a8_linear(Tensor(a!) out, Tensor x, Tensor packed, Tensor offsets, Tensor scales) -> ()");
   m.def("grouped_expert_linear(Tensor(a!) out, Tensor x, Tensor packed, Tensor scales, int[] experts, int[] starts, "
@@ -66,6 +67,7 @@ TORCH_LIBRARY_IMPL(servelab_cpu, CPU, m) {
   m.impl("grouped_expert_linear", &servelab_cpu::grouped_expert_linear);
   m.impl("grouped_w8a8_linear", &servelab_cpu::grouped_w8a8_linear);
   m.impl("int4_linear", &servelab_cpu::int4_linear);
+  m.impl("w4a8_linear", &servelab_cpu::w4a8_linear);
   m.impl("softmax_topk", &servelab_cpu::softmax_topk);
   m.impl("causal_prefill_attention", &servelab_cpu::causal_prefill_attention);
   m.impl("decode_layers", &servelab_cpu::decode_layers);

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "amx.h"
+#include "int8_rows.h"
 #include "ops.h"
 #include "vec.h"
 
@@ -51,32 +52,6 @@ constexpr int kTileVecs = 4;           // blocks per tile: 64 channels
 constexpr int kMaxRows = 6;            // 24 int32 accumulators of 32 registers
 constexpr int64_t kTileUnitRows = 4;   // rows from which AMX multiplies, where it can
 constexpr int64_t kTileRows = 16;      // rows of an AMX tile
-
-// xu[m, 0:K4 * 4] = round(x[m] / scale[m]) + 128 (128 past K), scale[m] = max |x[m]| / 127.
-void quantize_rows(const float* x, int64_t M, int64_t K, int64_t padded_k, uint8_t* xu, float* scale) {
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) {
-      const float* row = x + m * K;
-      __m512 largest = _mm512_setzero_ps();
-      int64_t k = 0;
-      for (; k + 16 <= K; k += 16) largest = _mm512_max_ps(largest, _mm512_abs_ps(_mm512_loadu_ps(row + k)));
-      float max_abs = _mm512_reduce_max_ps(largest);
-      for (; k < K; ++k) max_abs = std::max(max_abs, std::fabs(row[k]));
-      const float step = max_abs > 0.f ? max_abs / 127.f : 1.f;
-      scale[m] = step;
-      const __m512 inverse = _mm512_set1_ps(1.f / step);
-      uint8_t* out = xu + m * padded_k;
-      for (k = 0; k + 16 <= K; k += 16) {
-        const __m512i q = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(row + k), inverse),
-                                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k),
-                         _mm512_cvtepi32_epi8(_mm512_add_epi32(q, _mm512_set1_epi32(128))));
-      }
-      for (; k < K; ++k) out[k] = static_cast<uint8_t>(std::nearbyint(row[k] * (1.f / step)) + 128.f);
-      for (; k < padded_k; ++k) out[k] = 128;
-    }
-  });
-}
 
 // out[r, 0:channels] = (sums[r] - offsets) * x_scale[r] * w_scale for `rows` rows of a
 // tile's exact int32 dot products (row stride lds).
@@ -209,7 +184,7 @@ std::pair<const uint8_t*, const float*> quantized_rows(const at::Tensor& x, int6
   xu.resize((M + kTileRows) * padded_k);
   x_scale.resize(M);
   std::fill(xu.begin() + M * padded_k, xu.end(), uint8_t{128});
-  quantize_rows(x.data_ptr<float>(), M, x.size(1), padded_k, xu.data(), x_scale.data());
+  quantize_rows(x.data_ptr<float>(), M, x.size(1), padded_k, 128, xu.data(), x_scale.data());
   return {xu.data(), x_scale.data()};  // this thread's buffers, read by every thread of the call
 }
 

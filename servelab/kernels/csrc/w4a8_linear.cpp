@@ -1,0 +1,179 @@
+// w4a8_linear: y = x @ W.T with servelab's group-wise int4 weights (w[n, k] = q[n, k] *
+// s[n, g] + m[n, g], q in 0..15, g = k / group, m = zero - 8 * scale; int4_linear.cpp) and
+// the activations quantized to int8 per row at each call (int8_rows.h, as w8a8_linear), the
+// nibbles multiplied with int8 dot products (AVX512-VNNI vpdpbusd, 64 multiply-adds per
+// instruction). The weight crosses memory as half a byte per value and no weight is ever
+// widened to float32: the 4-bit decode of llama.cpp's Q4_0 x Q8_0 kind.
+//
+// Per row m (scale a = max |x[m]| / 127, int8 values xq) and group g:
+//   sum_k x_k w_k ~ a * (s * sum_k xq_k q_k + m * sum_k xq_k)
+// where sum_k xq_k q_k is the exact int32 dot product of the nibbles (unsigned bytes, the
+// first operand of vpdpbusd) with the activations (signed bytes, broadcast from memory as
+// its second), and sum_k xq_k the group's activation sum, computed once per row and group.
+// So the result is the dot product of the quantized row with the dequantized weight, up to
+// float32 rounding; a row's result never depends on the other rows of the batch.
+//
+// Packed layout (servelab/kernels/w4a8_cpu.py builds it): tiles of 64 output channels (4
+// blocks of 16), each a run of K / 8 steps of 4 x 64 bytes, packed[tile][t][v][4 j + i] =
+// q[c][8 t + i] | q[c][8 t + 4 + i] << 4 with c = 64 tile + 16 v + j, so one 64-byte load
+// gives, masked and shifted, the operands of two vpdpbusd (inputs 8 t..8 t + 3 and
+// 8 t + 4..8 t + 7 of 16 channels) and a tile's weights are one stream in memory;
+// params[b][g][0][j] = s[16 b + j, g], params[b][g][1][j] = m[16 b + j, g] (int4_linear's);
+// channels padded to a multiple of 64 with zeros. Groups are multiples of 8 inputs.
+//
+// A tile multiplies up to kMaxRows rows at once (12 int32 group sums and 12
+// float32 accumulators of 32 registers); more rows pass over the tile again while its
+// weights sit in the core's cache. Threads split the tiles.
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "int8_rows.h"
+#include "ops.h"
+
+
+namespace servelab_cpu {
+
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512VNNI__)
+namespace {
+
+constexpr int64_t kBlock = 16;         // output channels per packed block (one int32 vector)
+constexpr int64_t kPackChannels = 64;  // the packed channel count is a multiple of this
+constexpr int64_t kStepInputs = 8;     // inputs per 64-byte step of a block
+constexpr int kTileVecs = 4;           // blocks per tile: 64 channels
+constexpr int kMaxRows = 3;
+
+struct W4A8Weight {
+  const uint8_t* packed;
+  const float* params;
+  int64_t K, group, groups;
+  int64_t tile_bytes() const { return K / kStepInputs * 64 * kTileVecs; }
+  int64_t block_params() const { return groups * 2 * kBlock; }
+};
+
+// out[r, 0:channels] for R quantized rows (xq, row stride K; scales a; group sums xsum, row
+// stride groups) against tile `tile` (channels 64 tile..).
+template <int R>
+void tile_rows(const int8_t* xq, const float* a, const int32_t* xsum, const W4A8Weight& w, int64_t tile, float* out,
+               int64_t ldo, int64_t channels) {
+  const uint8_t* packed = w.packed + tile * w.tile_bytes();
+  const float* params = w.params + tile * kTileVecs * w.block_params();
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+  __m512 acc[R][kTileVecs];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int v = 0; v < kTileVecs; ++v) acc[r][v] = _mm512_setzero_ps();
+  const int64_t steps = w.group / kStepInputs;
+  for (int64_t g = 0; g < w.groups; ++g) {
+    __m512i sums[R][kTileVecs];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int v = 0; v < kTileVecs; ++v) sums[r][v] = _mm512_setzero_si512();
+    for (int64_t t = g * steps; t < (g + 1) * steps; ++t) {
+#pragma GCC unroll 8
+      for (int v = 0; v < kTileVecs; ++v) {
+        const __m512i raw = _mm512_loadu_si512(packed + (t * kTileVecs + v) * 64);
+        const __m512i low = _mm512_and_si512(raw, low_nibbles);
+        const __m512i high = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low_nibbles);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const int8_t* inputs = xq + r * w.K + t * kStepInputs;
+          sums[r][v] = _mm512_dpbusd_epi32(sums[r][v], low, _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(inputs)));
+          sums[r][v] =
+              _mm512_dpbusd_epi32(sums[r][v], high, _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(inputs + 4)));
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int v = 0; v < kTileVecs; ++v) {
+      const float* param = params + v * w.block_params() + g * 2 * kBlock;
+      const __m512 scale = _mm512_loadu_ps(param), offset = _mm512_loadu_ps(param + kBlock);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        acc[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r][v]), scale, acc[r][v]);
+        acc[r][v] = _mm512_fmadd_ps(_mm512_set1_ps(static_cast<float>(xsum[r * w.groups + g])), offset, acc[r][v]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float result[kTileVecs * kBlock];
+    const __m512 row_scale = _mm512_set1_ps(a[r]);
+    for (int v = 0; v < kTileVecs; ++v) _mm512_storeu_ps(result + v * kBlock, _mm512_mul_ps(acc[r][v], row_scale));
+    std::copy(result, result + channels, out + r * ldo);
+  }
+}
+
+template <int R>
+void tile_remainder(int64_t rows, const int8_t* xq, const float* a, const int32_t* xsum, const W4A8Weight& w,
+                    int64_t tile, float* out, int64_t ldo, int64_t channels) {
+  if constexpr (R > 0) {
+    if (rows == R) return tile_rows<R>(xq, a, xsum, w, tile, out, ldo, channels);
+    tile_remainder<R - 1>(rows, xq, a, xsum, w, tile, out, ldo, channels);
+  }
+}
+
+}  // namespace
+
+void w4a8_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& params) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
+              "w4a8_linear: x must be a contiguous float32 [M, K] tensor");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.scalar_type() == at::kByte &&
+                  K % kStepInputs == 0 && packed.size(1) == K / kStepInputs && packed.size(2) == kTileVecs &&
+                  packed.size(3) == 64,
+              "w4a8_linear: packed must be a contiguous uint8 [N / 64, K / 8, ", kTileVecs, ", 64] tensor");
+  const int64_t blocks = packed.size(0) * kTileVecs, groups = params.dim() == 4 ? params.size(1) : 0;
+  TORCH_CHECK(params.dim() == 4 && params.is_contiguous() && params.scalar_type() == at::kFloat &&
+                  params.size(0) == blocks && groups > 0 && K % groups == 0 && (K / groups) % kStepInputs == 0 &&
+                  params.size(2) == 2 && params.size(3) == kBlock,
+              "w4a8_linear: params must be a contiguous float32 [", blocks, ", K / group, 2, ", kBlock,
+              "] tensor with a group that is a multiple of ", kStepInputs);
+  const int64_t N = out.size(1);
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.scalar_type() == at::kFloat && out.size(0) == M &&
+                  N <= blocks * kBlock && N > blocks * kBlock - kPackChannels,
+              "w4a8_linear: out must be a contiguous float32 [M, N] tensor");
+  if (M == 0) return;
+  const W4A8Weight w{packed.data_ptr<uint8_t>(), params.data_ptr<float>(), K, K / groups, groups};
+  // The rows quantized once per call into this thread's buffers, read by every thread.
+  thread_local std::vector<uint8_t> rows;
+  thread_local std::vector<float> row_scales;
+  thread_local std::vector<int32_t> group_sums;
+  rows.resize(M * K);
+  row_scales.resize(M);
+  group_sums.resize(M * groups);
+  quantize_rows(x.data_ptr<float>(), M, K, K, 0, rows.data(), row_scales.data());
+  const int8_t* xq = reinterpret_cast<const int8_t*>(rows.data());
+  for (int64_t i = 0; i < M * groups; ++i) {
+    const int8_t* group = xq + i * w.group;  // row i / groups, group i % groups: rows are K = groups * group long
+    int32_t total = 0;
+    for (int64_t k = 0; k < w.group; ++k) total += group[k];
+    group_sums[i] = total;
+  }
+  const float* a = row_scales.data();
+  const int32_t* xsum = group_sums.data();
+  float* ys = out.data_ptr<float>();
+  constexpr int64_t tile_channels = kTileVecs * kBlock;
+  at::parallel_for(0, (N + tile_channels - 1) / tile_channels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n = t * tile_channels, channels = std::min(tile_channels, N - n);
+      int64_t m = 0;
+      for (; m + kMaxRows <= M; m += kMaxRows)
+        tile_rows<kMaxRows>(xq + m * K, a + m, xsum + m * groups, w, t, ys + m * N + n, N, channels);
+      tile_remainder<kMaxRows - 1>(M - m, xq + m * K, a + m, xsum + m * groups, w, t, ys + m * N + n, N, channels);
+    }
+  });
+}
+
+#else
+
+void w4a8_linear(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+  TORCH_CHECK(false, "w4a8_linear needs a CPU with AVX512-VNNI (int8 dot products), which this build does not target");
+}
+
+#endif
+
+}  // namespace servelab_cpu
