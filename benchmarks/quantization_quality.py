@@ -1,5 +1,6 @@
 """Perplexity and greedy agreement of quantized weights (``model.quantization`` none, int8,
-w8a8, int4; ``int8+head`` / ``w8a8+head`` add ``model.quantization_lm_head=true``) and of a
+w8a8, int4, w4a8; ``int8+head`` / ``w8a8+head`` / ``w4a8+head`` add
+``model.quantization_lm_head=true``) and of a
 quantized KV cache (modes ``kv-int8``, ``kv-fp8_e4m3``: ``cache.kv_dtype``, float weights)
 on the default model's held-out sets, scored by servelab itself.
 
@@ -74,7 +75,7 @@ def mode_overrides(mode: str, group_size: int) -> list[str]:
     overrides = [f"model.quantization={quantization}"]
     if head:
         overrides.append("model.quantization_lm_head=true")
-    if mode == "int4":
+    if quantization in ("int4", "w4a8"):
         overrides.append(f"model.quantization_group_size={group_size}")
     return overrides
 
