@@ -17,23 +17,20 @@ from servelab.kernels.w8a8_cpu import quantize_rows
 
 STEP_INPUTS = 8
 """Inputs per 64-byte step of a packed block (``kStepInputs``): the group size is a multiple of this."""
-TILE_BLOCKS = PACK_CHANNELS // BLOCK
-"""Blocks of 16 channels per tile (``kTileVecs``): a tile's steps are stored together."""
 
 
 def pack_w4a8(qweight: torch.Tensor, scales: torch.Tensor,
               zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(qweight uint8 [N, K / 2], scales and zeros [N, G]) -> (packed uint8 [N' / 64, K / 8, 4, 64],
+    """(qweight uint8 [N, K / 2], scales and zeros [N, G]) -> (packed uint8 [N' / 16, K / 8, 64],
     params float32 [N' / 16, G, 2, 16] as ``int4_params`` gives), N' = N rounded up to a
-    multiple of ``PACK_CHANNELS`` (zero channels past N): ``packed[tile, t, v, 4 j + i] =
-    q[c, 8 t + i] | q[c, 8 t + 4 + i] << 4`` for channel ``c = 64 tile + 16 v + j``."""
+    multiple of ``PACK_CHANNELS`` (zero channels past N): ``packed[b, t, 4 j + i] =
+    q[16 b + j, 8 t + i] | q[16 b + j, 8 t + 4 + i] << 4``."""
     q = unpack_int4(qweight)
     rows, columns = q.shape
     q = F.pad(q, (0, 0, 0, -rows % PACK_CHANNELS))
-    steps = q.view(-1, TILE_BLOCKS, BLOCK, columns // STEP_INPUTS, 2, 4)  # [tiles, v, j, t, half, i]
-    packed = (steps[..., 0, :] | (steps[..., 1, :] << 4)).permute(0, 3, 1, 2, 4)  # [tiles, t, v, j, i]
-    packed = packed.reshape(-1, columns // STEP_INPUTS, TILE_BLOCKS, 4 * BLOCK)
-    return packed.contiguous(), int4_params(scales, zeros)
+    steps = q.view(-1, BLOCK, columns // STEP_INPUTS, 2, 4)  # [blocks, j, t, half, i]
+    packed = (steps[..., 0, :] | (steps[..., 1, :] << 4)).transpose(1, 2)  # [blocks, t, j, i]
+    return packed.reshape(-1, columns // STEP_INPUTS, 4 * BLOCK).contiguous(), int4_params(scales, zeros)
 
 
 def w4a8_linear(x: torch.Tensor, packed: torch.Tensor, params: torch.Tensor, out_features: int) -> torch.Tensor:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from servelab.kernels.quantized_weights import quantize_int4, unpack_int4
-from servelab.kernels.w4a8_cpu import TILE_BLOCKS, pack_w4a8, w4a8_linear, w4a8_linear_reference
+from servelab.kernels.w4a8_cpu import pack_w4a8, w4a8_linear, w4a8_linear_reference
 from servelab.kernels.w8a8_cpu import w8a8_unavailable_reason
 
 needs_kernel = pytest.mark.skipif(w8a8_unavailable_reason() is not None, reason=str(w8a8_unavailable_reason()))
@@ -24,16 +24,16 @@ def quantized(out_features: int, in_features: int, group: int, seed: int = 0):
     return quantize_int4(torch.randn(out_features, in_features) * torch.rand(out_features, 1), group)
 
 
-def test_packing_puts_8_inputs_of_16_channels_in_64_bytes_a_tile_at_a_time():
+def test_packing_puts_8_inputs_of_16_channels_in_64_bytes():
     qweight, scales, zeros = quantized(70, 16, 8)
     q = unpack_int4(qweight)
     packed, params = pack_w4a8(qweight, scales, zeros)
-    assert packed.shape == (2, 16 // 8, TILE_BLOCKS, 64) and packed.dtype == torch.uint8
-    channel, step, i = 64 + 3, 1, 2  # second tile, first block, channel 3
-    assert int(packed[1, step, 0, 4 * 3 + i]) == int(q[channel, 8 * step + i]) | int(q[channel, 8 * step + 4 + i]) << 4
-    channel = 16 * 2 + 5  # first tile, third block
-    assert int(packed[0, 0, 2, 4 * 5 + 1]) == int(q[channel, 1]) | int(q[channel, 5]) << 4
-    assert not packed[1, :, 1:].any()  # channels 80.. are padding
+    assert packed.shape == (128 // 16, 16 // 8, 64) and packed.dtype == torch.uint8
+    channel, step, i = 16 * 4 + 3, 1, 2  # block 4, channel 3
+    assert int(packed[4, step, 4 * 3 + i]) == int(q[channel, 8 * step + i]) | int(q[channel, 8 * step + 4 + i]) << 4
+    channel = 16 * 2 + 5
+    assert int(packed[2, 0, 4 * 5 + 1]) == int(q[channel, 1]) | int(q[channel, 5]) << 4
+    assert not packed[5:].any()  # channels 80.. are padding
     assert params.shape == (128 // 16, 2, 2, 16) and float(params[0, 1, 0, 7]) == float(scales[7, 1])
 
 
