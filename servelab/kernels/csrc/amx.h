@@ -1,9 +1,13 @@
 // The AMX tile unit (Sapphire Rapids and later): whether this process may use it, and the
-// tile shapes the attention and w8a8 ops use. Everything here exists only where SERVELAB_AMX is
+// tile shapes the attention, w8a8 and w4a8 ops use. Everything here exists only where SERVELAB_AMX is
 // defined (vec.h: built for AVX-512 with AMX-BF16).
 #pragma once
 
 #include "vec.h"
+
+#if defined(SERVELAB_AMX) && defined(__AMX_INT8__)
+#define SERVELAB_AMX_INT8 1  // the int8 tile products (tdpbusd) too
+#endif
 
 #ifdef SERVELAB_AMX
 #include <sys/syscall.h>

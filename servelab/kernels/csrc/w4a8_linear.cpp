@@ -22,15 +22,22 @@
 // params[b][g][0][j] = s[16 b + j, g], params[b][g][1][j] = m[16 b + j, g] (int4_linear's);
 // channels padded to a multiple of 64 with zeros. Groups are multiples of 8 inputs.
 //
-// A tile multiplies up to kMaxRows rows at once (12 int32 group sums and 12
-// float32 accumulators of 32 registers); more rows pass over the tile again while its
-// weights sit in the core's cache. Threads split the tiles.
+// Two paths, picked at run time. VNNI: a tile of 64 channels multiplies up to kMaxRows rows
+// at once (12 int32 group sums and 12 float32 accumulators of 32 registers), more rows pass
+// over it again while its weights sit in the core's cache. From kTileUnitRows rows, on CPUs
+// with AMX and groups of multiples of 64 (up to 512): each thread unpacks its tile's nibbles
+// a group at a time into bytes in its L1 (the B operand of tdpbusd: 16 rows of 4 inputs x 16
+// channels), with the group's sum of q per channel, and multiplies every 16 rows x 64
+// channels x 64 inputs with them per pass of the tile unit, the rows stored as xq + 128 (tdpbusd's A operand is unsigned) and
+// 128 * sum(q) subtracted per group: the same exact int32 group sums as VNNI, so both paths
+// give the same results. Threads split the tiles.
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <vector>
 
+#include "amx.h"
 #include "int8_rows.h"
 #include "ops.h"
 
@@ -45,6 +52,10 @@ constexpr int64_t kPackChannels = 64;  // the packed channel count is a multiple
 constexpr int64_t kStepInputs = 8;     // inputs per 64-byte step of a block
 constexpr int kTileVecs = 4;           // blocks per tile: 64 channels
 constexpr int kMaxRows = 3;
+constexpr int64_t kTileUnitRows = 10;  // rows from which AMX multiplies, where it can (below, VNNI is faster)
+constexpr int64_t kTileRows = 16;      // rows of an AMX tile
+constexpr int64_t kTileUnitInputs = 64;  // inputs per tile product (a group is a multiple of this)
+constexpr int64_t kMaxTileUnitGroup = 512;  // the largest group the tile unit multiplies (unpacked: 32 KB)
 
 struct W4A8Weight {
   const uint8_t* packed;
@@ -126,6 +137,103 @@ void tile_remainder(int64_t rows, const int8_t* xq, const float* a, const int32_
   }
 }
 
+
+#ifdef SERVELAB_AMX_INT8
+// Group g of one tile unpacked as the tile unit's B operand: unpacked[v][k / 4][j][i] =
+// q[64 tile + 16 v + j][g * group + k + i] (group / 4 rows of 64 bytes per block), and
+// offsets[v][j] = 128 * the group's sum of q of that channel.
+void unpack_group(const W4A8Weight& w, int64_t tile, int64_t g, uint8_t* unpacked, int32_t* offsets) {
+  const uint8_t* packed = w.packed + tile * kTileVecs * w.block_bytes();
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0F), ones = _mm512_set1_epi8(1);
+  const int64_t steps = w.group / kStepInputs;
+  for (int v = 0; v < kTileVecs; ++v) {
+    __m512i sums = _mm512_setzero_si512();
+    for (int64_t t = 0; t < steps; ++t) {
+      const __m512i raw = _mm512_loadu_si512(packed + v * w.block_bytes() + (g * steps + t) * 64);
+      const __m512i low = _mm512_and_si512(raw, low_nibbles);
+      const __m512i high = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low_nibbles);
+      uint8_t* rows = unpacked + (v * steps + t) * 2 * 64;
+      _mm512_store_si512(rows, low);
+      _mm512_store_si512(rows + 64, high);
+      sums = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sums, low, ones), high, ones);
+    }
+    _mm512_store_si512(offsets + v * kBlock, _mm512_slli_epi32(sums, 7));
+  }
+}
+
+// acc[r, 0:64] += group g's part of rows m0 + r (16 rows of xu from m0; rows past M are
+// padding) against the group unpacked by unpack_group. Tiles (configure_full_tiles): tmm0-3
+// the sums of the four blocks (C), tmm4 the rows (A), tmm5 and tmm6 a block's weights (B),
+// loaded in turn.
+void tile_unit_group(const uint8_t* xu, const int32_t* xsum, const W4A8Weight& w, int64_t tile, int64_t g,
+                     const uint8_t* unpacked, const int32_t* offsets, int64_t m0, int64_t rows, float* acc) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const int64_t block_stride = w.group * kBlock;
+  for (int64_t k = 0; k < w.group; k += kTileUnitInputs) {
+    const uint8_t* weights = unpacked + k * kBlock;
+    _tile_loadd(4, xu + m0 * w.K + g * w.group + k, w.K);
+    _tile_loadd(5, weights, 64);
+    _tile_dpbusd(0, 4, 5);
+    _tile_loadd(6, weights + block_stride, 64);
+    _tile_dpbusd(1, 4, 6);
+    _tile_loadd(5, weights + 2 * block_stride, 64);
+    _tile_dpbusd(2, 4, 5);
+    _tile_loadd(6, weights + 3 * block_stride, 64);
+    _tile_dpbusd(3, 4, 6);
+  }
+  alignas(64) int32_t sums[kTileRows][kTileVecs * kBlock];
+  _tile_stored(0, sums[0], kTileVecs * kBlock * 4);
+  _tile_stored(1, sums[0] + kBlock, kTileVecs * kBlock * 4);
+  _tile_stored(2, sums[0] + 2 * kBlock, kTileVecs * kBlock * 4);
+  _tile_stored(3, sums[0] + 3 * kBlock, kTileVecs * kBlock * 4);
+  const float* params = w.params + tile * kTileVecs * w.block_params() + g * 2 * kBlock;
+  for (int v = 0; v < kTileVecs; ++v) {
+    const float* param = params + v * w.block_params();
+    const __m512 scale = _mm512_loadu_ps(param), offset = _mm512_loadu_ps(param + kBlock);
+    const __m512i correction = _mm512_load_si512(offsets + v * kBlock);
+    for (int64_t r = 0; r < rows; ++r) {
+      float* sum = acc + (m0 + r) * kTileVecs * kBlock + v * kBlock;
+      const __m512i exact = _mm512_sub_epi32(_mm512_load_si512(sums[r] + v * kBlock), correction);
+      const __m512 scaled = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), scale, _mm512_load_ps(sum));
+      _mm512_store_ps(sum, _mm512_fmadd_ps(_mm512_set1_ps(static_cast<float>(xsum[(m0 + r) * w.groups + g])),
+                                           offset, scaled));
+    }
+  }
+}
+
+// out[0:M, 0:channels] of one tile on the tile unit: each group unpacked once into the core's
+// L1, then every 16 rows multiplied with it, the float32 sums of all rows in `acc` [M, 64].
+void tile_unit_rows(const uint8_t* xu, const float* a, const int32_t* xsum, const W4A8Weight& w, int64_t tile,
+                    int64_t M, float* acc, float* out, int64_t ldo, int64_t channels) {
+  alignas(64) uint8_t unpacked[kTileVecs * kMaxTileUnitGroup * kBlock];
+  alignas(64) int32_t offsets[kTileVecs * kBlock];
+  std::fill(acc, acc + M * kTileVecs * kBlock, 0.f);
+  for (int64_t g = 0; g < w.groups; ++g) {
+    unpack_group(w, tile, g, unpacked, offsets);
+    for (int64_t m0 = 0; m0 < M; m0 += kTileRows)
+      tile_unit_group(xu, xsum, w, tile, g, unpacked, offsets, m0, std::min(kTileRows, M - m0), acc);
+  }
+  for (int64_t m = 0; m < M; ++m) {
+    float result[kTileVecs * kBlock];
+    const __m512 row_scale = _mm512_set1_ps(a[m]);
+    for (int v = 0; v < kTileVecs; ++v)
+      _mm512_storeu_ps(result + v * kBlock, _mm512_mul_ps(_mm512_load_ps(acc + (m * kTileVecs + v) * kBlock), row_scale));
+    std::copy(result, result + channels, out + m * ldo);
+  }
+}
+#endif
+
+bool tile_unit_here() {
+#ifdef SERVELAB_AMX_INT8
+  return amx_available();
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 void w4a8_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& params) {
@@ -149,26 +257,46 @@ void w4a8_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
               "w4a8_linear: out must be a contiguous float32 [M, N] tensor");
   if (M == 0) return;
   const W4A8Weight w{packed.data_ptr<uint8_t>(), params.data_ptr<float>(), K, K / groups, groups};
-  // The rows quantized once per call into this thread's buffers, read by every thread.
+  const bool tile_unit = M >= kTileUnitRows && w.group % kTileUnitInputs == 0 && w.group <= kMaxTileUnitGroup &&
+                         tile_unit_here();
+  // The rows quantized once per call into this thread's buffers, read by every thread: signed
+  // for VNNI; for the tile unit unsigned (xq + 128), one tile of padding rows (128: zero) after them.
+  const int offset = tile_unit ? 128 : 0;
   thread_local std::vector<uint8_t> rows;
   thread_local std::vector<float> row_scales;
   thread_local std::vector<int32_t> group_sums;
-  rows.resize(M * K);
+  rows.resize((M + (tile_unit ? kTileRows : 0)) * K);
   row_scales.resize(M);
   group_sums.resize(M * groups);
-  quantize_rows(x.data_ptr<float>(), M, K, K, 0, rows.data(), row_scales.data());
-  const int8_t* xq = reinterpret_cast<const int8_t*>(rows.data());
-  for (int64_t i = 0; i < M * groups; ++i) {
-    const int8_t* group = xq + i * w.group;  // row i / groups, group i % groups: rows are K = groups * group long
+  std::fill(rows.begin() + M * K, rows.end(), uint8_t{128});
+  quantize_rows(x.data_ptr<float>(), M, K, K, offset, rows.data(), row_scales.data());
+  for (int64_t i = 0; i < M * groups; ++i) {  // row i / groups, group i % groups: rows are K = groups * group long
+    const uint8_t* group = rows.data() + i * w.group;
     int32_t total = 0;
-    for (int64_t k = 0; k < w.group; ++k) total += group[k];
+    for (int64_t k = 0; k < w.group; ++k) total += static_cast<int8_t>(static_cast<uint8_t>(group[k] - offset));
     group_sums[i] = total;
   }
+  const uint8_t* xu = rows.data();
+  const int8_t* xq = reinterpret_cast<const int8_t*>(xu);
   const float* a = row_scales.data();
   const int32_t* xsum = group_sums.data();
   float* ys = out.data_ptr<float>();
   constexpr int64_t tile_channels = kTileVecs * kBlock;
   at::parallel_for(0, (N + tile_channels - 1) / tile_channels, 1, [&](int64_t begin, int64_t end) {
+#ifdef SERVELAB_AMX_INT8
+    if (tile_unit) {
+      thread_local std::vector<float> acc;
+      acc.resize(M * tile_channels + 16);
+      float* sums = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(acc.data()) + 63) & ~uintptr_t{63});
+      configure_full_tiles();
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t n = t * tile_channels;
+        tile_unit_rows(xu, a, xsum, w, t, M, sums, ys + n, N, std::min(tile_channels, N - n));
+      }
+      _tile_release();
+      return;
+    }
+#endif
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n = t * tile_channels, channels = std::min(tile_channels, N - n);
       int64_t m = 0;

@@ -36,10 +36,6 @@
 #include "ops.h"
 #include "vec.h"
 
-#if defined(SERVELAB_AMX) && defined(__AMX_INT8__)
-#define SERVELAB_AMX_INT8 1
-#endif
-
 namespace servelab_cpu {
 
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512VNNI__)
