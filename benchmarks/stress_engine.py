@@ -5,6 +5,7 @@ prefix caching. Fails on any exception, unfinished request or held block:
 
     python benchmarks/stress_engine.py                         # 1,500 requests per run
     python benchmarks/stress_engine.py --requests 200 --schedulers chunked --modes swap
+    python benchmarks/stress_engine.py --requests 300 --overrides model.quantization=w4a8 model.quantization_group_size=32
 
 Prints one line per run (requests finished and aborted, steps, preemptions, prefix-cache
 hits, the mix) and the wall time. CI runs the same check at 60 requests with a fixed seed
@@ -33,13 +34,14 @@ def main() -> None:
     parser.add_argument("--abort-rate", type=float, default=0.05, help="probability of an abort per step")
     parser.add_argument("--schedulers", nargs="*", default=sorted(get_registry().specs("scheduler")))
     parser.add_argument("--modes", nargs="*", default=["recompute", "swap"])
+    parser.add_argument("--overrides", nargs="*", default=[], help="more config overrides for every run")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         checkpoint = tiny_checkpoint(f"{folder}/model", "llama")
         for scheduler in args.schedulers:
             for mode in args.modes:
                 overrides = ["model=local", f"model.path={checkpoint}", *ENGINE_BASE, f"scheduler={scheduler}",
-                             *STRESS_CACHE, f"scheduler.preemption={mode}"]
+                             *STRESS_CACHE, f"scheduler.preemption={mode}", *args.overrides]
                 started = time.perf_counter()
                 with tqdm(total=args.requests, desc=f"{scheduler}/{mode}", unit="req", leave=False) as bar:
                     report = run_stress(overrides, args.requests, args.seed, args.abort_rate, progress=bar)
