@@ -73,13 +73,17 @@ def overrides_for(mode: str) -> list[str]:
     return [f"model.dtype={mode}"]
 
 
-WIDTH = {"float32": 4.0, "bfloat16": 2.0, "int8": 1.0, "w8a8": 1.0, "int4": 0.5, "int4-head": 0.5, "w4a8": 0.5}
-"""Bytes per stored weight of each mode."""
+INT4_WIDTH = 0.5 + 2 * 4 / 128
+"""An int4 weight's bytes as the kernels read them: the nibble and its share of its group's
+float32 scale and offset (groups of 128, the default)."""
+WIDTH = {"float32": 4.0, "bfloat16": 2.0, "int8": 1.0, "w8a8": 1.0, "int4": INT4_WIDTH, "int4-head": INT4_WIDTH,
+         "w4a8": INT4_WIDTH}
+"""Bytes per stored weight of each mode (int8's one scale per row is left out: 1/K of a byte)."""
 
 
 def weight_bytes(name: str, mode: str, batch: int, experts: float | None = None) -> float:
     """Bytes one decode step reads of the weights: the matmul weights at their stored
-    width (int4's LM head in float32, int4-head's and w4a8's in int8; of a mixture, ``experts``
+    width (int4 with its group scales and offsets; int4's LM head in float32, int4-head's and w4a8's in int8; of a mixture, ``experts``
     experts per sparse layer) and the ``batch`` embedding rows (float32 in the quantized
     modes)."""
     shape = MODELS[name]
