@@ -83,9 +83,9 @@ WIDTH = {"float32": 4.0, "bfloat16": 2.0, "int8": 1.0, "w8a8": 1.0, "int4": INT4
 
 def weight_bytes(name: str, mode: str, batch: int, experts: float | None = None) -> float:
     """Bytes one decode step reads of the weights: the matmul weights at their stored
-    width (int4 with its group scales and offsets; int4's LM head in float32, int4-head's and w4a8's in int8; of a mixture, ``experts``
-    experts per sparse layer) and the ``batch`` embedding rows (float32 in the quantized
-    modes)."""
+    width (int4 with its group scales and offsets; int4's LM head in float32, int4-head's
+    and w4a8's in int8; of a mixture, ``experts`` experts per sparse layer) and the
+    ``batch`` embedding rows (float32 in the quantized modes)."""
     shape = MODELS[name]
     hidden = shape["hidden_size"]
     row = WIDTH[mode] if mode not in QUANTIZATIONS else 4.0

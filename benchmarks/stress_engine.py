@@ -5,7 +5,8 @@ prefix caching. Fails on any exception, unfinished request or held block:
 
     python benchmarks/stress_engine.py                         # 1,500 requests per run
     python benchmarks/stress_engine.py --requests 200 --schedulers chunked --modes swap
-    python benchmarks/stress_engine.py --requests 300 --overrides model.quantization=w4a8 model.quantization_group_size=32
+    python benchmarks/stress_engine.py --requests 300 \
+        --overrides model.quantization=w4a8 model.quantization_group_size=32
 
 Prints one line per run (requests finished and aborted, steps, preemptions, prefix-cache
 hits, the mix) and the wall time. CI runs the same check at 60 requests with a fixed seed

@@ -26,12 +26,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from servelab.core.errors import ConfigError
-from servelab.core.quantization import WeightQuantization, group_problems, is_quantized_tensor
+from servelab.core.quantization import W4A8_GROUP_MULTIPLE, WeightQuantization, group_problems, is_quantized_tensor
 from servelab.kernels.cpu_ops import native_cpu_available, native_cpu_enabled
 from servelab.kernels.int4_cpu import int4_linear, pack_int4_blocks
 from servelab.kernels.quantized_cpu import int8_linear, pack_int8
 from servelab.kernels.quantized_weights import dequantize_int4, dequantize_int8, quantize_int8
-from servelab.kernels.w4a8_cpu import STEP_INPUTS, pack_w4a8, w4a8_linear, w4a8_linear_reference
+from servelab.kernels.w4a8_cpu import pack_w4a8, w4a8_linear, w4a8_linear_reference
 from servelab.kernels.w8a8_cpu import pack_w8a8, w8a8_linear, w8a8_linear_reference, w8a8_unavailable_reason
 
 BITS = (8, 4)
@@ -54,9 +54,9 @@ class QuantizedLinear(nn.Module):
         super().__init__()
         if bits not in BITS:
             raise ValueError(f"bits must be one of {BITS}, got {bits}")
-        if int8_activations and bits == 4 and group_size % STEP_INPUTS:
+        if int8_activations and bits == 4 and group_size % W4A8_GROUP_MULTIPLE:
             raise ValueError(f"int4 weights with int8 activations need a group size that is a multiple of "
-                             f"{STEP_INPUTS}, got group_size={group_size}")
+                             f"{W4A8_GROUP_MULTIPLE}, got group_size={group_size}")
         if bits == 4 and (group_size <= 0 or group_size % 2 or in_features % group_size):
             raise ValueError(f"int4 needs an even group size that divides in_features={in_features}, "
                              f"got group_size={group_size}")

@@ -16,7 +16,8 @@ from servelab.kernels.quantized_weights import INT4_OFFSET, unpack_int4
 from servelab.kernels.w8a8_cpu import quantize_rows
 
 STEP_INPUTS = 8
-"""Inputs per 64-byte step of a packed block (``kStepInputs``): the group size is a multiple of this."""
+"""Inputs per 64-byte step of a packed block (``kStepInputs``): the group size is a multiple
+of this (``core.quantization.W4A8_GROUP_MULTIPLE`` checks it at start-up)."""
 
 
 def pack_w4a8(qweight: torch.Tensor, scales: torch.Tensor,

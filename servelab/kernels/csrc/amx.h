@@ -39,6 +39,53 @@ inline void configure_full_tiles() {
   _tile_loadconfig(&config);
 }
 
+#ifdef SERVELAB_AMX_INT8
+// sums[r][16 v + j] = the int32 dot product over `inputs` (a multiple of 64) of row r of the
+// 16 unsigned-byte rows at `rows` (row stride `row_stride` bytes) with channel 16 v + j of a
+// 64-channel tile of signed-byte weights: four blocks of 16 channels `block_stride` bytes
+// apart, each `inputs / 4` rows of 64 bytes (4 inputs x 16 channels, the tile unit's B
+// layout). Uses tmm0-3 (C), tmm4 (A) and tmm5-6 (B, in turn), configured by
+// configure_full_tiles.
+inline void tile_unit_sums(const uint8_t* rows, int64_t row_stride, const void* weights, int64_t block_stride,
+                           int64_t inputs, int32_t (*sums)[64]) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t k = 0; k < inputs; k += 64) {
+    const char* block = static_cast<const char*>(weights) + k * 16;
+    _tile_loadd(4, rows + k, row_stride);
+    _tile_loadd(5, block, 64);
+    _tile_dpbusd(0, 4, 5);
+    _tile_loadd(6, block + block_stride, 64);
+    _tile_dpbusd(1, 4, 6);
+    _tile_loadd(5, block + 2 * block_stride, 64);
+    _tile_dpbusd(2, 4, 5);
+    _tile_loadd(6, block + 3 * block_stride, 64);
+    _tile_dpbusd(3, 4, 6);
+  }
+  _tile_stored(0, sums[0], 64 * 4);
+  _tile_stored(1, sums[0] + 16, 64 * 4);
+  _tile_stored(2, sums[0] + 32, 64 * 4);
+  _tile_stored(3, sums[0] + 48, 64 * 4);
+}
+#endif
+
 }  // namespace
 }  // namespace servelab_cpu
 #endif
+
+namespace servelab_cpu {
+namespace {
+
+// Whether the int8 tile products (tdpbusd) run here: built for AMX-INT8 and granted by Linux.
+inline bool int8_tile_unit_available() {
+#ifdef SERVELAB_AMX_INT8
+  return amx_available();
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+}  // namespace servelab_cpu

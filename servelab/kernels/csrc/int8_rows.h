@@ -37,7 +37,8 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, int64_t padded_k
         _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k),
                          _mm512_cvtepi32_epi8(_mm512_add_epi32(q, _mm512_set1_epi32(offset))));
       }
-      for (; k < K; ++k) out[k] = static_cast<uint8_t>(static_cast<int>(std::nearbyint(row[k] * (1.f / step))) + offset);
+      for (; k < K; ++k)
+        out[k] = static_cast<uint8_t>(static_cast<int>(std::nearbyint(row[k] * (1.f / step))) + offset);
       for (; k < padded_k; ++k) out[k] = static_cast<uint8_t>(offset);
     }
   });

@@ -17,8 +17,8 @@
 // a run of K / 8 steps of 64 bytes, packed[b][t][4 j + i] = q[16 b + j][8 t + i] |
 // q[16 b + j][8 t + 4 + i] << 4, so one 64-byte load gives, masked, the operands of two
 // vpdpbusd (inputs 8 t..8 t + 3 and 8 t + 4..8 t + 7 of 16 channels), and a tile of 4
-// blocks reads 4 streams at once (at batch 1 from memory 8-12% faster than one stream of
-// the tile's steps interleaved: the hardware prefetcher follows each);
+// blocks reads 4 streams at once (a standalone loop of the batch-1 steps streamed 8-12%
+// faster from memory so than with a tile's steps interleaved into one stream);
 // params[b][g][0][j] = s[16 b + j, g], params[b][g][1][j] = m[16 b + j, g] (int4_linear's);
 // channels padded to a multiple of 64 with zeros. Groups are multiples of 8 inputs.
 //
@@ -28,9 +28,9 @@
 // with AMX and groups of multiples of 64 (up to 512): each thread unpacks its tile's nibbles
 // a group at a time into bytes in its L1 (the B operand of tdpbusd: 16 rows of 4 inputs x 16
 // channels), with the group's sum of q per channel, and multiplies every 16 rows x 64
-// channels x 64 inputs with them per pass of the tile unit, the rows stored as xq + 128 (tdpbusd's A operand is unsigned) and
-// 128 * sum(q) subtracted per group: the same exact int32 group sums as VNNI, so both paths
-// give the same results. Threads split the tiles.
+// channels x 64 inputs with them per pass of the tile unit, the rows stored as xq + 128
+// (tdpbusd's A operand is unsigned) and 128 * sum(q) subtracted per group: the same exact
+// int32 group sums as VNNI, so both paths give the same results. Threads split the tiles.
 
 #include <ATen/Parallel.h>
 
@@ -40,7 +40,6 @@
 #include "amx.h"
 #include "int8_rows.h"
 #include "ops.h"
-
 
 namespace servelab_cpu {
 
@@ -162,33 +161,11 @@ void unpack_group(const W4A8Weight& w, int64_t tile, int64_t g, uint8_t* unpacke
 }
 
 // acc[r, 0:64] += group g's part of rows m0 + r (16 rows of xu from m0; rows past M are
-// padding) against the group unpacked by unpack_group. Tiles (configure_full_tiles): tmm0-3
-// the sums of the four blocks (C), tmm4 the rows (A), tmm5 and tmm6 a block's weights (B),
-// loaded in turn.
+// padding) against the group unpacked by unpack_group, on the tile unit (tile_unit_sums).
 void tile_unit_group(const uint8_t* xu, const int32_t* xsum, const W4A8Weight& w, int64_t tile, int64_t g,
                      const uint8_t* unpacked, const int32_t* offsets, int64_t m0, int64_t rows, float* acc) {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  const int64_t block_stride = w.group * kBlock;
-  for (int64_t k = 0; k < w.group; k += kTileUnitInputs) {
-    const uint8_t* weights = unpacked + k * kBlock;
-    _tile_loadd(4, xu + m0 * w.K + g * w.group + k, w.K);
-    _tile_loadd(5, weights, 64);
-    _tile_dpbusd(0, 4, 5);
-    _tile_loadd(6, weights + block_stride, 64);
-    _tile_dpbusd(1, 4, 6);
-    _tile_loadd(5, weights + 2 * block_stride, 64);
-    _tile_dpbusd(2, 4, 5);
-    _tile_loadd(6, weights + 3 * block_stride, 64);
-    _tile_dpbusd(3, 4, 6);
-  }
   alignas(64) int32_t sums[kTileRows][kTileVecs * kBlock];
-  _tile_stored(0, sums[0], kTileVecs * kBlock * 4);
-  _tile_stored(1, sums[0] + kBlock, kTileVecs * kBlock * 4);
-  _tile_stored(2, sums[0] + 2 * kBlock, kTileVecs * kBlock * 4);
-  _tile_stored(3, sums[0] + 3 * kBlock, kTileVecs * kBlock * 4);
+  tile_unit_sums(xu + m0 * w.K + g * w.group, w.K, unpacked, w.group * kBlock, w.group, sums);
   const float* params = w.params + tile * kTileVecs * w.block_params() + g * 2 * kBlock;
   for (int v = 0; v < kTileVecs; ++v) {
     const float* param = params + v * w.block_params();
@@ -219,20 +196,14 @@ void tile_unit_rows(const uint8_t* xu, const float* a, const int32_t* xsum, cons
   for (int64_t m = 0; m < M; ++m) {
     float result[kTileVecs * kBlock];
     const __m512 row_scale = _mm512_set1_ps(a[m]);
-    for (int v = 0; v < kTileVecs; ++v)
-      _mm512_storeu_ps(result + v * kBlock, _mm512_mul_ps(_mm512_load_ps(acc + (m * kTileVecs + v) * kBlock), row_scale));
+    for (int v = 0; v < kTileVecs; ++v) {
+      const __m512 sum = _mm512_load_ps(acc + (m * kTileVecs + v) * kBlock);
+      _mm512_storeu_ps(result + v * kBlock, _mm512_mul_ps(sum, row_scale));
+    }
     std::copy(result, result + channels, out + m * ldo);
   }
 }
 #endif
-
-bool tile_unit_here() {
-#ifdef SERVELAB_AMX_INT8
-  return amx_available();
-#else
-  return false;
-#endif
-}
 
 }  // namespace
 
@@ -258,7 +229,7 @@ void w4a8_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
   if (M == 0) return;
   const W4A8Weight w{packed.data_ptr<uint8_t>(), params.data_ptr<float>(), K, K / groups, groups};
   const bool tile_unit = M >= kTileUnitRows && w.group % kTileUnitInputs == 0 && w.group <= kMaxTileUnitGroup &&
-                         tile_unit_here();
+                         int8_tile_unit_available();
   // The rows quantized once per call into this thread's buffers, read by every thread: signed
   // for VNNI; for the tile unit unsigned (xq + 128), one tile of padding rows (128: zero) after them.
   const int offset = tile_unit ? 128 : 0;

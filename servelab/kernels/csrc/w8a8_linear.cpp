@@ -109,34 +109,12 @@ void tile_remainder(int64_t rows, const uint8_t* xu, int64_t padded_k, const flo
 
 #ifdef SERVELAB_AMX_INT8
 // out[m0 + r, n:n + channels] for the 16 rows of xu from m0 (rows past M are padding) and the
-// tile of 64 channels at n. Tiles (configure_full_tiles): tmm0-3 the sums of four channel
-// blocks (C), tmm4 the rows (A), tmm5 and tmm6 a block's weights (B), loaded in turn.
+// tile of 64 channels at n, on the tile unit (tile_unit_sums).
 void tile_unit_rows(const uint8_t* xu, int64_t padded_k, int64_t m0, int64_t M, const float* x_scale,
                     const int8_t* w, const int32_t* offsets, const float* w_scale, float* out, int64_t ldo,
                     int64_t channels) {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  const int64_t block_stride = padded_k * kBlock;
-  const uint8_t* rows = xu + m0 * padded_k;
-  for (int64_t k = 0; k < padded_k; k += kPackInputs) {
-    const int8_t* weights = w + k * kBlock;
-    _tile_loadd(4, rows + k, padded_k);
-    _tile_loadd(5, weights, 4 * kBlock);
-    _tile_dpbusd(0, 4, 5);
-    _tile_loadd(6, weights + block_stride, 4 * kBlock);
-    _tile_dpbusd(1, 4, 6);
-    _tile_loadd(5, weights + 2 * block_stride, 4 * kBlock);
-    _tile_dpbusd(2, 4, 5);
-    _tile_loadd(6, weights + 3 * block_stride, 4 * kBlock);
-    _tile_dpbusd(3, 4, 6);
-  }
   alignas(64) int32_t sums[kTileRows][kTileVecs * kBlock];
-  _tile_stored(0, sums[0], kTileVecs * kBlock * 4);
-  _tile_stored(1, sums[0] + kBlock, kTileVecs * kBlock * 4);
-  _tile_stored(2, sums[0] + 2 * kBlock, kTileVecs * kBlock * 4);
-  _tile_stored(3, sums[0] + 3 * kBlock, kTileVecs * kBlock * 4);
+  tile_unit_sums(xu + m0 * padded_k, padded_k, w, padded_k * kBlock, padded_k, sums);
   finish_rows(std::min(kTileRows, M - m0), sums[0], kTileVecs * kBlock, x_scale + m0, offsets, w_scale,
               out + m0 * ldo, ldo, channels);
 }
@@ -217,14 +195,6 @@ void parallel_items(int64_t items, bool tile_unit, F&& body) {
   });
 }
 
-bool tile_unit_here() {
-#ifdef SERVELAB_AMX_INT8
-  return amx_available();
-#else
-  return false;
-#endif
-}
-
 }  // namespace
 
 void w8a8_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& offsets,
@@ -232,7 +202,7 @@ void w8a8_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
   const int64_t padded_k = check_w8a8("w8a8_linear", out, x, packed, offsets, scales);
   const int64_t M = x.size(0), N = out.size(1);
   constexpr int64_t tile_channels = kTileVecs * kBlock;
-  const bool tile_unit = M >= kTileUnitRows && tile_unit_here();
+  const bool tile_unit = M >= kTileUnitRows && int8_tile_unit_available();
   const auto [xs, x_scales] = quantized_rows(x, padded_k);
   const int8_t* ws = packed.data_ptr<int8_t>();
   const int32_t* os = offsets.data_ptr<int32_t>();
@@ -257,7 +227,7 @@ void grouped_w8a8_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& 
   const int64_t N = out.size(1), padded_n = offsets.size(1), expert_stride = packed.stride(0);
   constexpr int64_t tile_channels = kTileVecs * kBlock;
   const int64_t tiles = (N + tile_channels - 1) / tile_channels;
-  const bool tile_unit = tile_unit_here() && *std::max_element(counts.begin(), counts.end()) >= kTileUnitRows;
+  const bool tile_unit = int8_tile_unit_available() && *std::max_element(counts.begin(), counts.end()) >= kTileUnitRows;
   const auto [xs, x_scales] = quantized_rows(x, padded_k);
   const int8_t* ws = packed.data_ptr<int8_t>();
   const int32_t* os = offsets.data_ptr<int32_t>();
