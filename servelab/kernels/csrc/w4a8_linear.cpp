@@ -241,16 +241,23 @@ void w4a8_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
   group_sums.resize(M * groups);
   std::fill(rows.begin() + M * K, rows.end(), uint8_t{128});
   quantize_rows(x.data_ptr<float>(), M, K, K, offset, rows.data(), row_scales.data());
-  for (int64_t i = 0; i < M * groups; ++i) {  // row i / groups, group i % groups: rows are K = groups * group long
-    const uint8_t* group = rows.data() + i * w.group;
-    int32_t total = 0;
-    for (int64_t k = 0; k < w.group; ++k) total += static_cast<int8_t>(static_cast<uint8_t>(group[k] - offset));
-    group_sums[i] = total;
-  }
   const uint8_t* xu = rows.data();
   const int8_t* xq = reinterpret_cast<const int8_t*>(xu);
+  int32_t* sums = group_sums.data();
+  // Each row's sum of xq per group (rows are K = groups * group long: item i is row i / groups,
+  // group i % groups), the bytes summed as stored and the offset taken off once.
+  at::parallel_for(0, M * groups, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      int32_t total = 0;
+      if (offset)
+        for (int64_t k = 0; k < w.group; ++k) total += xu[i * w.group + k];
+      else
+        for (int64_t k = 0; k < w.group; ++k) total += xq[i * w.group + k];
+      sums[i] = total - offset * static_cast<int32_t>(w.group);
+    }
+  });
   const float* a = row_scales.data();
-  const int32_t* xsum = group_sums.data();
+  const int32_t* xsum = sums;
   float* ys = out.data_ptr<float>();
   constexpr int64_t tile_channels = kTileVecs * kBlock;
   at::parallel_for(0, (N + tile_channels - 1) / tile_channels, 1, [&](int64_t begin, int64_t end) {
