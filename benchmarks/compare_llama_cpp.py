@@ -24,6 +24,7 @@ alone, prefill tokens/s = 256 / its time to first token) and then ``llama-bench 
 THREADS -p 256 -n 128 -r 1`` (tg128 and pp256). The table gives medians and every run.
 
     python benchmarks/compare_llama_cpp.py --models 26m 05b --modes float32 w8a8 --repeats 3
+    python benchmarks/compare_llama_cpp.py --models 26m --modes w8a8 --overrides decoding.multi_step=8
     python benchmarks/compare_llama_cpp.py --prepare-only --models 26m --modes float32
 
 Online, the same build and GGUF file serve ``llama-server`` against ``servelab-serve``
@@ -195,7 +196,7 @@ def compare(name: str, mode: str, folder: Path, gguf: Path, binaries: Path, args
     from servelab import LLM
 
     llm = LLM(str(folder), overrides=["device=cpu", f"model.max_model_len={MAX_POSITIONS}",
-                                      f"parallel.threads={args.threads}", *overrides_for(mode)])
+                                      f"parallel.threads={args.threads}", *overrides_for(mode), *args.overrides])
     llm.warm_up()
     runs: dict[str, list[dict[str, float]]] = {"servelab": [], "llama.cpp": []}
     for _ in range(args.repeats):
@@ -205,7 +206,8 @@ def compare(name: str, mode: str, folder: Path, gguf: Path, binaries: Path, args
     llm.shutdown()
     rows = []
     for engine, measured in runs.items():
-        rows.append([name, mode if engine == "servelab" else GGUF_TYPES[mode], engine,
+        label = " ".join([mode, *args.overrides]) if engine == "servelab" else GGUF_TYPES[mode]
+        rows.append([name, label, engine,
                      *(f"{statistics.median(r[k] for r in measured):.1f}" for k in ("decode", "prefill")),
                      " ".join(f"{r['decode']:.0f}/{r['prefill']:.0f}" for r in measured)])
     return rows
@@ -222,6 +224,8 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "servelab-llama-cpp")
     parser.add_argument("--prepare-only", action="store_true",
                         help="build llama.cpp and convert the models, print the paths, measure nothing")
+    parser.add_argument("--overrides", nargs="*", default=[],
+                        help="more servelab config overrides for every run (decoding.multi_step=8, say)")
     parser.add_argument("--out", type=Path, help="write the table's runs here as JSON")
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)

@@ -149,15 +149,20 @@ def _group_layout(tables: Sequence[Sequence[int]], request_index: np.ndarray, po
     return torch.from_numpy(block_array).to(device), torch.from_numpy(slot_array).to(device)
 
 
-def decode_step_inputs(grants: Sequence[ScheduledRequest], block_size: int, device: torch.device) -> StepInputs:
+def decode_step_inputs(grants: Sequence[ScheduledRequest], block_size: int, device: torch.device,
+                       ahead: int = 0, token_ids: Sequence[int] = ()) -> StepInputs:
     """``build_step_inputs`` for a step of one new token per request, every one sampled: the
     same tensors, cut from one int64 and one int32 tensor built from flat lists. At batch 1
     a step's host work is bound by the number of calls it makes (each slowed by caches the
-    forward pass has just refilled), and this makes two instead of about thirty."""
+    forward pass has just refilled), and this makes two instead of about thirty.
+
+    ``ahead`` > 0: the inputs of the step ``ahead`` model steps after the grants' (multi-step
+    decoding), each request's ``token_ids[i]`` chosen by the step before, its slot among
+    the lookahead slots its blocks hold."""
     count = len(grants)
-    computed = [grant.num_computed_tokens for grant in grants]
+    computed = [grant.num_computed_tokens + ahead for grant in grants]
     seq_lens = [start + 1 for start in computed]
-    longs = [grant.request.token_ids[start] for grant, start in zip(grants, computed)]
+    longs = list(token_ids) if ahead else [grant.request.token_ids[start] for grant, start in zip(grants, computed)]
     longs += computed
     longs += range(count)
     ints = list(range(count + 1)) + seq_lens

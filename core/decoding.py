@@ -5,7 +5,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 from random import Random
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
@@ -132,6 +132,15 @@ class DecodingStrategy(abc.ABC):
     #: those of every step's kept tokens (``observe_hidden_states``), and refuses, when the
     #: engine is built, a setup it cannot take them from (pipeline stages, LoRA).
     reads_hidden_states: bool = False
+    #: Model steps an executor that runs ahead may take per scheduled decode step (multi-step
+    #: decoding): it feeds each chosen token back for the next step itself, so a decode step
+    #: gives each request up to ``decode_steps`` tokens, and the scheduler reserves their
+    #: slots as lookahead. 1: one token per scheduled step.
+    decode_steps: int = 1
+    #: True when ``accept`` answers requests whose params are all ``plain_argmax`` with each
+    #: row's first largest logit (``greedy_tokens``): a model may then choose those tokens
+    #: itself between its multi-step decode steps.
+    takes_plain_argmax: bool = False
 
     def __init__(self, config: Any, context: DecodingContext | None = None):
         self.config = config
@@ -144,6 +153,13 @@ class DecodingStrategy(abc.ABC):
     @abc.abstractmethod
     def accept(self, logits: torch.Tensor, batch: DecodeBatch, proposal: Proposal | None) -> DecodeResult:
         """logits: [sum(1 + drafts), V] float32. Returns the tokens each request keeps."""
+
+    def runs_ahead(self, requests: Sequence[Request]) -> bool:
+        """True when ``accept`` chooses each of these requests' next tokens from their logits
+        alone (no penalty, pending ``min_tokens`` or grammar reads the tokens before), so an
+        executor may run further steps on them before the scheduler appends any. False by
+        default."""
+        return False
 
     def check_request(self, params: SamplingParams) -> None:
         """Raise ``InvalidRequestError`` naming the field if this strategy cannot serve

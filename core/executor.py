@@ -99,6 +99,11 @@ class Executor(abc.ABC):
     #: True for executors that return ``ExecutedStep.prompt_logprobs``; the engine refuses
     #: requests asking for prompt logprobs otherwise.
     computes_prompt_logprobs: bool = False
+    #: True for executors that run a decoding strategy's ``decode_steps`` (multi-step
+    #: decoding): a decode step may give each request up to that many tokens, fed back one
+    #: step at a time within the reserved lookahead slots. The engine refuses
+    #: ``decode_steps > 1`` with any other executor.
+    runs_decode_steps: bool = False
 
     def __init__(self, config: Any, context: ExecutorContext):
         self.config = config

@@ -424,6 +424,16 @@ class CausalLM(nn.Module, abc.ABC):
         hidden = self(input_ids, positions, kv_caches, attn_meta)
         return hidden, self.compute_logits(hidden if logits_rows is None else hidden[logits_rows])
 
+    def greedy_steps(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                     attn_meta: Any, steps: int) -> torch.Tensor | None:
+        """``steps`` greedy decode steps of a decode batch (one token a request) in one go,
+        each row's argmax fed back as its next token into the slots its block table
+        reserves (multi-step decoding): the tokens [steps, T], with ``input_ids``,
+        ``positions`` and the layout's slots and sequence lengths advanced in place; None
+        where the model cannot (the executor then runs the steps one by one). None by
+        default."""
+        return None
+
     def warm_up(self, max_tokens: int) -> int:
         """Prepare whatever kernels steps of up to ``max_tokens`` tokens will need (compiled
         on first use otherwise); returns how many were prepared. Nothing by default."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-PLUGIN_API_VERSION = "1.14"
+PLUGIN_API_VERSION = "1.15"
 """The plugin API this servelab implements."""
 
 DECLARATION = "SERVELAB_PLUGIN_API"

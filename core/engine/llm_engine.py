@@ -61,6 +61,20 @@ def build_collecting(problems: list[str], build: Callable[[], T]) -> T | None:
         return None
 
 
+def decode_steps_problems(strategy: Any, executor_cls: type) -> list[str]:
+    """Why ``strategy``'s multi-step decoding (``decode_steps > 1``) cannot run here."""
+    if strategy.decode_steps == 1:
+        return []
+    if strategy.num_lookahead_tokens:
+        return [f"decoding.multi_step={strategy.decode_steps}: {type(strategy).__name__} also drafts tokens "
+                f"(num_lookahead_tokens={strategy.num_lookahead_tokens}); multi-step decoding takes one "
+                f"token a model step"]
+    if not executor_cls.runs_decode_steps:
+        return [f"decoding.multi_step={strategy.decode_steps}: executor {executor_cls.__name__} runs one model "
+                f"step per scheduled step (runs_decode_steps is False); use executor=model"]
+    return []
+
+
 class LLMEngine:
     """Builds every component from a composed config and runs the step loop.
 
@@ -136,9 +150,12 @@ class LLMEngine:
             self.adapter_admission = build_collecting(problems, lambda: self._adapter_admission(
                 lora_cfg, executor, cache, kv_spec))
         scheduler = None
+        if strategy is not None:
+            problems += decode_steps_problems(strategy, executor_cls)
         if cache is not None and strategy is not None:
+            lookahead = strategy.num_lookahead_tokens + strategy.decode_steps - 1
             scheduler = build_collecting(problems, lambda: registry.build("scheduler", cfg.scheduler, SchedulerContext(
-                cache, self.max_model_len, strategy.num_lookahead_tokens, self.stop_checker,
+                cache, self.max_model_len, lookahead, self.stop_checker,
                 strategy.on_request_finished, self.clock, self.policy, self.adapter_admission)))
         self.lora = build_collecting(problems, lambda: LoRARegistry.of(lora_cfg, executor)) if (
             executor is not None and lora_enabled(lora_cfg)) else None

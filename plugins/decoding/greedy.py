@@ -9,12 +9,13 @@ import torch
 from servelab.core.component import ComponentSpec
 from servelab.core.decoding import DecodeBatch, DecodeResult, Proposal
 from servelab.plugins.decoding.logits_processing import suppress_stop_tokens
-from servelab.plugins.decoding.sampler import GrammarDecoding, greedy_tokens, mask_with_grammars, token_logprobs
+from servelab.plugins.decoding.sampler import (GrammarDecoding, OneTokenDecodingConfig, greedy_tokens,
+                                               mask_with_grammars, token_logprobs)
 
 
 @dataclass
-class GreedyDecodingConfig:
-    """``decoding=greedy``: no options."""
+class GreedyDecodingConfig(OneTokenDecodingConfig):
+    """``decoding=greedy``: ``multi_step`` (``OneTokenDecodingConfig``)."""
 
 
 class GreedyDecoding(GrammarDecoding):

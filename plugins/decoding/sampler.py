@@ -3,11 +3,13 @@ and the base of the strategies that do so (``GrammarDecoding``: greedy and sampl
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
 from servelab.core.decoding import DecodingContext, DecodingStrategy
+from servelab.core.errors import ConfigError
 from servelab.core.outputs import Logprob
 from servelab.core.request import Request
 from servelab.core.sampling_params import SamplingParams
@@ -125,6 +127,17 @@ def token_logprobs(raw_logits: torch.Tensor, tokens: list[int], requests: Sequen
     return result
 
 
+@dataclass
+class OneTokenDecodingConfig:
+    """The options of ``decoding=sampling`` and ``greedy``. ``multi_step``: model steps per
+    scheduled decode step (multi-step decoding, ``docs/multi_step.md``): the executor feeds
+    each chosen token back for up to ``multi_step - 1`` further steps before the scheduler
+    runs again, which spreads the engine's host work of a step over that many tokens; 1:
+    one token per scheduled step."""
+
+    multi_step: int = 1
+
+
 class GrammarDecoding(DecodingStrategy):
     """A strategy that takes one token per request per step and honours each request's
     ``structured_output`` (``decoding=sampling`` and ``greedy`` build on it): a
@@ -132,9 +145,21 @@ class GrammarDecoding(DecodingStrategy):
     (``mask_with_grammars``) before the token is chosen, and its matcher is released when
     it finishes. Requests without structured output never reach the grammar code."""
 
+    takes_plain_argmax = True
+
     def __init__(self, config: Any, context: DecodingContext | None = None):
         super().__init__(config, context)
+        if config.multi_step < 1:
+            raise ConfigError([f"decoding.multi_step must be at least 1 (1: one token per scheduled step), "
+                               f"got {config.multi_step}"])
+        self.decode_steps = config.multi_step
         self.grammars = GrammarConstraints(context)
+
+    def runs_ahead(self, requests: Sequence[Request]) -> bool:
+        """True when no request sets a penalty or structured output or still waits for its
+        ``min_tokens``: their tokens come from each step's logits alone."""
+        return all(not r.sampling_params.needs_penalties and r.sampling_params.structured_output is None
+                   and r.sampling_params.min_tokens <= r.num_output_tokens for r in requests)
 
     def check_request(self, params: SamplingParams) -> None:
         """Compile the request's grammar now, so a bad one is refused before it runs."""

@@ -8,12 +8,14 @@ import torch
 
 from servelab.core.component import ComponentSpec
 from servelab.core.decoding import DecodeBatch, DecodeResult, Proposal
-from servelab.plugins.decoding.sampler import GrammarDecoding, greedy_tokens, sample_tokens, token_logprobs
+from servelab.plugins.decoding.sampler import (GrammarDecoding, OneTokenDecodingConfig, greedy_tokens,
+                                               sample_tokens, token_logprobs)
 
 
 @dataclass
-class SamplingDecodingConfig:
-    """``decoding=sampling``: no options; every knob is a per-request ``SamplingParams``."""
+class SamplingDecodingConfig(OneTokenDecodingConfig):
+    """``decoding=sampling``: ``multi_step`` (``OneTokenDecodingConfig``); every sampling knob
+    is a per-request ``SamplingParams``."""
 
 
 class SamplingDecoding(GrammarDecoding):

@@ -147,6 +147,13 @@ class DeviceWorker:
         hidden = self.forward(inputs.input_ids, inputs.positions, inputs.layouts, carried)
         return hidden, self.model.compute_logits(hidden if rows is None else hidden[rows])
 
+    @torch.inference_mode()
+    def greedy_steps(self, inputs: StepInputs, steps: int) -> torch.Tensor | None:
+        """The model's ``greedy_steps`` over a decode step's ``inputs`` (advanced in place):
+        tokens [steps, T], or None where the model runs them one at a time."""
+        return self.model.greedy_steps(inputs.input_ids, inputs.positions, self.kv_caches,
+                                       self._metadata(inputs.layouts), steps)
+
     def release(self) -> None:
         """Drop the model, the attention backend and the KV tensors."""
         self.model = self.attention = None

@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from servelab.core.batch_builder import PromptSpan, build_step_inputs
+from servelab.core.batch_builder import PromptSpan, build_step_inputs, decode_step_inputs
 from servelab.core.component import ComponentSpec
-from servelab.core.decoding import DecodeBatch, DecodingStrategy, lookahead_allowances
+from servelab.core.decoding import DecodeBatch, DecodeResult, DecodingStrategy, lookahead_allowances
 from servelab.core.errors import ConfigError
 from servelab.core.executor import ExecutedStep, Executor, ExecutorContext
 from servelab.core.expert_load import ExpertLoad
@@ -74,6 +74,7 @@ class ModelExecutor(Executor):
     its KV tensors."""
 
     computes_prompt_logprobs = True
+    runs_decode_steps = True
 
     def __init__(self, config: ModelExecutorConfig, context: ExecutorContext):
         super().__init__(config, context)
@@ -206,6 +207,9 @@ class ModelExecutor(Executor):
         self.strategy = strategy
         if strategy.proposes_trees:
             self._check_trees()
+        if strategy.decode_steps > 1 and (self.topology.pp > 1 or self.lora is not None):
+            raise ConfigError([f"decoding.multi_step={strategy.decode_steps}: multi-step decoding runs on one "
+                               f"pipeline stage (parallel.pipeline_parallel_size=1) without LoRA adapters"])
         if strategy.reads_hidden_states and (self.topology.pp > 1 or self.lora is not None):
             raise ConfigError([f"decoding strategy {type(strategy).__name__} reads the target's hidden states: "
                                f"they are handed over on one pipeline stage (parallel.pipeline_parallel_size=1) "
@@ -281,6 +285,12 @@ class ModelExecutor(Executor):
             self._pending.append(PendingStep(output, executed))
             return
         if self.topology.pp == 1:
+            steps = self._decode_steps(output, batch) if self.strategy.decode_steps > 1 and batch else 1
+            if steps > 1:
+                result = self._run_ahead(output, inputs, batch, steps)
+                self._pending.append(PendingStep(output, ExecutedStep(output, result,
+                                                                      (time.perf_counter() - started,))))
+                return
             hidden = None
             if self.strategy.reads_hidden_states:
                 hidden, logits = self._guarded(lambda: self.worker.hidden_and_logits(inputs))
@@ -297,6 +307,46 @@ class ModelExecutor(Executor):
         self._to_workers(lambda: self._sends.extend((dist.isend(t, self.topology.next_rank(0)), t) for t in carried))
         self._pending.append(PendingStep(output, batch=batch, proposal=proposal, prompt_spans=inputs.prompt_spans,
                                          num_logits=inputs.logits_indices.numel()))
+
+    def _decode_steps(self, output: SchedulerOutput, batch: DecodeBatch) -> int:
+        """Model steps this scheduled step runs: 1 unless every grant decodes one sampled
+        token and the strategy chooses the batch's tokens from their logits alone; then up
+        to its ``decode_steps``, cut at the lookahead slots every request holds and at the
+        tokens each may still generate (``max_tokens``)."""
+        if len(batch.requests) != len(output.scheduled) or not self.strategy.runs_ahead(batch.requests):
+            return 1
+        steps = 1 + min(lookahead_allowances(output, self.max_model_len, self.cache.block_size))
+        for request in batch.requests:
+            if request.sampling_params.max_tokens is not None:
+                steps = min(steps, request.sampling_params.max_tokens - request.num_output_tokens)
+        return max(steps, 1)
+
+    def _run_ahead(self, output: SchedulerOutput, inputs: Any, batch: DecodeBatch, steps: int) -> DecodeResult:
+        """Multi-step decoding: ``steps`` forward passes over the batch, each fed the tokens
+        the strategy chose from the pass before, their KV written into the lookahead slots;
+        each request's tokens in order (the scheduler's stop conditions cut them)."""
+        if (not self.worker_ranks and self.strategy.takes_plain_argmax
+                and all(r.sampling_params.plain_argmax for r in batch.requests)):
+            tokens = self._guarded(lambda: self.worker.greedy_steps(inputs, steps))
+            if tokens is not None:  # the model ran every step in one go
+                return DecodeResult(tokens.t().tolist())
+        token_ids: list[list[int]] = [[] for _ in batch.requests]
+        logprobs: list[list[Any]] | None = None
+        for ahead in range(steps):
+            if ahead:
+                inputs = decode_step_inputs(output.scheduled, self.cache.block_size, self.device, ahead,
+                                            [tokens[-1] for tokens in token_ids])
+                if self.worker_ranks:
+                    self._broadcast(*pack_step(inputs))
+            step_inputs = inputs
+            result = self.strategy.accept(self._guarded(lambda: self.worker.logits(step_inputs)), batch, None)
+            for tokens, chosen in zip(token_ids, result.token_ids):
+                tokens += chosen
+            if result.logprobs is not None:
+                logprobs = logprobs or [[] for _ in batch.requests]
+                for entries, chosen in zip(logprobs, result.logprobs):
+                    entries += chosen
+        return DecodeResult(token_ids, logprobs)
 
     def _finished(self, output: SchedulerOutput, logits: torch.Tensor | None, batch: DecodeBatch | None,
                   proposal: Any, spans: tuple[PromptSpan, ...], stage_busy_s: tuple[float, ...],

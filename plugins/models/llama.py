@@ -270,6 +270,16 @@ class LlamaFamilyForCausalLM(DecoderForCausalLM):
                                             kv_caches, attn_meta, self.vocab_size)
         return hidden, self.compute_logits(hidden) if logits is None else logits
 
+    def greedy_steps(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                     attn_meta: Any, steps: int) -> torch.Tensor | None:
+        """As ``CausalLM.greedy_steps``: in the native stack's one call, where it serves the
+        step with its LM head."""
+        stack = self._whole_step_stack(input_ids, attn_meta)
+        if stack is None:
+            return None
+        return stack.greedy_steps(input_ids, self.model.embed_tokens.weight, self.model.norm, positions, kv_caches,
+                                  attn_meta, self.vocab_size, steps)
+
     def _whole_step_stack(self, input_ids: torch.Tensor, attn_meta: Any) -> NativeDecodeStack | None:
         """The native stack where it can run this whole step (one stage, rows it serves), else None."""
         stack = self.native_stack()

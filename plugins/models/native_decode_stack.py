@@ -233,11 +233,26 @@ class NativeDecodeStack:
                                      final_norm.weight, final_norm.eps, logits)
         return hidden, logits if logits is not NO_TENSOR else None
 
+    def greedy_steps(self, input_ids: torch.Tensor, embedding: torch.Tensor, final_norm: Any,
+                     positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: Any, vocab: int,
+                     steps: int) -> torch.Tensor | None:
+        """``steps`` greedy decode steps of the whole model in the one call (multi-step
+        decoding): each row's argmax token is fed back as its next input, one position on,
+        into the slot its block table reserves. Returns the tokens [steps, T]; ``input_ids``,
+        ``positions`` and the layout's slots and sequence lengths are advanced in place.
+        None where the LM head has no native kernel."""
+        if not self.head_weights:
+            return None
+        tokens = torch.empty(steps, input_ids.shape[0], dtype=torch.long)
+        self._decode_layers(NO_TENSOR, NO_TENSOR, False, positions, kv_caches, meta, input_ids, embedding,
+                            final_norm.weight, final_norm.eps, torch.empty(input_ids.shape[0], vocab), tokens)
+        return tokens
+
     def _decode_layers(self, hidden: torch.Tensor, residual: torch.Tensor, has_residual: bool,
                        positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: Any,
                        input_ids: torch.Tensor = NO_TENSOR, embedding: torch.Tensor = NO_TENSOR,
                        final_norm: torch.Tensor = NO_TENSOR, final_eps: float = 0.0,
-                       logits: torch.Tensor = NO_TENSOR) -> torch.Tensor:
+                       logits: torch.Tensor = NO_TENSOR, step_tokens: torch.Tensor = NO_TENSOR) -> torch.Tensor:
         layout = meta.layout
         head = self.head_weights if logits is not NO_TENSOR else []
         return torch.ops.servelab_cpu.decode_layers(
@@ -245,4 +260,4 @@ class NativeDecodeStack:
             layout.query_start_loc, layout.seq_lens, meta.cached, self.rotary.cos, self.rotary.sin,
             self.rotary.rotary_dim, self.weights, self.kinds, self.widths, self.num_heads, self.num_kv_heads,
             self.head_dim, self.attention.spec.scale, self.eps, self.qk_eps, self.top_k, self.normalize, input_ids,
-            embedding, final_norm, final_eps, logits, head, self.head_kind)
+            embedding, final_norm, final_eps, logits, head, self.head_kind, step_tokens, layout.block_size)

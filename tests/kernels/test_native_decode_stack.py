@@ -133,3 +133,32 @@ def test_models_the_stack_does_not_serve_take_the_loop(checkpoints, family, over
         llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("family, overrides", [
+    ("llama", ["model.dtype=float32"]), ("qwen3", ["model.dtype=float32"]), ("qwen3-moe", ["model.dtype=float32"]),
+    ("qwen2", ["model.dtype=bfloat16"]),
+    pytest.param("llama", ["model.dtype=float32", "model.quantization=w8a8", "model.quantization_lm_head=true"],
+                 marks=W8A8)])
+def test_greedy_steps_in_one_call_equal_single_steps(checkpoints, family, overrides):
+    """Multi-step decoding's greedy steps in the stack's one call (each row's argmax fed
+    back natively, its slots read from its block table across block boundaries) give the
+    tokens of one step at a time."""
+    params = SamplingParams(temperature=0.0, max_tokens=23, ignore_eos=True)
+    single = LLM(checkpoints[family], overrides=[*BASE, *overrides])
+    try:
+        prompts = mixed_prompts(single.engine.vocab_size, lengths=(5, 14, 3))
+        expected = [o.outputs[0].token_ids for o in single.generate(prompts, params, use_tqdm=False)]
+    finally:
+        single.shutdown()
+    llm = LLM(checkpoints[family], overrides=[*BASE, *overrides, "decoding.multi_step=5"])
+    try:
+        stack = llm.engine.executor.worker.model.native_stack()
+        runs = []
+        original = stack.greedy_steps
+        stack.greedy_steps = lambda *args: runs.append(args[-1]) or original(*args)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert runs and max(runs) == 5 and stack.head_weights
+        assert got == expected
+    finally:
+        llm.shutdown()

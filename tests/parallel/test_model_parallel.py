@@ -63,8 +63,9 @@ def matches(folder: str, *overrides: str, prompts=None) -> None:
     ("llama", ["parallel.tensor_parallel_size=2", "scheduler=static", "cache=contiguous"]),
     ("llama", ["parallel.tensor_parallel_size=2", PAGED, "decoding=ngram", "cache.num_blocks=40", "model.max_model_len=128",
                "cache.swap_space_bytes=1000000", "scheduler.preemption=swap", "cache.enable_prefix_caching=true"]),
+    ("llama", ["parallel.tensor_parallel_size=2", PAGED, "decoding.multi_step=4"]),
 ], ids=["tp2", "tp2-tied-bias-chunked", "tp2-replicated-kv", "pp2-chunked", "tp2-static-contiguous",
-        "tp2-ngram-swap-prefix"])
+        "tp2-ngram-swap-prefix", "tp2-multi-step"])
 def test_greedy_output_equals_one_device(models, model, overrides):
     matches(models[model], *overrides)
 

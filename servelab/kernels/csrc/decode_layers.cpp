@@ -37,6 +37,14 @@
 // `head_kind`), the LM head multiplies it into `logits` [T, vocab] (float32, its first vocab
 // channels, converted from the rows' dtype as the Python head's `.float()` does).
 //
+// Given `step_tokens` [steps, T] (int64; empty: one step), the op runs `steps` greedy decode
+// steps in a row (multi-step decoding): after each, row r's argmax (argmax_rows, as the
+// greedy sampler takes it) goes to step_tokens[s, r] and becomes its next input id, one
+// position on, its slot taken from its block table row (`block_size` tokens a block: the
+// scheduler reserved them as lookahead), its sequence length one longer. input_ids,
+// positions, slot_mapping and seq_lens are advanced in place; the last step's hidden states
+// are returned.
+//
 // The hidden states are float32 (every linear kind), or bfloat16 with bfloat16 linears and
 // experts (a bfloat16 model's decode steps of at most 16 rows, which its Python layers
 // multiply with the same bf16_linear), each op rounding to bfloat16 where the Python one does.
@@ -197,17 +205,16 @@ at::Tensor embedded_rows(const at::Tensor& input_ids, const at::Tensor& embeddin
   return x;
 }
 
-}  // namespace
-
-at::Tensor decode_layers(const at::Tensor& hidden, at::Tensor residual, bool has_residual, const at::Tensor& positions,
-                         at::TensorList kv_caches, const at::Tensor& slot_mapping, const at::Tensor& block_table,
-                         const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& requests,
-                         const at::Tensor& cos, const at::Tensor& sin, int64_t rotary_dim, at::TensorList weights,
-                         at::IntArrayRef kinds, at::IntArrayRef out_features, int64_t num_heads,
-                         int64_t num_kv_heads, int64_t head_dim, double scale, double eps, double qk_eps,
-                         int64_t top_k, bool normalize, const at::Tensor& input_ids, const at::Tensor& embedding,
-                         const at::Tensor& final_norm, double final_eps, at::Tensor logits, at::TensorList head,
-                         int64_t head_kind) {
+// One step of decode_layers (its arguments, less the steps').
+at::Tensor decode_step(const at::Tensor& hidden, at::Tensor residual, bool has_residual, const at::Tensor& positions,
+                       at::TensorList kv_caches, const at::Tensor& slot_mapping, const at::Tensor& block_table,
+                       const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& requests,
+                       const at::Tensor& cos, const at::Tensor& sin, int64_t rotary_dim, at::TensorList weights,
+                       at::IntArrayRef kinds, at::IntArrayRef out_features, int64_t num_heads,
+                       int64_t num_kv_heads, int64_t head_dim, double scale, double eps, double qk_eps,
+                       int64_t top_k, bool normalize, const at::Tensor& input_ids, const at::Tensor& embedding,
+                       const at::Tensor& final_norm, double final_eps, at::Tensor logits, at::TensorList head,
+                       int64_t head_kind) {
   const int64_t layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kLayerTensors &&
                   static_cast<int64_t>(kinds.size()) == layers * kLayerLinears &&
@@ -273,6 +280,65 @@ at::Tensor decode_layers(const at::Tensor& hidden, at::Tensor residual, bool has
                 "decode_layers: the LM head needs the final norm, its ", kLinearTensors,
                 " tensors and a contiguous float32 [T, vocab] logits tensor");
     logits.copy_(linear(x, head, head_kind, logits.size(1)));
+  }
+  return x;
+}
+
+}  // namespace
+
+at::Tensor decode_layers(const at::Tensor& hidden, at::Tensor residual, bool has_residual, at::Tensor positions,
+                         at::TensorList kv_caches, at::Tensor slot_mapping, const at::Tensor& block_table,
+                         const at::Tensor& query_start_loc, at::Tensor seq_lens, const at::Tensor& requests,
+                         const at::Tensor& cos, const at::Tensor& sin, int64_t rotary_dim, at::TensorList weights,
+                         at::IntArrayRef kinds, at::IntArrayRef out_features, int64_t num_heads,
+                         int64_t num_kv_heads, int64_t head_dim, double scale, double eps, double qk_eps,
+                         int64_t top_k, bool normalize, at::Tensor input_ids, const at::Tensor& embedding,
+                         const at::Tensor& final_norm, double final_eps, at::Tensor logits, at::TensorList head,
+                         int64_t head_kind, at::Tensor step_tokens, int64_t block_size) {
+  auto step = [&]() {
+    return decode_step(hidden, residual, has_residual, positions, kv_caches, slot_mapping, block_table,
+                       query_start_loc, seq_lens, requests, cos, sin, rotary_dim, weights, kinds, out_features,
+                       num_heads, num_kv_heads, head_dim, scale, eps, qk_eps, top_k, normalize, input_ids, embedding,
+                       final_norm, final_eps, logits, head, head_kind);
+  };
+  if (!step_tokens.numel()) {
+    return step();
+  }
+  const int64_t steps = step_tokens.size(0), rows = input_ids.numel();
+  TORCH_CHECK(!head.empty() && embedding.numel() && step_tokens.dim() == 2 && step_tokens.size(1) == rows &&
+                  step_tokens.is_contiguous() && step_tokens.scalar_type() == at::kLong &&
+                  input_ids.is_contiguous() && input_ids.scalar_type() == at::kLong && positions.is_contiguous() &&
+                  positions.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                  slot_mapping.scalar_type() == at::kLong && seq_lens.is_contiguous() &&
+                  seq_lens.scalar_type() == at::kInt && block_table.scalar_type() == at::kInt &&
+                  block_table.dim() == 2 && block_table.is_contiguous() && block_table.size(0) == rows &&
+                  block_size > 0,
+              "decode_layers: greedy steps need the embedding, the LM head, int64 [steps, T] step_tokens, one "
+              "int64 input id, position and slot and one int32 sequence length and block table row per request, "
+              "and the block size");
+  at::Tensor x;
+  int64_t* ids = input_ids.data_ptr<int64_t>();
+  int64_t* position = positions.data_ptr<int64_t>();
+  int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  int32_t* length = seq_lens.data_ptr<int32_t>();
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const int64_t width = block_table.size(1);
+  for (int64_t s = 0; s < steps; ++s) {
+    x = step();
+    at::Tensor chosen = step_tokens[s];
+    argmax_rows(chosen, logits);
+    if (s + 1 == steps) {
+      break;
+    }
+    const int64_t* next = chosen.data_ptr<int64_t>();
+    for (int64_t r = 0; r < rows; ++r) {  // the chosen token runs next, one position on, in its reserved slot
+      const int64_t p = ++position[r];
+      TORCH_CHECK(p / block_size < width, "decode_layers: step ", s + 1, " of request ", r, " at position ", p,
+                  " lies past its block table");
+      ids[r] = next[r];
+      slot[r] = static_cast<int64_t>(table[r * width + p / block_size]) * block_size + p % block_size;
+      ++length[r];
+    }
   }
   return x;
 }

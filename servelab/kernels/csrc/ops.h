@@ -69,14 +69,14 @@ void int4_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
 // whether this build has it).
 void w4a8_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& params);
 void softmax_topk(at::Tensor weights, at::Tensor experts, const at::Tensor& logits, int64_t top_k, bool normalize);
-at::Tensor decode_layers(const at::Tensor& hidden, at::Tensor residual, bool has_residual, const at::Tensor& positions,
-                         at::TensorList kv_caches, const at::Tensor& slot_mapping, const at::Tensor& block_table,
-                         const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& requests,
+at::Tensor decode_layers(const at::Tensor& hidden, at::Tensor residual, bool has_residual, at::Tensor positions,
+                         at::TensorList kv_caches, at::Tensor slot_mapping, const at::Tensor& block_table,
+                         const at::Tensor& query_start_loc, at::Tensor seq_lens, const at::Tensor& requests,
                          const at::Tensor& cos, const at::Tensor& sin, int64_t rotary_dim, at::TensorList weights,
                          at::IntArrayRef kinds, at::IntArrayRef out_features, int64_t num_heads,
                          int64_t num_kv_heads, int64_t head_dim, double scale, double eps, double qk_eps,
-                         int64_t top_k, bool normalize, const at::Tensor& input_ids, const at::Tensor& embedding,
+                         int64_t top_k, bool normalize, at::Tensor input_ids, const at::Tensor& embedding,
                          const at::Tensor& final_norm, double final_eps, at::Tensor logits, at::TensorList head,
-                         int64_t head_kind);
+                         int64_t head_kind, at::Tensor step_tokens, int64_t block_size);
 
 }  // namespace servelab_cpu

@@ -38,12 +38,12 @@ TORCH_LIBRARY(servelab_cpu, m) {
   m.def("softmax_topk(Tensor(a!) weights, Tensor(b!) experts, Tensor logits, int top_k, bool normalize) -> ()");
   m.def("causal_prefill_attention(Tensor(a!) out, Tensor q, Tensor k, Tensor v, int[] starts, int[] lengths, "
         "float scale) -> ()");
-  m.def("decode_layers(Tensor hidden, Tensor(a!) residual, bool has_residual, Tensor positions, Tensor[] kv_caches, "
-        "Tensor slot_mapping, Tensor block_table, Tensor query_start_loc, Tensor seq_lens, Tensor requests, "
-        "Tensor cos, Tensor sin, int rotary_dim, Tensor[] weights, int[] kinds, int[] out_features, int num_heads, "
-        "int num_kv_heads, int head_dim, float scale, float eps, float qk_eps, int top_k, bool normalize, "
-        "Tensor input_ids, Tensor embedding, Tensor final_norm, float final_eps, Tensor(b!) logits, Tensor[] head, "
-        "int head_kind) -> Tensor");
+  m.def("decode_layers(Tensor hidden, Tensor(a!) residual, bool has_residual, Tensor(c!) positions, "
+        "Tensor[] kv_caches, Tensor(d!) slot_mapping, Tensor block_table, Tensor query_start_loc, "
+        "Tensor(e!) seq_lens, Tensor requests, Tensor cos, Tensor sin, int rotary_dim, Tensor[] weights, int[] kinds, "
+        "int[] out_features, int num_heads, int num_kv_heads, int head_dim, float scale, float eps, float qk_eps, "
+        "int top_k, bool normalize, Tensor(f!) input_ids, Tensor embedding, Tensor final_norm, float final_eps, "
+        "Tensor(b!) logits, Tensor[] head, int head_kind, Tensor(g!) step_tokens, int block_size) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(servelab_cpu, CatchAll, m) {
