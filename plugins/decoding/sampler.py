@@ -19,6 +19,10 @@ from servelab.plugins.decoding.logits_processing import (
 from servelab.plugins.decoding.structured_output import GrammarConstraints
 
 
+SEED_LIMIT = 2 ** 63 - 1
+"""Noise seeds are drawn below this (torch.randint's int64 range)."""
+
+
 def request_generator(request: Request, device: torch.device) -> torch.Generator | None:
     """The request's own random stream when it has a seed (created on first use)."""
     seed = request.sampling_params.seed
@@ -29,17 +33,58 @@ def request_generator(request: Request, device: torch.device) -> torch.Generator
     return request.generator
 
 
-def random_race(probs: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-    """Sample one token per row: argmax(probs / E) with E ~ Exp(1) is a draw from probs.
-
-    Seeded requests draw E from their own generator, so their tokens do not depend on
-    which other requests share the batch.
-    """
-    noise = torch.empty_like(probs)
+def exponential_noise(like: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """E ~ Exp(1) shaped as ``like`` [N, V], row i drawn from ``requests[i]``'s generator when
+    it has a seed, so seeded requests' tokens do not depend on which others share the batch."""
+    noise = torch.empty_like(like)
     for row, request in enumerate(requests):
-        generator = request_generator(request, probs.device)
-        noise[row].exponential_(generator=generator)
-    return probs.div(noise).argmax(dim=-1)
+        noise[row].exponential_(generator=request_generator(request, like.device))
+    return noise
+
+
+def random_race(probs: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """Sample one token per row: argmax(probs / E) with E ~ Exp(1) is a draw from probs."""
+    return probs.div(exponential_noise(probs, requests)).argmax(dim=-1)
+
+
+def noise_seeds(requests: Sequence[Request]) -> list[int]:
+    """One seed per request for ``sample_rows``'s counter-based noise: a seeded request's
+    from its own generator (its tokens then do not depend on the batch), the others' from
+    torch's global one; greedy requests draw none (0)."""
+    random = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
+    seeds = [0] * len(requests)
+    unseeded = [i for i in random if requests[i].sampling_params.seed is None]
+    if unseeded:
+        for i, seed in zip(unseeded, torch.randint(SEED_LIMIT, (len(unseeded),)).tolist()):
+            seeds[i] = seed
+    for i in random:
+        generator = request_generator(requests[i], torch.device("cpu"))
+        if generator is not None:
+            seeds[i] = int(torch.randint(SEED_LIMIT, (1,), generator=generator))
+    return seeds
+
+
+def sampled_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """One token per row of processed ``logits`` [N, V]: the argmax for greedy requests, a
+    draw under the temperature, top-k, top-p and min-p of the others. Float32 CPU rows take
+    the native ``sample_rows`` (one call instead of some thirty tensor ops, its noise
+    counter-based from a seed per request), others the torch path."""
+    params = [r.sampling_params for r in requests]
+    if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous()
+            and native_cpu_available()):
+        tokens = torch.empty(logits.shape[0], dtype=torch.long)
+        torch.ops.servelab_cpu.sample_rows(tokens, logits, noise_seeds(requests),
+                                           [0.0 if p.greedy else p.temperature for p in params],
+                                           [p.top_k for p in params], [p.top_p for p in params],
+                                           [p.min_p for p in params])
+        return tokens
+    tokens = greedy_tokens(logits)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    random_requests = [requests[i] for i in rows]
+    index = torch.tensor(rows, device=logits.device)
+    filtered = apply_temperature_and_filters(logits[index], random_requests)
+    tokens[index] = random_race(filtered.softmax(dim=-1), random_requests)
+    return tokens
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
@@ -81,16 +126,9 @@ def sample_tokens(logits: torch.Tensor, requests: Sequence[Request],
     logits = processed_logits(logits, requests)
     if grammars is not None:
         mask_with_grammars(logits, requests, grammars)
-    greedy = [r.sampling_params.greedy for r in requests]
-    tokens = greedy_tokens(logits)
-    if all(greedy):
-        return tokens
-    rows = [i for i, g in enumerate(greedy) if not g]
-    random_requests = [requests[i] for i in rows]
-    index = torch.tensor(rows, device=logits.device)
-    filtered = apply_temperature_and_filters(logits[index], random_requests)
-    tokens[index] = random_race(filtered.softmax(dim=-1), random_requests)
-    return tokens
+    if all(r.sampling_params.greedy for r in requests):
+        return greedy_tokens(logits)
+    return sampled_tokens(logits, requests)
 
 
 def ranked_logprobs(raw_logits: torch.Tensor, tokens: Sequence[int], top_ns: Sequence[int]) -> list[dict[int, Logprob]]:

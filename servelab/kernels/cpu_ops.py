@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 SOURCES = [os.path.join(SOURCE_DIR, name) for name in (
     "register_ops.cpp", "paged_attention.cpp", "write_kv_cache.cpp", "prefill_attention.cpp",
-    "rms_norm.cpp", "rotary_embedding.cpp", "silu_and_mul.cpp", "argmax_rows.cpp",
+    "rms_norm.cpp", "rotary_embedding.cpp", "silu_and_mul.cpp", "argmax_rows.cpp", "sample_rows.cpp",
     "blocked_linear.cpp", "w8a8_linear.cpp", "int4_linear.cpp", "w4a8_linear.cpp", "softmax_topk.cpp",
     "decode_layers.cpp")]
 FLAGS = ["-O3", "-march=native", "-fopenmp"]

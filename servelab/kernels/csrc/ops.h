@@ -9,6 +9,7 @@
 //   rotary_embedding.cpp  rotary_embedding
 //   silu_and_mul.cpp      silu_and_mul
 //   argmax_rows.cpp       argmax_rows
+//   sample_rows.cpp       sample_rows (the sampler's temperature, top-k/p, min-p and random race)
 //   blocked_linear.cpp    float_linear, bf16_linear, int8_linear, grouped_expert_linear (float32,
 //                         bfloat16 and weight-only int8 matmuls on a weight repacked into blocks
 //                         of 16 channels)
@@ -48,6 +49,8 @@ void rotary_embedding(at::Tensor q, at::Tensor k, const at::Tensor& positions, c
                       const at::Tensor& sin);
 void silu_and_mul(at::Tensor out, const at::Tensor& x);
 void argmax_rows(at::Tensor out, const at::Tensor& logits);
+void sample_rows(at::Tensor out, const at::Tensor& logits, at::IntArrayRef seeds, at::ArrayRef<double> temperatures,
+                 at::IntArrayRef top_ks, at::ArrayRef<double> top_ps, at::ArrayRef<double> min_ps);
 void float_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed);
 void int8_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales);
 void bf16_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed);

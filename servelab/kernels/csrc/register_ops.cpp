@@ -24,6 +24,8 @@ TORCH_LIBRARY(servelab_cpu, m) {
   m.def("rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("argmax_rows(Tensor(a!) out, Tensor logits) -> ()");
+  m.def("sample_rows(Tensor(a!) out, Tensor logits, int[] seeds, float[] temperatures, int[] top_ks, float[] top_ps, "
+        "float[] min_ps) -> ()");
   m.def("float_linear(Tensor(a!) out, Tensor x, Tensor packed) -> ()");
   m.def("bf16_linear(Tensor(a!) out, Tensor x, Tensor packed) -> ()");
   m.def("int8_linear(Tensor(a!) out, Tensor x, Tensor packed, Tensor scales) -> ()");
@@ -60,6 +62,7 @@ TORCH_LIBRARY_IMPL(servelab_cpu, CPU, m) {
   m.impl("rotary_embedding", &servelab_cpu::rotary_embedding);
   m.impl("silu_and_mul", &servelab_cpu::silu_and_mul);
   m.impl("argmax_rows", &servelab_cpu::argmax_rows);
+  m.impl("sample_rows", &servelab_cpu::sample_rows);
   m.impl("float_linear", &servelab_cpu::float_linear);
   m.impl("bf16_linear", &servelab_cpu::bf16_linear);
   m.impl("int8_linear", &servelab_cpu::int8_linear);
