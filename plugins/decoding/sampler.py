@@ -19,10 +19,6 @@ from servelab.plugins.decoding.logits_processing import (
 from servelab.plugins.decoding.structured_output import GrammarConstraints
 
 
-SEED_LIMIT = 2 ** 63 - 1
-"""Noise seeds are drawn below this (torch.randint's int64 range)."""
-
-
 def request_generator(request: Request, device: torch.device) -> torch.Generator | None:
     """The request's own random stream when it has a seed (created on first use)."""
     seed = request.sampling_params.seed
@@ -33,12 +29,14 @@ def request_generator(request: Request, device: torch.device) -> torch.Generator
     return request.generator
 
 
-def exponential_noise(like: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+def exponential_noise(like: torch.Tensor, requests: Sequence[Request], skip_greedy: bool = False) -> torch.Tensor:
     """E ~ Exp(1) shaped as ``like`` [N, V], row i drawn from ``requests[i]``'s generator when
-    it has a seed, so seeded requests' tokens do not depend on which others share the batch."""
+    it has a seed, so seeded requests' tokens do not depend on which others share the batch
+    (``skip_greedy``: greedy requests' rows left unset)."""
     noise = torch.empty_like(like)
     for row, request in enumerate(requests):
-        noise[row].exponential_(generator=request_generator(request, like.device))
+        if not (skip_greedy and request.sampling_params.greedy):
+            noise[row].exponential_(generator=request_generator(request, like.device))
     return noise
 
 
@@ -47,33 +45,16 @@ def random_race(probs: torch.Tensor, requests: Sequence[Request]) -> torch.Tenso
     return probs.div(exponential_noise(probs, requests)).argmax(dim=-1)
 
 
-def noise_seeds(requests: Sequence[Request]) -> list[int]:
-    """One seed per request for ``sample_rows``'s counter-based noise: a seeded request's
-    from its own generator (its tokens then do not depend on the batch), the others' from
-    torch's global one; greedy requests draw none (0)."""
-    random = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
-    seeds = [0] * len(requests)
-    unseeded = [i for i in random if requests[i].sampling_params.seed is None]
-    if unseeded:
-        for i, seed in zip(unseeded, torch.randint(SEED_LIMIT, (len(unseeded),)).tolist()):
-            seeds[i] = seed
-    for i in random:
-        generator = request_generator(requests[i], torch.device("cpu"))
-        if generator is not None:
-            seeds[i] = int(torch.randint(SEED_LIMIT, (1,), generator=generator))
-    return seeds
-
-
 def sampled_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
     """One token per row of processed ``logits`` [N, V]: the argmax for greedy requests, a
     draw under the temperature, top-k, top-p and min-p of the others. Float32 CPU rows take
-    the native ``sample_rows`` (one call instead of some thirty tensor ops, its noise
-    counter-based from a seed per request), others the torch path."""
+    the native ``sample_rows`` (one call instead of some thirty tensor ops), others the torch
+    path; both race the same noise, so a seeded request draws the same tokens either way."""
     params = [r.sampling_params for r in requests]
     if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous()
             and native_cpu_available()):
         tokens = torch.empty(logits.shape[0], dtype=torch.long)
-        torch.ops.servelab_cpu.sample_rows(tokens, logits, noise_seeds(requests),
+        torch.ops.servelab_cpu.sample_rows(tokens, logits, exponential_noise(logits, requests, skip_greedy=True),
                                            [0.0 if p.greedy else p.temperature for p in params],
                                            [p.top_k for p in params], [p.top_p for p in params],
                                            [p.min_p for p in params])

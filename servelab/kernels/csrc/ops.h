@@ -49,7 +49,7 @@ void rotary_embedding(at::Tensor q, at::Tensor k, const at::Tensor& positions, c
                       const at::Tensor& sin);
 void silu_and_mul(at::Tensor out, const at::Tensor& x);
 void argmax_rows(at::Tensor out, const at::Tensor& logits);
-void sample_rows(at::Tensor out, const at::Tensor& logits, at::IntArrayRef seeds, at::ArrayRef<double> temperatures,
+void sample_rows(at::Tensor out, const at::Tensor& logits, const at::Tensor& noise, at::ArrayRef<double> temperatures,
                  at::IntArrayRef top_ks, at::ArrayRef<double> top_ps, at::ArrayRef<double> min_ps);
 void float_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed);
 void int8_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales);

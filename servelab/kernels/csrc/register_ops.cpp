@@ -24,7 +24,7 @@ TORCH_LIBRARY(servelab_cpu, m) {
   m.def("rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("argmax_rows(Tensor(a!) out, Tensor logits) -> ()");
-  m.def("sample_rows(Tensor(a!) out, Tensor logits, int[] seeds, float[] temperatures, int[] top_ks, float[] top_ps, "
+  m.def("sample_rows(Tensor(a!) out, Tensor logits, Tensor noise, float[] temperatures, int[] top_ks, float[] top_ps, "
         "float[] min_ps) -> ()");
   m.def("float_linear(Tensor(a!) out, Tensor x, Tensor packed) -> ()");
   m.def("bf16_linear(Tensor(a!) out, Tensor x, Tensor packed) -> ()");

@@ -1,15 +1,12 @@
-// sample_rows: the sampler's random rows in one call, with the filters of sampler.py's torch
-// path (apply_temperature_and_filters): each row divided by its temperature, cut to its
-// top-k tokens, then to the fewest leading ones whose probability mass before them is at
-// most top_p (probabilities of the whole row, as the torch path's softmax of the sorted
-// row), then to those at least min_p times as probable as the most probable; the token is
-// drawn by the exponential race argmax(p / E) over what is left, E ~ Exp(1) per token. A row
-// of temperature 0 is greedy: its first largest logit.
-//
-// The noise is counter-based: E of token t is -log(u) with u from the SplitMix64 hash of the
-// row's seed (which the caller draws from the request's generator each step) and t, so it
-// is computed for the tokens the filters kept alone, and a seeded request's tokens depend on
-// its seed and logits only.
+// sample_rows: the sampler's random rows in one call, as sampler.py's torch path takes them
+// (apply_temperature_and_filters, then random_race): each row divided by its temperature,
+// cut to its top-k tokens, then to the fewest leading ones whose probability mass before
+// them is at most top_p (probabilities of the whole row, as the torch path's softmax of the
+// sorted row), then to those at least min_p times as probable as the most probable, and the
+// token drawn by the exponential race argmax(p / E) over what is left, E the row of `noise`
+// (Exp(1) draws the caller takes from each request's generator, as the torch path does, so
+// a seeded request draws the same tokens either way). A row of temperature 0 is greedy: its
+// first largest logit (its noise is not read).
 //
 // At batch 1 on a small vocabulary the torch path is some thirty tensor calls, each slowed
 // by caches the forward pass has just refilled (hundreds of microseconds a step); here it is
@@ -35,20 +32,11 @@ constexpr int64_t kFirstCandidates = 64;
 // Rows a thread takes at least: a few rows run on the calling thread, without waking the others.
 constexpr int64_t kRowsPerTask = 4;
 
-// u in (0, 1) of `token` under `seed`: the SplitMix64 hash of both, its top 24 bits.
-float uniform(uint64_t seed, int64_t token) {
-  uint64_t z = seed + 0x9E3779B97F4A7C15ull * static_cast<uint64_t>(token + 1);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  z ^= z >> 31;
-  return (static_cast<float>(z >> 40) + 0.5f) * (1.0f / 16777216.0f);
-}
-
 // The token of a sort key (the complement of its index in the low 32 bits).
 int64_t token_of(uint64_t key) { return 0xFFFFFFFFu - static_cast<uint32_t>(key); }
 
-// The token of one row of `vocab` logits under its temperature, filters and noise seed.
-int64_t sample_row(const float* logits, uint64_t seed, int64_t vocab, float temperature, int64_t top_k,
+// The token of one row (`vocab` logits and noise) under its temperature and filters.
+int64_t sample_row(const float* logits, const float* noise, int64_t vocab, float temperature, int64_t top_k,
                    double top_p, double min_p, std::vector<float>& weights, std::vector<uint64_t>& order) {
   // weights[i] = exp(x_i - max x), x = logits / temperature: the row's unnormalized probabilities
   float* w = weights.data();
@@ -98,7 +86,7 @@ int64_t sample_row(const float* logits, uint64_t seed, int64_t vocab, float temp
     }
   }
   // The race over the kept tokens at least min_p times as probable as the most probable:
-  // p / E = w / -log(u), the logarithms a vector at a time where every token is kept.
+  // p / E = w / E, a vector at a time where every token is kept.
   const float floor = static_cast<float>(min_p);
   int64_t token = sorted ? token_of(order[0]) : 0;
   float best = -1.0f;
@@ -112,32 +100,33 @@ int64_t sample_row(const float* logits, uint64_t seed, int64_t vocab, float temp
   if (!sorted) {
     alignas(64) float values[kLanes];
     for (; j + kLanes <= kept; j += kLanes) {
-      for (int64_t l = 0; l < kLanes; ++l) values[l] = uniform(seed, j + l);
-      (Vec::loadu(w + j) / (Vec(0.0f) - Vec::loadu(values).log())).store(values);
+      (Vec::loadu(w + j) / Vec::loadu(noise + j)).store(values);
       for (int64_t l = 0; l < kLanes; ++l) race(j + l, values[l]);
     }
   }
   for (; j < kept; ++j) {
     const int64_t t = sorted ? token_of(order[j]) : j;
-    race(t, w[t] / -std::log(uniform(seed, t)));
+    race(t, w[t] / noise[t]);
   }
   return token;
 }
 
 }  // namespace
 
-void sample_rows(at::Tensor out, const at::Tensor& logits, at::IntArrayRef seeds, at::ArrayRef<double> temperatures,
+void sample_rows(at::Tensor out, const at::Tensor& logits, const at::Tensor& noise, at::ArrayRef<double> temperatures,
                  at::IntArrayRef top_ks, at::ArrayRef<double> top_ps, at::ArrayRef<double> min_ps) {
-  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == at::kFloat && logits.size(1) > 0,
-              "sample_rows: logits must be a contiguous float32 [N, V] tensor with V > 0");
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == at::kFloat &&
+                  logits.size(1) > 0 && noise.sizes() == logits.sizes() && noise.is_contiguous() &&
+                  noise.scalar_type() == at::kFloat,
+              "sample_rows: logits and noise must be contiguous float32 [N, V] tensors with V > 0");
   const int64_t rows = logits.size(0), vocab = logits.size(1);
   TORCH_CHECK(out.dim() == 1 && out.is_contiguous() && out.scalar_type() == at::kLong && out.size(0) == rows,
               "sample_rows: out must be a contiguous int64 [N] tensor");
-  TORCH_CHECK(static_cast<int64_t>(seeds.size()) == rows && static_cast<int64_t>(temperatures.size()) == rows &&
-                  static_cast<int64_t>(top_ks.size()) == rows && static_cast<int64_t>(top_ps.size()) == rows &&
-                  static_cast<int64_t>(min_ps.size()) == rows,
-              "sample_rows: one seed, temperature, top_k, top_p and min_p per row");
+  TORCH_CHECK(static_cast<int64_t>(temperatures.size()) == rows && static_cast<int64_t>(top_ks.size()) == rows &&
+                  static_cast<int64_t>(top_ps.size()) == rows && static_cast<int64_t>(min_ps.size()) == rows,
+              "sample_rows: one temperature, top_k, top_p and min_p per row");
   const float* x = logits.data_ptr<float>();
+  const float* e = noise.data_ptr<float>();
   int64_t* tokens = out.data_ptr<int64_t>();
   at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
     std::vector<float> weights(vocab);
@@ -149,7 +138,7 @@ void sample_rows(at::Tensor out, const at::Tensor& logits, at::IntArrayRef seeds
         continue;
       }
       const int64_t top_k = top_ks[r] > 0 && top_ks[r] < vocab ? top_ks[r] : vocab;
-      tokens[r] = sample_row(row, static_cast<uint64_t>(seeds[r]), vocab, static_cast<float>(temperatures[r]), top_k,
+      tokens[r] = sample_row(row, e + r * vocab, vocab, static_cast<float>(temperatures[r]), top_k,
                              top_ps[r], min_ps[r], weights, order);
     }
   });
