@@ -22,17 +22,21 @@ it is the engine's own time.
 Models are ``servelab.bench.random_llama``'s (random weights, written once under
 ``--folder``); ``--modes`` are a dtype (``float32``, ``bfloat16``) or a weight
 quantization (``int8``, ``w8a8`` with the LM head quantized too; ``int4`` with a float32
-head, ``int4-head`` with an int8 one).
+head, ``int4-head`` with an int8 one). ``int8-widened`` is ``int8`` through the kernel of
+CPUs without int8 dot products (``int8_linear``: each weight widened to float32) where
+``int8`` takes ``int8_sliced_linear``, to compare the two on one machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import tempfile
 import time
 from typing import Any, Callable
+from unittest import mock
 
 import torch
 
@@ -40,7 +44,7 @@ from servelab.bench.random_llama import MODELS, VOCAB, make_checkpoint, matmul_p
 
 PROMPT_TOKENS = 16
 DECODE_TOKENS = 128
-QUANTIZATIONS = ("int8", "w8a8", "int4", "int4-head", "w4a8")
+QUANTIZATIONS = ("int8", "int8-widened", "w8a8", "int4", "int4-head", "w4a8")
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 """``--clock``: the wall clock, or the CPU time of this process (all its threads)."""
 
@@ -69,14 +73,15 @@ def overrides_for(mode: str) -> list[str]:
     if mode == "int4-head":
         return ["model.dtype=float32", "model.quantization=int4", "model.quantization_lm_head=true"]
     if mode in QUANTIZATIONS:
-        return ["model.dtype=float32", f"model.quantization={mode}", "model.quantization_lm_head=true"]
+        quantization = mode.removesuffix("-widened")
+        return ["model.dtype=float32", f"model.quantization={quantization}", "model.quantization_lm_head=true"]
     return [f"model.dtype={mode}"]
 
 
 INT4_WIDTH = 0.5 + 2 * 4 / 128
 """An int4 weight's bytes as the kernels read them: the nibble and its share of its group's
 float32 scale and offset (groups of 128, the default)."""
-WIDTH = {"float32": 4.0, "bfloat16": 2.0, "int8": 1.0, "w8a8": 1.0, "int4": INT4_WIDTH, "int4-head": INT4_WIDTH,
+WIDTH = {"float32": 4.0, "bfloat16": 2.0, "int8": 1.0, "int8-widened": 1.0, "w8a8": 1.0, "int4": INT4_WIDTH, "int4-head": INT4_WIDTH,
          "w4a8": INT4_WIDTH}
 """Bytes per stored weight of each mode (int8's one scale per row is left out: 1/K of a byte)."""
 
@@ -128,18 +133,21 @@ def measure(name: str, folder: str, mode: str, batches: list[int], threads: int,
             clock: Callable[[], float]) -> list[dict[str, Any]]:
     """One row per batch size for model ``name`` (written in ``folder``) in ``mode``."""
     from servelab import LLM
+    from servelab.plugins.models import quantized_linear
 
-    llm = LLM(folder, overrides=["device=cpu", "model.max_model_len=512", f"parallel.threads={threads}",
-                                 *overrides_for(mode)])
-    llm.warm_up()
-    rows = []
-    for batch in batches:
-        seconds, context, experts = decode_step_seconds(llm, batch, clock)
-        read = weight_bytes(name, mode, batch, experts) + batch * context * llm.engine.cache.spec.bytes_per_token
-        rows.append({"mode": mode, "batch": batch, "step_ms": seconds * 1e3, "tokens_per_s": batch / seconds,
-                     "mb_per_step": read / 1e6, "gb_per_s": read / seconds / 1e9,
-                     "fraction": read / seconds / bandwidth})
-    llm.shutdown()
+    widened = mock.patch.object(quantized_linear, "slices_on_dot_products", lambda: False)
+    with widened if mode == "int8-widened" else contextlib.nullcontext():
+        llm = LLM(folder, overrides=["device=cpu", "model.max_model_len=512", f"parallel.threads={threads}",
+                                     *overrides_for(mode)])
+        llm.warm_up()
+        rows = []
+        for batch in batches:
+            seconds, context, experts = decode_step_seconds(llm, batch, clock)
+            read = weight_bytes(name, mode, batch, experts) + batch * context * llm.engine.cache.spec.bytes_per_token
+            rows.append({"mode": mode, "batch": batch, "step_ms": seconds * 1e3, "tokens_per_s": batch / seconds,
+                         "mb_per_step": read / 1e6, "gb_per_s": read / seconds / 1e9,
+                         "fraction": read / seconds / bandwidth})
+        llm.shutdown()
     return rows
 
 

@@ -302,7 +302,9 @@ class QuantizedStackedWeight(nn.Module):
 
     def grouped(self, x: torch.Tensor, groups: ExpertGroups) -> torch.Tensor | None:
         """Each group's rows of float32 ``x`` times its expert's matrix, in one native call
-        (``grouped_expert_linear`` or, with int8 activations, ``grouped_w8a8_linear``);
+        (``grouped_expert_linear``, ``grouped_int8_sliced_linear`` where the experts'
+        ``QuantizedLinear`` layers slice their rows, or with int8 activations
+        ``grouped_w8a8_linear``);
         None where the experts' CPU kernel does not run."""
         if x.dtype != torch.float32 or self.scales.dtype != torch.float32 or x.device.type != "cpu":
             return None
@@ -312,6 +314,8 @@ class QuantizedStackedWeight(nn.Module):
         out = x.new_empty(x.shape[0], self.out_features)
         if self.int8_activations:
             torch.ops.servelab_cpu.grouped_w8a8_linear(out, x.contiguous(), *stacked, *groups)
+        elif len(stacked) == 3:  # int8_sliced_linear's tensors
+            torch.ops.servelab_cpu.grouped_int8_sliced_linear(out, x.contiguous(), *stacked, *groups)
         else:
             torch.ops.servelab_cpu.grouped_expert_linear(out, x.contiguous(), *stacked, *groups)
         return out

@@ -37,7 +37,7 @@ from servelab.plugins.models.quantized_linear import QuantizedHead, QuantizedLin
 
 NO_TENSOR = torch.empty(0)
 """A linear's unused weight slots and missing bias."""
-FLOAT, INT8, W8A8, INT4, BFLOAT16, W4A8 = range(6)
+FLOAT, INT8, W8A8, INT4, BFLOAT16, W4A8, INT8_SLICED = range(7)
 """``decode_layers``' linear kinds."""
 VERSION = attrgetter("_version")
 
@@ -60,7 +60,7 @@ def _linear_slots(linear: Any, probe: torch.Tensor) -> tuple[int, list[torch.Ten
         if packed is None:
             return None
         kind = ((W8A8 if linear.bits == 8 else W4A8) if linear.int8_activations
-                else INT8 if linear.bits == 8 else INT4)
+                else (INT8_SLICED if len(packed) == 3 else INT8) if linear.bits == 8 else INT4)
         tensors = list(packed)
     else:
         return None
@@ -83,7 +83,8 @@ def _expert_slots(stacked: Any, dtype: torch.dtype) -> tuple[int, list[torch.Ten
         packed = stacked.stacked_kernel_weights()
         if packed is None:
             return None
-        kind, tensors = W8A8 if stacked.int8_activations else INT8, list(packed)
+        kind = W8A8 if stacked.int8_activations else INT8_SLICED if len(packed) == 3 else INT8
+        tensors = list(packed)
     else:
         return None
     return kind, tensors + [NO_TENSOR] * (4 - len(tensors))

@@ -2,8 +2,9 @@
 
 The weights are stored in servelab's format (``servelab/kernels/quantized_weights.py``, what the
 checkpoint holds). On the CPU, int8 layers multiply through servelab's native weight-only
-kernel (``servelab/kernels/quantized_cpu.py``: a copy of the weight repacked once, widened to
-float32 in registers, any number of rows), or, with ``int8_activations`` (w8a8), its int8
+kernels (``servelab/kernels/quantized_cpu.py``: a copy of the weight repacked once; with
+AVX512-VNNI each input row split into three int8 slices for int8 dot products, else the
+weights widened to float32 in registers; any number of rows), or, with ``int8_activations`` (w8a8), its int8
 x int8 kernel (``servelab/kernels/w8a8_cpu.py``: each input row quantized to int8, int8 dot
 products; its torch reference where the kernel is missing); int4 layers through servelab's
 native int4 kernel (``servelab/kernels/int4_cpu.py``: a copy repacked once, the nibbles
@@ -29,7 +30,8 @@ from servelab.core.errors import ConfigError
 from servelab.core.quantization import W4A8_GROUP_MULTIPLE, WeightQuantization, group_problems, is_quantized_tensor
 from servelab.kernels.cpu_ops import native_cpu_available, native_cpu_enabled
 from servelab.kernels.int4_cpu import int4_linear, pack_int4_blocks
-from servelab.kernels.quantized_cpu import int8_linear, pack_int8
+from servelab.kernels.quantized_cpu import (int8_linear, int8_sliced_linear, pack_int8, pack_int8_sliced,
+                                            slices_on_dot_products)
 from servelab.kernels.quantized_weights import dequantize_int4, dequantize_int8, quantize_int8
 from servelab.kernels.w4a8_cpu import pack_w4a8, w4a8_linear, w4a8_linear_reference
 from servelab.kernels.w8a8_cpu import pack_w8a8, w8a8_linear, w8a8_linear_reference, w8a8_unavailable_reason
@@ -114,8 +116,9 @@ class QuantizedLinear(nn.Module):
         return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def packed_kernel_weights(self, x: torch.Tensor) -> tuple | None:
-        """What the CPU kernel multiplies ``x`` with: ``pack_int8``'s (packed weight,
-        scales) for int8, ``pack_w8a8``'s for w8a8, ``pack_int4_blocks``' for int4,
+        """What the CPU kernel multiplies ``x`` with: ``pack_int8_sliced``'s (packed
+        weight, offsets, scales) for int8 where the CPU has int8 dot products, else
+        ``pack_int8``'s (packed weight, scales), ``pack_w8a8``'s for w8a8, ``pack_int4_blocks``' for int4,
         ``pack_w4a8``'s for w4a8; None where the reference runs."""
         if x.device.type != "cpu" or x.dtype not in FAST_DTYPES:
             return None
@@ -149,7 +152,11 @@ class QuantizedLinear(nn.Module):
         if not native_cpu_available():
             return None
         with torch.inference_mode(False):  # normal tensors, usable in and out of inference mode
+            if self.bits == 8 and slices_on_dot_products():
+                self._kernel = int8_sliced_linear
+                return pack_int8_sliced(self.qweight, self.scales)
             if self.bits == 8:
+                self._kernel = int8_linear
                 return pack_int8(self.qweight, self.scales)
             return pack_int4_blocks(self.qweight, self.scales, self.zeros)
 

@@ -1,9 +1,12 @@
-"""servelab's weight-only int8 CPU matmul (``torch.ops.servelab_cpu.int8_linear``,
-``csrc/blocked_linear.cpp``) on the blocked weight layout of ``servelab/kernels/blocked_linear.py``,
-built once at load.
+"""servelab's weight-only int8 CPU matmuls, on a weight repacked once at load.
 
-The kernel widens int8 weights to float32 in registers inside a blocked matmul, so a
-weight crosses memory as one byte per value instead of four; see docs/quantization.md.
+On a CPU with AVX512-VNNI, ``int8_sliced_linear`` (``csrc/w8a8_linear.cpp``, on w8a8's
+packed layout) splits each float32 input row into three int8 slices (the row quantized,
+then what it left out quantized on a 254x finer scale, twice: exact to about 6e-8 of the
+row's largest value) and multiplies them with int8 dot products, summing the slices'
+results. Elsewhere ``int8_linear`` (``csrc/blocked_linear.cpp``, on the blocked layout of
+``servelab/kernels/blocked_linear.py``) widens each weight to float32 in registers. Either
+way a weight crosses memory as one byte per value instead of four; see docs/quantization.md.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import torch.nn.functional as F
 
 from servelab.kernels.blocked_linear import PACK_CHANNELS, pack_blocks
 from servelab.kernels.cpu_ops import native_cpu_ops
+from servelab.kernels.w8a8_cpu import pack_w8a8, w8a8_unavailable_reason
 
 
 def pack_int8(qweight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -27,4 +31,25 @@ def int8_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out
     from ``pack_int8``'s tensors."""
     out = x.new_empty(x.shape[0], out_features)
     native_cpu_ops().int8_linear(out, x, packed, scales)
+    return out
+
+
+def slices_on_dot_products() -> bool:
+    """True where weight-only int8 layers multiply through ``int8_sliced_linear`` (a CPU
+    with AVX512-VNNI and the native ops built), else through ``int8_linear``."""
+    return w8a8_unavailable_reason() is None
+
+
+def pack_int8_sliced(qweight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(qweight int8 [N, K], scales [N]) -> ``int8_sliced_linear``'s (packed, offsets,
+    scales): ``pack_w8a8``'s layout."""
+    return pack_w8a8(qweight, scales)
+
+
+def int8_sliced_linear(x: torch.Tensor, packed: torch.Tensor, offsets: torch.Tensor, scales: torch.Tensor,
+                       out_features: int) -> torch.Tensor:
+    """x [M, K] float32 (contiguous) -> x @ (qweight * scales).T [M, out_features] float32,
+    each row of x split into int8 slices, from ``pack_int8_sliced``'s tensors."""
+    out = x.new_empty(x.shape[0], out_features)
+    native_cpu_ops().int8_sliced_linear(out, x, packed, offsets, scales)
     return out

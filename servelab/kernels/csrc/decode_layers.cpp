@@ -17,6 +17,7 @@
 //   kind 3, int4:        packed, params, -                                 -> int4_linear
 //   kind 4, bfloat16:    packed (blocked_linear's layout), -, -            -> bf16_linear
 //   kind 5, w4a8:        packed, params, -                                 -> w4a8_linear
+//   kind 6, int8 sliced: packed, offsets, scales (w8a8's layout)          -> int8_sliced_linear
 // then the bias (an empty tensor for none). A layer is the input norm's weight, the qkv,
 // output, gate/up and down linears (4 tensors each), the post-attention norm's weight, the
 // q and k norms' weights (empty tensors without q/k norms), the router's weight and the
@@ -72,6 +73,7 @@ at::Tensor linear(const at::Tensor& x, at::TensorList w, int64_t kind, int64_t o
     case 3: int4_linear(out, x, w[0], w[1]); break;
     case 4: bf16_linear(out, x, w[0]); break;
     case 5: w4a8_linear(out, x, w[0], w[1]); break;
+    case 6: int8_sliced_linear(out, x, w[0], w[1], w[2]); break;
     default: TORCH_CHECK(false, "decode_layers: unknown linear kind ", kind);
   }
   if (w[3].numel()) {
@@ -94,6 +96,7 @@ at::Tensor experts_linear(const at::Tensor& pairs, at::TensorList w, int64_t kin
     case 4: grouped_expert_linear(out, pairs, w[0], at::Tensor(), experts, starts, counts); break;
     case 1: grouped_expert_linear(out, pairs, w[0], w[1], experts, starts, counts); break;
     case 2: grouped_w8a8_linear(out, pairs, w[0], w[1], w[2], experts, starts, counts); break;
+    case 6: grouped_int8_sliced_linear(out, pairs, w[0], w[1], w[2], experts, starts, counts); break;
     default: TORCH_CHECK(false, "decode_layers: experts of linear kind ", kind, " are not served");
   }
   return out;

@@ -13,7 +13,9 @@
 //   blocked_linear.cpp    float_linear, bf16_linear, int8_linear, grouped_expert_linear (float32,
 //                         bfloat16 and weight-only int8 matmuls on a weight repacked into blocks
 //                         of 16 channels)
-//   w8a8_linear.cpp       w8a8_linear, supports_w8a8 (int8 weights and per-row int8 activations)
+//   w8a8_linear.cpp       w8a8_linear, grouped_w8a8_linear, supports_w8a8 (int8 weights and per-row int8
+//                         activations), int8_sliced_linear, grouped_int8_sliced_linear (int8 weights,
+//                         float32 activations split into int8 slices)
 //   int4_linear.cpp       int4_linear (group-wise int4 weights, any number of rows)
 //   w4a8_linear.cpp       w4a8_linear (group-wise int4 weights and per-row int8 activations)
 //   softmax_topk.cpp      softmax_topk (a mixture of experts' softmax top-k routing)
@@ -67,6 +69,13 @@ void w8a8_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
 void grouped_w8a8_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& offsets,
                          const at::Tensor& scales, at::IntArrayRef experts, at::IntArrayRef starts,
                          at::IntArrayRef counts);
+// Weight-only int8 on w8a8_linear's packed weights: each float32 row of x split into int8
+// slices, multiplied as w8a8_linear multiplies its rows, the slices' results summed.
+void int8_sliced_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& offsets,
+                        const at::Tensor& scales);
+void grouped_int8_sliced_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
+                                const at::Tensor& offsets, const at::Tensor& scales, at::IntArrayRef experts,
+                                at::IntArrayRef starts, at::IntArrayRef counts);
 void int4_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& params);
 // int4 weights times activations quantized to int8 per row (AVX512-VNNI; supports_w8a8 says
 // whether this build has it).

@@ -33,10 +33,13 @@ TORCH_LIBRARY(servelab_cpu, m) {
   m.def("w4a8_linear(Tensor(a!) out, Tensor x, Tensor packed, Tensor params) -> ()");
   m.def("supports_w8a8() -> bool");
   m.def("w8a8_linear(Tensor(a!) out, Tensor x, Tensor packed, Tensor offsets, Tensor scales) -> ()");
+  m.def("int8_sliced_linear(Tensor(a!) out, Tensor x, Tensor packed, Tensor offsets, Tensor scales) -> ()");
   m.def("grouped_expert_linear(Tensor(a!) out, Tensor x, Tensor packed, Tensor scales, int[] experts, int[] starts, "
         "int[] counts) -> ()");
   m.def("grouped_w8a8_linear(Tensor(a!) out, Tensor x, Tensor packed, Tensor offsets, Tensor scales, int[] experts, "
         "int[] starts, int[] counts) -> ()");
+  m.def("grouped_int8_sliced_linear(Tensor(a!) out, Tensor x, Tensor packed, Tensor offsets, Tensor scales, "
+        "int[] experts, int[] starts, int[] counts) -> ()");
   m.def("softmax_topk(Tensor(a!) weights, Tensor(b!) experts, Tensor logits, int top_k, bool normalize) -> ()");
   m.def("causal_prefill_attention(Tensor(a!) out, Tensor q, Tensor k, Tensor v, int[] starts, int[] lengths, "
         "float scale) -> ()");
@@ -67,8 +70,10 @@ TORCH_LIBRARY_IMPL(servelab_cpu, CPU, m) {
   m.impl("bf16_linear", &servelab_cpu::bf16_linear);
   m.impl("int8_linear", &servelab_cpu::int8_linear);
   m.impl("w8a8_linear", &servelab_cpu::w8a8_linear);
+  m.impl("int8_sliced_linear", &servelab_cpu::int8_sliced_linear);
   m.impl("grouped_expert_linear", &servelab_cpu::grouped_expert_linear);
   m.impl("grouped_w8a8_linear", &servelab_cpu::grouped_w8a8_linear);
+  m.impl("grouped_int8_sliced_linear", &servelab_cpu::grouped_int8_sliced_linear);
   m.impl("int4_linear", &servelab_cpu::int4_linear);
   m.impl("w4a8_linear", &servelab_cpu::w4a8_linear);
   m.impl("softmax_topk", &servelab_cpu::softmax_topk);
