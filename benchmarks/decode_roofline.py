@@ -22,9 +22,11 @@ it is the engine's own time.
 Models are ``servelab.bench.random_llama``'s (random weights, written once under
 ``--folder``); ``--modes`` are a dtype (``float32``, ``bfloat16``) or a weight
 quantization (``int8``, ``w8a8`` with the LM head quantized too; ``int4`` with a float32
-head, ``int4-head`` with an int8 one). ``int8-widened`` is ``int8`` through the kernel of
-CPUs without int8 dot products (``int8_linear``: each weight widened to float32) where
-``int8`` takes ``int8_sliced_linear``, to compare the two on one machine.
+head, ``int4-head`` with an int8 one). A weight-only mode with ``-widened`` after it
+(``int8-widened``, ``int4-head-widened``) runs through the kernels of CPUs without int8 dot
+products (``int8_linear``, ``int4_linear``: each weight widened to float32) where the mode
+itself takes ``int8_sliced_linear`` or ``int4_sliced_linear``, to compare them on one
+machine.
 """
 
 from __future__ import annotations
@@ -44,7 +46,9 @@ from servelab.bench.random_llama import MODELS, VOCAB, make_checkpoint, matmul_p
 
 PROMPT_TOKENS = 16
 DECODE_TOKENS = 128
-QUANTIZATIONS = ("int8", "int8-widened", "w8a8", "int4", "int4-head", "w4a8")
+QUANTIZATIONS = ("int8", "w8a8", "int4", "int4-head", "w4a8")
+WIDENED = "-widened"
+"""A weight-only mode's suffix for the widening kernels."""
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 """``--clock``: the wall clock, or the CPU time of this process (all its threads)."""
 
@@ -68,20 +72,20 @@ def read_bandwidth(threads: int, clock: Callable[[], float] = time.perf_counter,
 def overrides_for(mode: str) -> list[str]:
     """The engine overrides of a mode: a dtype, or a weight quantization (int8, w8a8 and
     w4a8 with the LM head in int8 too; int4 keeps a float32 head, int4-head has an int8 one)."""
+    mode = mode.removesuffix(WIDENED)
     if mode == "int4":
         return ["model.dtype=float32", "model.quantization=int4"]
     if mode == "int4-head":
         return ["model.dtype=float32", "model.quantization=int4", "model.quantization_lm_head=true"]
     if mode in QUANTIZATIONS:
-        quantization = mode.removesuffix("-widened")
-        return ["model.dtype=float32", f"model.quantization={quantization}", "model.quantization_lm_head=true"]
+        return ["model.dtype=float32", f"model.quantization={mode}", "model.quantization_lm_head=true"]
     return [f"model.dtype={mode}"]
 
 
 INT4_WIDTH = 0.5 + 2 * 4 / 128
 """An int4 weight's bytes as the kernels read them: the nibble and its share of its group's
 float32 scale and offset (groups of 128, the default)."""
-WIDTH = {"float32": 4.0, "bfloat16": 2.0, "int8": 1.0, "int8-widened": 1.0, "w8a8": 1.0, "int4": INT4_WIDTH, "int4-head": INT4_WIDTH,
+WIDTH = {"float32": 4.0, "bfloat16": 2.0, "int8": 1.0, "w8a8": 1.0, "int4": INT4_WIDTH, "int4-head": INT4_WIDTH,
          "w4a8": INT4_WIDTH}
 """Bytes per stored weight of each mode (int8's one scale per row is left out: 1/K of a byte)."""
 
@@ -91,6 +95,7 @@ def weight_bytes(name: str, mode: str, batch: int, experts: float | None = None)
     width (int4 with its group scales and offsets; int4's LM head in float32, int4-head's
     and w4a8's in int8; of a mixture, ``experts`` experts per sparse layer) and the
     ``batch`` embedding rows (float32 in the quantized modes)."""
+    mode = mode.removesuffix(WIDENED)
     shape = MODELS[name]
     hidden = shape["hidden_size"]
     row = WIDTH[mode] if mode not in QUANTIZATIONS else 4.0
@@ -136,7 +141,7 @@ def measure(name: str, folder: str, mode: str, batches: list[int], threads: int,
     from servelab.plugins.models import quantized_linear
 
     widened = mock.patch.object(quantized_linear, "slices_on_dot_products", lambda: False)
-    with widened if mode == "int8-widened" else contextlib.nullcontext():
+    with widened if mode.endswith(WIDENED) else contextlib.nullcontext():
         llm = LLM(folder, overrides=["device=cpu", "model.max_model_len=512", f"parallel.threads={threads}",
                                      *overrides_for(mode)])
         llm.warm_up()

@@ -12,9 +12,13 @@ moment. Prints a markdown table of the median ms per call (and ratios to float32
     python benchmarks/quantized_linear_speed.py --threads 1 2 --rows 1 4 16 64 256
 
 Methods: ``float32`` servelab's ``Linear`` (float32 weights in ``float_linear``'s blocked
-layout), ``int8`` servelab's weight-only kernel (``torch.ops.servelab_cpu.int8_linear``),
+layout), ``int8`` servelab's weight-only kernel that widens each weight to float32 (``int8_linear``; CPUs without VNNI),
+``int8-sliced`` its weight-only int8 kernel on int8 dot products (``int8_sliced_linear``: each
+row split into three int8 slices; what int8 layers run on CPUs with AVX512-VNNI),
 ``w8a8`` servelab's int8 x int8 kernel (``w8a8_linear``: activations quantized per row),
-``int4`` servelab's weight-only int4 kernel (``int4_linear``, groups of 128), ``w4a8`` its
+``int4`` servelab's weight-only int4 kernel (``int4_linear``, groups of 128: the nibbles
+widened to float32), ``int4-sliced`` its weight-only int4 kernel on int8 dot products
+(``int4_sliced_linear``), ``w4a8`` its
 int4 x int8 kernel (``w4a8_linear``: the same int4 weights, activations quantized per row), ``dynamic``
 torch's quantized ``linear_dynamic`` (x86 engine: activations quantized per tensor, int8
 dot products).
@@ -30,9 +34,9 @@ import torch
 
 from servelab.plugins.models.linear import Linear
 from servelab.kernels.int4_cpu import int4_linear, pack_int4_blocks
-from servelab.kernels.quantized_cpu import int8_linear, pack_int8
+from servelab.kernels.quantized_cpu import int8_linear, int8_sliced_linear, pack_int8, pack_int8_sliced
 from servelab.kernels.quantized_weights import quantize_int4, quantize_int8
-from servelab.kernels.w4a8_cpu import pack_w4a8, w4a8_linear
+from servelab.kernels.w4a8_cpu import int4_sliced_linear, pack_w4a8, w4a8_linear
 from servelab.kernels.w8a8_cpu import pack_w8a8, w8a8_linear
 
 SHAPES = ((4864, 896), (896, 4864), (896, 896), (128, 896))
@@ -64,10 +68,14 @@ def methods(out_features: int, in_features: int, copies: int) -> dict[str, list]
         "float32": linears,
         "int8": [lambda x, p=p: int8_linear(x, *p, out_features) for p in copies_of(pack_int8(qweight, scales),
                                                                                   4 * copies)],
+        "int8-sliced": [lambda x, p=p: int8_sliced_linear(x, *p, out_features)
+                        for p in copies_of(pack_int8_sliced(qweight, scales), 4 * copies)],
         "w8a8": [lambda x, p=p: w8a8_linear(x, *p, out_features) for p in copies_of(pack_w8a8(qweight, scales),
                                                                                   4 * copies)],
         "int4": [lambda x, p=p: int4_linear(x, *p, out_features) for p in copies_of(pack_int4_blocks(*int4),
                                                                                   8 * copies)],
+        "int4-sliced": [lambda x, p=p: int4_sliced_linear(x, *p, out_features)
+                        for p in copies_of(pack_w4a8(*int4), 8 * copies)],
         "w4a8": [lambda x, p=p: w4a8_linear(x, *p, out_features) for p in copies_of(pack_w4a8(*int4), 8 * copies)],
         "dynamic": [lambda x, p=torch.ops.quantized.linear_prepack(qtensor.clone(), None):
                     torch.ops.quantized.linear_dynamic(x, p, False) for _ in range(4 * copies)]}
@@ -113,11 +121,13 @@ def main() -> None:
                         help="bytes of weight copies each method cycles through (MiB)")
     args = parser.parse_args()
     torch.backends.quantized.engine = "x86"
-    print("| threads | layer N x K | M | float32 ms | int8 ms | w8a8 ms | int4 ms | w4a8 ms | dynamic ms "
-          "| int8 speed-up | w8a8 speed-up | int4 speed-up | w4a8 speed-up | dynamic speed-up |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for threads, out_features, in_features, rows, ms in timed_cases(SHAPES, methods, args.threads, args.rows,
-                                                                     args.rounds, args.footprint_mib):
+    for case, (threads, out_features, in_features, rows, ms) in enumerate(
+            timed_cases(SHAPES, methods, args.threads, args.rows, args.rounds, args.footprint_mib)):
+        if case == 0:
+            names = list(ms)
+            print("| threads | layer N x K | M | " + " | ".join(f"{name} ms" for name in names) + " | "
+                  + " | ".join(f"{name} speed-up" for name in names[1:]) + " |")
+            print("|---:|---|" + "---:|" * (2 * len(names)))
         times = " | ".join(f"{value:.3f}" for value in ms.values())
         ratios = " | ".join(f"{ms['float32'] / value:.2f}x" for value in list(ms.values())[1:])
         print(f"| {threads} | {out_features}x{in_features} | {rows} | {times} | {ratios} |", flush=True)

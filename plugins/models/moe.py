@@ -42,6 +42,7 @@ from servelab.core.model import MixtureOfExperts, ModelParallel, ModelShape
 from servelab.core.quantization import WeightQuantization
 from servelab.kernels.availability import triton_unavailable_reason
 from servelab.kernels.blocked_linear import float_linear, pack_blocks
+from servelab.kernels.quantized_cpu import int8_sliced_linear
 from servelab.kernels.quantized_weights import quantize_int8
 from servelab.plugins.models.decoder import WeightPiece, use_native
 from servelab.plugins.models.linear import Linear
@@ -314,7 +315,7 @@ class QuantizedStackedWeight(nn.Module):
         out = x.new_empty(x.shape[0], self.out_features)
         if self.int8_activations:
             torch.ops.servelab_cpu.grouped_w8a8_linear(out, x.contiguous(), *stacked, *groups)
-        elif len(stacked) == 3:  # int8_sliced_linear's tensors
+        elif self.layers()[0].kernel is int8_sliced_linear:
             torch.ops.servelab_cpu.grouped_int8_sliced_linear(out, x.contiguous(), *stacked, *groups)
         else:
             torch.ops.servelab_cpu.grouped_expert_linear(out, x.contiguous(), *stacked, *groups)

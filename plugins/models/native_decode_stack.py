@@ -31,14 +31,21 @@ from typing import Any
 import torch
 
 from servelab.kernels.cpu_ops import native_cpu_available, native_cpu_enabled
+from servelab.kernels.int4_cpu import int4_linear
+from servelab.kernels.quantized_cpu import int8_linear, int8_sliced_linear
+from servelab.kernels.w4a8_cpu import int4_sliced_linear, w4a8_linear
+from servelab.kernels.w8a8_cpu import w8a8_linear
 from servelab.plugins.attention.cpu import CpuAttention, CpuMetadata
 from servelab.plugins.models.linear import Linear, blocked_rows, blocked_weight_runs, is_blocked
 from servelab.plugins.models.quantized_linear import QuantizedHead, QuantizedLinear
 
 NO_TENSOR = torch.empty(0)
 """A linear's unused weight slots and missing bias."""
-FLOAT, INT8, W8A8, INT4, BFLOAT16, W4A8, INT8_SLICED = range(7)
+FLOAT, INT8, W8A8, INT4, BFLOAT16, W4A8, INT8_SLICED, INT4_SLICED = range(8)
 """``decode_layers``' linear kinds."""
+QUANTIZED_KINDS = {int8_linear: INT8, w8a8_linear: W8A8, int4_linear: INT4, w4a8_linear: W4A8,
+                   int8_sliced_linear: INT8_SLICED, int4_sliced_linear: INT4_SLICED}
+"""The kind of a ``QuantizedLinear`` by its CPU kernel (``QuantizedLinear.kernel``)."""
 VERSION = attrgetter("_version")
 
 
@@ -59,9 +66,7 @@ def _linear_slots(linear: Any, probe: torch.Tensor) -> tuple[int, list[torch.Ten
         packed = linear.packed_kernel_weights(probe)
         if packed is None:
             return None
-        kind = ((W8A8 if linear.bits == 8 else W4A8) if linear.int8_activations
-                else (INT8_SLICED if len(packed) == 3 else INT8) if linear.bits == 8 else INT4)
-        tensors = list(packed)
+        kind, tensors = QUANTIZED_KINDS[linear.kernel], list(packed)
     else:
         return None
     bias = linear.bias
@@ -83,8 +88,7 @@ def _expert_slots(stacked: Any, dtype: torch.dtype) -> tuple[int, list[torch.Ten
         packed = stacked.stacked_kernel_weights()
         if packed is None:
             return None
-        kind = W8A8 if stacked.int8_activations else INT8_SLICED if len(packed) == 3 else INT8
-        tensors = list(packed)
+        kind, tensors = QUANTIZED_KINDS[stacked.layers()[0].kernel], list(packed)
     else:
         return None
     return kind, tensors + [NO_TENSOR] * (4 - len(tensors))

@@ -7,8 +7,10 @@ AVX512-VNNI each input row split into three int8 slices for int8 dot products, e
 weights widened to float32 in registers; any number of rows), or, with ``int8_activations`` (w8a8), its int8
 x int8 kernel (``servelab/kernels/w8a8_cpu.py``: each input row quantized to int8, int8 dot
 products; its torch reference where the kernel is missing); int4 layers through servelab's
-native int4 kernel (``servelab/kernels/int4_cpu.py``: a copy repacked once, the nibbles
-widened to float32 in registers, any number of rows and any even group size), or, with
+native int4 kernels (where the CPU has int8 dot products and the groups are multiples of 8,
+``servelab/kernels/w4a8_cpu.py: int4_sliced_linear``: each input row split into int8 slices
+multiplied with the nibbles; else ``servelab/kernels/int4_cpu.py``: a copy repacked once, the
+nibbles widened to float32 in registers, any number of rows and any even group size), or, with
 ``int8_activations`` (w4a8), its int4 x int8 kernel (``servelab/kernels/w4a8_cpu.py``: int8
 dot products of the nibbles, groups of multiples of 8; its torch reference where the
 kernel is missing). On CUDA,
@@ -33,7 +35,7 @@ from servelab.kernels.int4_cpu import int4_linear, pack_int4_blocks
 from servelab.kernels.quantized_cpu import (int8_linear, int8_sliced_linear, pack_int8, pack_int8_sliced,
                                             slices_on_dot_products)
 from servelab.kernels.quantized_weights import dequantize_int4, dequantize_int8, quantize_int8
-from servelab.kernels.w4a8_cpu import pack_w4a8, w4a8_linear, w4a8_linear_reference
+from servelab.kernels.w4a8_cpu import int4_sliced_linear, pack_w4a8, w4a8_linear, w4a8_linear_reference
 from servelab.kernels.w8a8_cpu import pack_w8a8, w8a8_linear, w8a8_linear_reference, w8a8_unavailable_reason
 
 BITS = (8, 4)
@@ -49,7 +51,9 @@ class QuantizedLinear(nn.Module):
     scales in ``dtype`` (the activations' dtype). ``int8_activations``: each input row is
     quantized to int8 as well (w8a8, or w4a8 for int4 with groups of multiples of 8). The
     CPU kernels' packed copy is built on
-    first use (or by ``pack_quantized_linears``) and rebuilt when a weight changes."""
+    first use (or by ``pack_quantized_linears``) and rebuilt when a weight changes;
+    ``kernel`` is the CPU kernel it goes to (weight-only layers: their activations sliced on
+    int8 dot products where the CPU has them, int4 in groups of multiples of 8)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, bits: int, group_size: int,
                  dtype: torch.dtype = torch.float32, int8_activations: bool = False):
@@ -74,8 +78,8 @@ class QuantizedLinear(nn.Module):
             self.zeros = _frozen(torch.zeros(out_features, groups, dtype=dtype))
         self.bias = _frozen(torch.zeros(out_features, dtype=dtype)) if bias else None
         self._packed: tuple[tuple, tuple | None] | None = None
-        self._kernel = ((w8a8_linear if bits == 8 else w4a8_linear) if int8_activations
-                        else int8_linear if bits == 8 else int4_linear)
+        self.kernel = ((w8a8_linear if bits == 8 else w4a8_linear) if int8_activations
+                       else int8_linear if bits == 8 else int4_linear)
 
     def extra_repr(self) -> str:
         """``in_features, out_features, bits, group_size, bias``."""
@@ -96,7 +100,7 @@ class QuantizedLinear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         packed = self.packed_kernel_weights(x)
         if packed is not None:  # a CPU kernel: float32 rows in, float32 out
-            out = self._kernel(rows.float().contiguous(), *packed, self.out_features)
+            out = self.kernel(rows.float().contiguous(), *packed, self.out_features)
         elif self.int8_activations and self.bits == 8:
             out = w8a8_linear_reference(rows.float().contiguous(), self.qweight, self.scales)
         elif self.int8_activations:
@@ -116,10 +120,11 @@ class QuantizedLinear(nn.Module):
         return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def packed_kernel_weights(self, x: torch.Tensor) -> tuple | None:
-        """What the CPU kernel multiplies ``x`` with: ``pack_int8_sliced``'s (packed
-        weight, offsets, scales) for int8 where the CPU has int8 dot products, else
-        ``pack_int8``'s (packed weight, scales), ``pack_w8a8``'s for w8a8, ``pack_int4_blocks``' for int4,
-        ``pack_w4a8``'s for w4a8; None where the reference runs."""
+        """What the CPU kernel (``kernel``) multiplies ``x`` with: ``pack_int8_sliced``'s
+        (packed weight, offsets, scales) for int8 where the CPU has int8 dot products, else
+        ``pack_int8``'s (packed weight, scales), ``pack_w8a8``'s for w8a8, ``pack_w4a8``'s
+        for w4a8 and for int4 on int8 dot products, else ``pack_int4_blocks``'; None where
+        the reference runs."""
         if x.device.type != "cpu" or x.dtype not in FAST_DTYPES:
             return None
         # Read from the parameter dict: nn.Module's attribute lookup costs about a
@@ -153,11 +158,15 @@ class QuantizedLinear(nn.Module):
             return None
         with torch.inference_mode(False):  # normal tensors, usable in and out of inference mode
             if self.bits == 8 and slices_on_dot_products():
-                self._kernel = int8_sliced_linear
+                self.kernel = int8_sliced_linear
                 return pack_int8_sliced(self.qweight, self.scales)
             if self.bits == 8:
-                self._kernel = int8_linear
+                self.kernel = int8_linear
                 return pack_int8(self.qweight, self.scales)
+            if slices_on_dot_products() and self.group_size % W4A8_GROUP_MULTIPLE == 0:
+                self.kernel = int4_sliced_linear
+                return pack_w4a8(self.qweight, self.scales, self.zeros)
+            self.kernel = int4_linear
             return pack_int4_blocks(self.qweight, self.scales, self.zeros)
 
 

@@ -2,7 +2,8 @@
 ``csrc/w4a8_linear.cpp``): group-wise int4 weights (servelab's format,
 ``servelab/kernels/quantized_weights.py``), activations quantized to int8 per row at each
 call, int8 dot products of the nibbles (AVX512-VNNI, as ``w8a8_linear``); the weight
-layout it reads, built once at load; and its torch reference."""
+layout it reads, built once at load; its torch reference; and weight-only int4 on the same
+weight and dot products (``int4_sliced_linear``: each row split into int8 slices)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,16 @@ def w4a8_linear(x: torch.Tensor, packed: torch.Tensor, params: torch.Tensor, out
     to int8 (``quantize_rows``) times the int4 weight, from ``pack_w4a8``'s tensors."""
     out = x.new_empty(x.shape[0], out_features)
     native_cpu_ops().w4a8_linear(out, x, packed, params)
+    return out
+
+
+def int4_sliced_linear(x: torch.Tensor, packed: torch.Tensor, params: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x [M, K] float32 (contiguous) -> x @ W.T [M, out_features] float32 for the int4
+    weight of ``pack_w4a8``'s tensors, weight-only: each row of x split into three int8
+    slices (exact to about 6e-8 of its largest value, as ``int8_sliced_linear``'s)
+    multiplied as ``w4a8_linear`` multiplies its rows, the slices' results summed."""
+    out = x.new_empty(x.shape[0], out_features)
+    native_cpu_ops().int4_sliced_linear(out, x, packed, params)
     return out
 
 

@@ -13,7 +13,7 @@ from servelab.kernels.cpu_ops import native_cpu_available
 from servelab.kernels.w8a8_cpu import w8a8_unavailable_reason
 from servelab.plugins.models.moe import routed_pairs
 from servelab.plugins.models import quantized_linear
-from servelab.plugins.models.native_decode_stack import INT8, INT8_SLICED, NativeDecodeStack
+from servelab.plugins.models.native_decode_stack import INT4, INT4_SLICED, INT8, INT8_SLICED, NativeDecodeStack
 from servelab.testing.oracle import assert_engine_matches_transformers, mixed_prompts, tiny_checkpoint
 
 pytestmark = pytest.mark.skipif(not native_cpu_available(), reason="native CPU ops are not built here")
@@ -88,7 +88,7 @@ W8A8 = pytest.mark.skipif(w8a8_unavailable_reason() is not None, reason=str(w8a8
     ("qwen3-moe", "bfloat16", "none"), ("qwen2", "float32", "int8+head"),
     pytest.param("llama", "float32", "w8a8+head", marks=W8A8),
     ("llama", "float32", "int8 widened"), ("qwen3-moe", "float32", "int8 widened"),
-    ("qwen2", "float32", "int8+head widened")])
+    ("qwen2", "float32", "int8+head widened"), ("llama", "float32", "int4 widened")])
 def test_the_stack_equals_the_layer_loop_to_the_bit(checkpoints, family, dtype, quantization, monkeypatch):
     """Same tokens and log-probabilities with the stack (decode steps whole: embedding,
     layers, final norm and LM head in its call) and with the Python loop, in float32
@@ -97,9 +97,10 @@ def test_the_stack_equals_the_layer_loop_to_the_bit(checkpoints, family, dtype, 
     with Qwen3's q/k norms, for mixtures of experts in float32, int8 and w8a8 (the same
     pairs counted per expert), and in bfloat16 (steps of at most 16 rows: bf16_linear in
     both). A 40-token prompt's later chunks of 16 give experts several rows in one step
-    (w8a8's tile unit, where the CPU has one, from 4). Weight-only int8 runs on int8 dot
-    products (``int8_sliced_linear``) where the CPU has them, and "widened" forces the
-    kernel of CPUs without them (``int8_linear``)."""
+    (w8a8's tile unit, where the CPU has one, from 4). Weight-only int8 and int4 run on
+    int8 dot products (``int8_sliced_linear``, ``int4_sliced_linear``) where the CPU has
+    them, and "widened" forces the kernels of CPUs without them (``int8_linear``,
+    ``int4_linear``)."""
     widened = quantization.endswith(" widened")
     if widened:
         monkeypatch.setattr(quantized_linear, "slices_on_dot_products", lambda: False)
@@ -120,9 +121,10 @@ def test_the_stack_equals_the_layer_loop_to_the_bit(checkpoints, family, dtype, 
         between = routed_pairs(model)
         assert stack.served > 0 and stack.with_head > 0  # decode steps ran the LM head in the call
         kinds = set(model._native_stack.kinds) | {model._native_stack.head_kind}
-        if quantization.startswith("int8"):
-            sliced = not widened and w8a8_unavailable_reason() is None
-            assert (INT8_SLICED in kinds, INT8 in kinds) == (sliced, not sliced)
+        sliced = not widened and w8a8_unavailable_reason() is None
+        if quantization.startswith(("int8", "int4")):
+            kind, sliced_kind = (INT8, INT8_SLICED) if quantization.startswith("int8") else (INT4, INT4_SLICED)
+            assert (sliced_kind in kinds, kind in kinds) == (sliced, not sliced)
         model._native_stack = None
         assert sampled(llm, prompts) == with_stack
         after = routed_pairs(model)

@@ -18,6 +18,7 @@
 //   kind 4, bfloat16:    packed (blocked_linear's layout), -, -            -> bf16_linear
 //   kind 5, w4a8:        packed, params, -                                 -> w4a8_linear
 //   kind 6, int8 sliced: packed, offsets, scales (w8a8's layout)          -> int8_sliced_linear
+//   kind 7, int4 sliced: packed, params, - (w4a8's layout)                 -> int4_sliced_linear
 // then the bias (an empty tensor for none). A layer is the input norm's weight, the qkv,
 // output, gate/up and down linears (4 tensors each), the post-attention norm's weight, the
 // q and k norms' weights (empty tensors without q/k norms), the router's weight and the
@@ -74,6 +75,7 @@ at::Tensor linear(const at::Tensor& x, at::TensorList w, int64_t kind, int64_t o
     case 4: bf16_linear(out, x, w[0]); break;
     case 5: w4a8_linear(out, x, w[0], w[1]); break;
     case 6: int8_sliced_linear(out, x, w[0], w[1], w[2]); break;
+    case 7: int4_sliced_linear(out, x, w[0], w[1]); break;
     default: TORCH_CHECK(false, "decode_layers: unknown linear kind ", kind);
   }
   if (w[3].numel()) {

@@ -59,7 +59,9 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, int64_t padded_k
 // |e| <= max |x[m]| / (2 * 127 * 254^(kSlices - 1)) (about 6e-8 of the row's largest value).
 constexpr int kSlices = 3;
 
-inline void slice_rows(const float* x, int64_t M, int64_t K, int64_t padded_k, uint8_t* xq, float* scale) {
+// The bytes are stored q + offset, as quantize_rows stores them.
+inline void slice_rows(const float* x, int64_t M, int64_t K, int64_t padded_k, int offset, uint8_t* xq,
+                       float* scale) {
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     const __m512 low = _mm512_set1_ps(-127.f), high = _mm512_set1_ps(127.f);
     for (int64_t m = begin; m < end; ++m) {
@@ -81,12 +83,26 @@ inline void slice_rows(const float* x, int64_t M, int64_t K, int64_t padded_k, u
               _mm512_mul_ps(rest, _mm512_set1_ps(inverses[l])), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
           rest = _mm512_fnmadd_ps(q, _mm512_set1_ps(steps[l]), rest);
           _mm_mask_storeu_epi8(out + l * padded_k + k, lanes,
-                               _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_cvtps_epi32(q), _mm512_set1_epi32(128))));
+                               _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_cvtps_epi32(q), _mm512_set1_epi32(offset))));
         }
       }
-      for (int l = 0; l < kSlices; ++l) std::fill(out + l * padded_k + K, out + (l + 1) * padded_k, uint8_t{128});
+      for (int l = 0; l < kSlices; ++l)
+        std::fill(out + l * padded_k + K, out + (l + 1) * padded_k, static_cast<uint8_t>(offset));
     }
   });
+}
+
+// out[r, 0:channels] (row stride ldo) = the sum of the kSlices rows r * kSlices + l of
+// partial (row stride ldp): each row's result from its slices' results, for M rows.
+inline void sum_slices(const float* partial, int64_t ldp, int64_t M, float* out, int64_t ldo, int64_t channels) {
+  for (int64_t r = 0; r < M; ++r) {
+    const float* slice = partial + r * kSlices * ldp;
+    for (int64_t c = 0; c < channels; ++c) {
+      float sum = slice[c];
+      for (int l = 1; l < kSlices; ++l) sum += slice[l * ldp + c];
+      out[r * ldo + c] = sum;
+    }
+  }
 }
 
 }  // namespace

@@ -17,7 +17,8 @@
 //                         activations), int8_sliced_linear, grouped_int8_sliced_linear (int8 weights,
 //                         float32 activations split into int8 slices)
 //   int4_linear.cpp       int4_linear (group-wise int4 weights, any number of rows)
-//   w4a8_linear.cpp       w4a8_linear (group-wise int4 weights and per-row int8 activations)
+//   w4a8_linear.cpp       w4a8_linear, int4_sliced_linear (group-wise int4 weights, per-row int8 or
+//                         sliced float32 activations)
 //   softmax_topk.cpp      softmax_topk (a mixture of experts' softmax top-k routing)
 //   decode_layers.cpp     decode_layers (a Llama-shaped decoder stack in one call, from the ops above)
 //
@@ -80,6 +81,9 @@ void int4_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
 // int4 weights times activations quantized to int8 per row (AVX512-VNNI; supports_w8a8 says
 // whether this build has it).
 void w4a8_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& params);
+// Weight-only int4 on w4a8_linear's packed weights: each float32 row of x split into int8
+// slices, multiplied as w4a8_linear multiplies its rows, the slices' results summed.
+void int4_sliced_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& params);
 void softmax_topk(at::Tensor weights, at::Tensor experts, const at::Tensor& logits, int64_t top_k, bool normalize);
 at::Tensor decode_layers(const at::Tensor& hidden, at::Tensor residual, bool has_residual, at::Tensor positions,
                          at::TensorList kv_caches, at::Tensor slot_mapping, const at::Tensor& block_table,

@@ -40,6 +40,7 @@ TORCH_LIBRARY(servelab_cpu, m) {
         "int[] starts, int[] counts) -> ()");
   m.def("grouped_int8_sliced_linear(Tensor(a!) out, Tensor x, Tensor packed, Tensor offsets, Tensor scales, "
         "int[] experts, int[] starts, int[] counts) -> ()");
+  m.def("int4_sliced_linear(Tensor(a!) out, Tensor x, Tensor packed, Tensor params) -> ()");
   m.def("softmax_topk(Tensor(a!) weights, Tensor(b!) experts, Tensor logits, int top_k, bool normalize) -> ()");
   m.def("causal_prefill_attention(Tensor(a!) out, Tensor q, Tensor k, Tensor v, int[] starts, int[] lengths, "
         "float scale) -> ()");
@@ -76,6 +77,7 @@ TORCH_LIBRARY_IMPL(servelab_cpu, CPU, m) {
   m.impl("grouped_int8_sliced_linear", &servelab_cpu::grouped_int8_sliced_linear);
   m.impl("int4_linear", &servelab_cpu::int4_linear);
   m.impl("w4a8_linear", &servelab_cpu::w4a8_linear);
+  m.impl("int4_sliced_linear", &servelab_cpu::int4_sliced_linear);
   m.impl("softmax_topk", &servelab_cpu::softmax_topk);
   m.impl("causal_prefill_attention", &servelab_cpu::causal_prefill_attention);
   m.impl("decode_layers", &servelab_cpu::decode_layers);

@@ -22,6 +22,10 @@
 // params[b][g][0][j] = s[16 b + j, g], params[b][g][1][j] = m[16 b + j, g] (int4_linear's);
 // channels padded to a multiple of 64 with zeros. Groups are multiples of 8 inputs.
 //
+// int4_sliced_linear is weight-only int4 on the same packed weight and dot products: each
+// float32 row split into int8 slices (int8_rows.h slice_rows, as int8_sliced_linear's),
+// multiplied as rows of their own and summed per row.
+//
 // Two paths, picked at run time. VNNI: a tile of 64 channels multiplies up to kMaxRows rows
 // at once (12 int32 group sums and 12 float32 accumulators of 32 registers), more rows pass
 // over it again while its weights sit in the core's cache. From kTileUnitRows rows, on CPUs
@@ -207,31 +211,37 @@ void tile_unit_rows(const uint8_t* xu, const float* a, const int32_t* xsum, cons
 
 }  // namespace
 
-void w4a8_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& params) {
+namespace {
+
+// out = x @ W.T for the packed int4 weight W through `per_row` int8 rows per row of x (1:
+// the row quantized, w4a8; kSlices: its slices, weight-only int4).
+void int4_rows_linear(const char* op, int64_t per_row, at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
+                      const at::Tensor& params) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
-              "w4a8_linear: x must be a contiguous float32 [M, K] tensor");
-  const int64_t M = x.size(0), K = x.size(1);
+              op, ": x must be a contiguous float32 [M, K] tensor");
+  const int64_t K = x.size(1);
   TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == at::kByte &&
                   K % kStepInputs == 0 && packed.size(1) == K / kStepInputs && packed.size(2) == 64 &&
                   (packed.size(0) * kBlock) % kPackChannels == 0,
-              "w4a8_linear: packed must be a contiguous uint8 [N / 16, K / 8, 64] tensor with N a multiple of ",
+              op, ": packed must be a contiguous uint8 [N / 16, K / 8, 64] tensor with N a multiple of ",
               kPackChannels);
   const int64_t blocks = packed.size(0), groups = params.dim() == 4 ? params.size(1) : 0;
   TORCH_CHECK(params.dim() == 4 && params.is_contiguous() && params.scalar_type() == at::kFloat &&
                   params.size(0) == blocks && groups > 0 && K % groups == 0 && (K / groups) % kStepInputs == 0 &&
                   params.size(2) == 2 && params.size(3) == kBlock,
-              "w4a8_linear: params must be a contiguous float32 [", blocks, ", K / group, 2, ", kBlock,
+              op, ": params must be a contiguous float32 [", blocks, ", K / group, 2, ", kBlock,
               "] tensor with a group that is a multiple of ", kStepInputs);
   const int64_t N = out.size(1);
-  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.scalar_type() == at::kFloat && out.size(0) == M &&
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.scalar_type() == at::kFloat && out.size(0) == x.size(0) &&
                   N <= blocks * kBlock && N > blocks * kBlock - kPackChannels,
-              "w4a8_linear: out must be a contiguous float32 [M, N] tensor");
+              op, ": out must be a contiguous float32 [M, N] tensor");
+  const int64_t M = x.size(0) * per_row;  // the int8 rows multiplied
   if (M == 0) return;
   const W4A8Weight w{packed.data_ptr<uint8_t>(), params.data_ptr<float>(), K, K / groups, groups};
   const bool tile_unit = M >= kTileUnitRows && w.group % kTileUnitInputs == 0 && w.group <= kMaxTileUnitGroup &&
                          int8_tile_unit_available();
-  // The rows quantized once per call into this thread's buffers, read by every thread: signed
-  // for VNNI; for the tile unit unsigned (xq + 128), one tile of padding rows (128: zero) after them.
+  // The rows quantized (or sliced) once per call into this thread's buffers, read by every thread:
+  // signed for VNNI; for the tile unit unsigned (xq + 128), one tile of padding rows (128: zero) after them.
   const int offset = tile_unit ? 128 : 0;
   thread_local std::vector<uint8_t> rows;
   thread_local std::vector<float> row_scales;
@@ -240,7 +250,10 @@ void w4a8_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
   row_scales.resize(M);
   group_sums.resize(M * groups);
   std::fill(rows.begin() + M * K, rows.end(), uint8_t{128});
-  quantize_rows(x.data_ptr<float>(), M, K, K, offset, rows.data(), row_scales.data());
+  if (per_row == 1)
+    quantize_rows(x.data_ptr<float>(), M, K, K, offset, rows.data(), row_scales.data());
+  else
+    slice_rows(x.data_ptr<float>(), x.size(0), K, K, offset, rows.data(), row_scales.data());
   const uint8_t* xu = rows.data();
   const int8_t* xq = reinterpret_cast<const int8_t*>(xu);
   int32_t* sums = group_sums.data();
@@ -261,6 +274,13 @@ void w4a8_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
   float* ys = out.data_ptr<float>();
   constexpr int64_t tile_channels = kTileVecs * kBlock;
   at::parallel_for(0, (N + tile_channels - 1) / tile_channels, 1, [&](int64_t begin, int64_t end) {
+    // Slices' results go to this thread's buffer of one tile's width, then are summed per row.
+    thread_local std::vector<float> partial;
+    partial.resize(per_row > 1 ? M * tile_channels : 0);
+    const int64_t ldo = per_row > 1 ? tile_channels : N;
+    const auto finish = [&](int64_t n, int64_t channels) {
+      if (per_row > 1) sum_slices(partial.data(), tile_channels, M / per_row, ys + n, N, channels);
+    };
 #ifdef SERVELAB_AMX_INT8
     if (tile_unit) {
       thread_local std::vector<float> acc;
@@ -268,8 +288,9 @@ void w4a8_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
       float* sums = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(acc.data()) + 63) & ~uintptr_t{63});
       configure_full_tiles();
       for (int64_t t = begin; t < end; ++t) {
-        const int64_t n = t * tile_channels;
-        tile_unit_rows(xu, a, xsum, w, t, M, sums, ys + n, N, std::min(tile_channels, N - n));
+        const int64_t n = t * tile_channels, channels = std::min(tile_channels, N - n);
+        tile_unit_rows(xu, a, xsum, w, t, M, sums, per_row > 1 ? partial.data() : ys + n, ldo, channels);
+        finish(n, channels);
       }
       _tile_release();
       return;
@@ -277,18 +298,35 @@ void w4a8_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
 #endif
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n = t * tile_channels, channels = std::min(tile_channels, N - n);
+      float* y = per_row > 1 ? partial.data() : ys + n;
       int64_t m = 0;
       for (; m + kMaxRows <= M; m += kMaxRows)
-        tile_rows<kMaxRows>(xq + m * K, a + m, xsum + m * groups, w, t, ys + m * N + n, N, channels);
-      tile_remainder<kMaxRows - 1>(M - m, xq + m * K, a + m, xsum + m * groups, w, t, ys + m * N + n, N, channels);
+        tile_rows<kMaxRows>(xq + m * K, a + m, xsum + m * groups, w, t, y + m * ldo, ldo, channels);
+      tile_remainder<kMaxRows - 1>(M - m, xq + m * K, a + m, xsum + m * groups, w, t, y + m * ldo, ldo, channels);
+      finish(n, channels);
     }
   });
+}
+
+}  // namespace
+
+void w4a8_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& params) {
+  int4_rows_linear("w4a8_linear", 1, out, x, packed, params);
+}
+
+void int4_sliced_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& params) {
+  int4_rows_linear("int4_sliced_linear", kSlices, out, x, packed, params);
 }
 
 #else
 
 void w4a8_linear(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&) {
   TORCH_CHECK(false, "w4a8_linear needs a CPU with AVX512-VNNI (int8 dot products), which this build does not target");
+}
+
+void int4_sliced_linear(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+  TORCH_CHECK(false, "int4_sliced_linear needs a CPU with AVX512-VNNI (int8 dot products), which this build does not "
+              "target");
 }
 
 #endif

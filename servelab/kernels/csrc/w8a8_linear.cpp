@@ -182,7 +182,7 @@ Operand operand_rows(const at::Tensor& x, int64_t padded_k, int64_t per_row) {
   if (per_row == 1)
     quantize_rows(x.data_ptr<float>(), M, x.size(1), padded_k, 128, xu.data(), x_scale.data());
   else
-    slice_rows(x.data_ptr<float>(), M, x.size(1), padded_k, xu.data(), x_scale.data());
+    slice_rows(x.data_ptr<float>(), M, x.size(1), padded_k, 128, xu.data(), x_scale.data());
   return {xu.data(), x_scale.data(), per_row};  // this thread's buffers, read by every thread of the call
 }
 
@@ -217,14 +217,7 @@ void operand_item(bool tile_unit, const Operand& a, int64_t m, int64_t padded_k,
   partial.resize(M * a.per_row * width);
   tile_item(tile_unit, a.rows + first * padded_k, padded_k, a.scales + first, M * a.per_row, w, os, ss,
             partial.data(), width, channels);
-  for (int64_t r = 0; r < M; ++r) {
-    const float* slice = partial.data() + r * a.per_row * width;
-    for (int64_t c = 0; c < channels; ++c) {
-      float sum = slice[c];
-      for (int64_t l = 1; l < a.per_row; ++l) sum += slice[l * width + c];
-      out[r * N + c] = sum;
-    }
-  }
+  sum_slices(partial.data(), width, M, out, N, channels);
 }
 
 // Runs body(item) for items [0, items) over the threads, each thread's tiles configured
