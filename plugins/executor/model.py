@@ -338,8 +338,7 @@ class ModelExecutor(Executor):
                                             [tokens[-1] for tokens in token_ids])
                 if self.worker_ranks:
                     self._broadcast(*pack_step(inputs))
-            step_inputs = inputs
-            result = self.strategy.accept(self._guarded(lambda: self.worker.logits(step_inputs)), batch, None)
+            result = self.strategy.accept(self._guarded(lambda: self.worker.logits(inputs)), batch, None)
             for tokens, chosen in zip(token_ids, result.token_ids):
                 tokens += chosen
             if result.logprobs is not None:

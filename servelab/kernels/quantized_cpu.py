@@ -35,8 +35,10 @@ def int8_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out
 
 
 def slices_on_dot_products() -> bool:
-    """True where weight-only int8 layers multiply through ``int8_sliced_linear`` (a CPU
-    with AVX512-VNNI and the native ops built), else through ``int8_linear``."""
+    """True where weight-only layers multiply on int8 dot products (a CPU with AVX512-VNNI
+    and the native ops built): int8 through ``int8_sliced_linear``, int4 in groups of
+    multiples of 8 through ``int4_sliced_linear``; else through ``int8_linear`` and
+    ``int4_linear``."""
     return w8a8_unavailable_reason() is None
 
 
