@@ -52,7 +52,9 @@ INT8 = Kernel("int8", quantize_int8, dequantize_int8, pack_int8_sliced, int8_sli
 INT4 = Kernel("int4", int4_in_groups, dequantize_int4, pack_w4a8, int4_sliced_linear, pack_int4_blocks, int4_linear,
               ((1, 8), (5, 16), (17, 48), (64, 64), (100, 96), (200, 128)))
 KERNELS = [INT8, INT4]
-ROWS = [1, 2, 3, 4, 5, 6, 13, 16, 40]  # VNNI tiles of a few slice rows; the tile unit's 16 from 2 (int8) or 4 (int4) rows
+ROWS = [1, 2, 3, 4, 5, 6, 13, 16, 40, 170]
+"""VNNI tiles of a few slice rows; the tile unit's 16 from 2 (int8) or 4 (int4) rows, up to
+prefill-sized batches."""
 
 
 def quantized(kernel: Kernel, out_features: int, in_features: int, seed: int = 0) -> tuple:
@@ -114,12 +116,12 @@ def test_three_slices_carry_a_row_to_6e_8_of_its_largest_value():
 def test_a_row_gives_the_same_result_alone_and_in_any_batch(kernel):
     """Each row's slices are its own and every path sums the same exact integer products,
     so one row alone (VNNI), beside a few others (the tile unit where the CPU has one)
-    and among 40 gives the same floats."""
+    and among 170 gives the same floats."""
     weight = quantized(kernel, 130, 192, seed=2)
     packed = kernel.pack(*weight)
-    x = torch.randn(40, 192)
+    x = torch.randn(170, 192)
     batch = kernel.sliced(x, *packed, 130)
-    for i, j in itertools.pairwise([0, 1, 2, 7, 40]):
+    for i, j in itertools.pairwise([0, 1, 2, 7, 40, 90, 170]):
         assert torch.equal(kernel.sliced(x[i:j].clone(), *packed, 130), batch[i:j])
 
 
