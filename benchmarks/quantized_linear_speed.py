@@ -34,7 +34,7 @@ import torch
 
 from servelab.plugins.models.linear import Linear
 from servelab.kernels.int4_cpu import int4_linear, pack_int4_blocks
-from servelab.kernels.quantized_cpu import int8_linear, int8_sliced_linear, pack_int8, pack_int8_sliced
+from servelab.kernels.quantized_cpu import int8_linear, int8_sliced_linear, pack_int8
 from servelab.kernels.quantized_weights import quantize_int4, quantize_int8
 from servelab.kernels.w4a8_cpu import int4_sliced_linear, pack_w4a8, w4a8_linear
 from servelab.kernels.w8a8_cpu import pack_w8a8, w8a8_linear
@@ -69,7 +69,7 @@ def methods(out_features: int, in_features: int, copies: int) -> dict[str, list]
         "int8": [lambda x, p=p: int8_linear(x, *p, out_features) for p in copies_of(pack_int8(qweight, scales),
                                                                                   4 * copies)],
         "int8-sliced": [lambda x, p=p: int8_sliced_linear(x, *p, out_features)
-                        for p in copies_of(pack_int8_sliced(qweight, scales), 4 * copies)],
+                        for p in copies_of(pack_w8a8(qweight, scales), 4 * copies)],
         "w8a8": [lambda x, p=p: w8a8_linear(x, *p, out_features) for p in copies_of(pack_w8a8(qweight, scales),
                                                                                   4 * copies)],
         "int4": [lambda x, p=p: int4_linear(x, *p, out_features) for p in copies_of(pack_int4_blocks(*int4),

@@ -32,8 +32,7 @@ from servelab.core.errors import ConfigError
 from servelab.core.quantization import W4A8_GROUP_MULTIPLE, WeightQuantization, group_problems, is_quantized_tensor
 from servelab.kernels.cpu_ops import native_cpu_available, native_cpu_enabled
 from servelab.kernels.int4_cpu import int4_linear, pack_int4_blocks
-from servelab.kernels.quantized_cpu import (int8_linear, int8_sliced_linear, pack_int8, pack_int8_sliced,
-                                            slices_on_dot_products)
+from servelab.kernels.quantized_cpu import int8_linear, int8_sliced_linear, pack_int8, slices_on_dot_products
 from servelab.kernels.quantized_weights import dequantize_int4, dequantize_int8, quantize_int8
 from servelab.kernels.w4a8_cpu import int4_sliced_linear, pack_w4a8, w4a8_linear, w4a8_linear_reference
 from servelab.kernels.w8a8_cpu import pack_w8a8, w8a8_linear, w8a8_linear_reference, w8a8_unavailable_reason
@@ -120,7 +119,7 @@ class QuantizedLinear(nn.Module):
         return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def packed_kernel_weights(self, x: torch.Tensor) -> tuple | None:
-        """What the CPU kernel (``kernel``) multiplies ``x`` with: ``pack_int8_sliced``'s
+        """What the CPU kernel (``kernel``) multiplies ``x`` with: ``pack_w8a8``'s
         (packed weight, offsets, scales) for int8 where the CPU has int8 dot products, else
         ``pack_int8``'s (packed weight, scales), ``pack_w8a8``'s for w8a8, ``pack_w4a8``'s
         for w4a8 and for int4 on int8 dot products, else ``pack_int4_blocks``'; None where
@@ -159,7 +158,7 @@ class QuantizedLinear(nn.Module):
         with torch.inference_mode(False):  # normal tensors, usable in and out of inference mode
             if self.bits == 8 and slices_on_dot_products():
                 self.kernel = int8_sliced_linear
-                return pack_int8_sliced(self.qweight, self.scales)
+                return pack_w8a8(self.qweight, self.scales)
             if self.bits == 8:
                 self.kernel = int8_linear
                 return pack_int8(self.qweight, self.scales)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from servelab.kernels.blocked_linear import PACK_CHANNELS, pack_blocks
 from servelab.kernels.cpu_ops import native_cpu_ops
-from servelab.kernels.w8a8_cpu import pack_w8a8, w8a8_unavailable_reason
+from servelab.kernels.w8a8_cpu import w8a8_unavailable_reason
 
 
 def pack_int8(qweight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,16 +42,10 @@ def slices_on_dot_products() -> bool:
     return w8a8_unavailable_reason() is None
 
 
-def pack_int8_sliced(qweight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(qweight int8 [N, K], scales [N]) -> ``int8_sliced_linear``'s (packed, offsets,
-    scales): ``pack_w8a8``'s layout."""
-    return pack_w8a8(qweight, scales)
-
-
 def int8_sliced_linear(x: torch.Tensor, packed: torch.Tensor, offsets: torch.Tensor, scales: torch.Tensor,
                        out_features: int) -> torch.Tensor:
     """x [M, K] float32 (contiguous) -> x @ (qweight * scales).T [M, out_features] float32,
-    each row of x split into int8 slices, from ``pack_int8_sliced``'s tensors."""
+    each row of x split into int8 slices, from ``pack_w8a8``'s tensors."""
     out = x.new_empty(x.shape[0], out_features)
     native_cpu_ops().int8_sliced_linear(out, x, packed, offsets, scales)
     return out

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from servelab.kernels.int4_cpu import int4_linear, pack_int4_blocks
-from servelab.kernels.quantized_cpu import int8_linear, int8_sliced_linear, pack_int8, pack_int8_sliced
+from servelab.kernels.quantized_cpu import int8_linear, int8_sliced_linear, pack_int8
 from servelab.kernels.quantized_weights import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 from servelab.kernels.w4a8_cpu import int4_sliced_linear, pack_w4a8
-from servelab.kernels.w8a8_cpu import w8a8_unavailable_reason
+from servelab.kernels.w8a8_cpu import pack_w8a8, w8a8_unavailable_reason
 
 pytestmark = pytest.mark.skipif(w8a8_unavailable_reason() is not None, reason=str(w8a8_unavailable_reason()))
 
@@ -47,7 +47,7 @@ def int4_in_groups(weight: torch.Tensor) -> tuple:
     return quantize_int4(weight, 64 if weight.shape[1] % 64 == 0 else 8)
 
 
-INT8 = Kernel("int8", quantize_int8, dequantize_int8, pack_int8_sliced, int8_sliced_linear, pack_int8, int8_linear,
+INT8 = Kernel("int8", quantize_int8, dequantize_int8, pack_w8a8, int8_sliced_linear, pack_int8, int8_linear,
               ((1, 1), (5, 3), (17, 31), (64, 64), (100, 37), (200, 130)))
 INT4 = Kernel("int4", int4_in_groups, dequantize_int4, pack_w4a8, int4_sliced_linear, pack_int4_blocks, int4_linear,
               ((1, 8), (5, 16), (17, 48), (64, 64), (100, 96), (200, 128)))
@@ -106,7 +106,7 @@ def test_three_slices_carry_a_row_to_6e_8_of_its_largest_value():
     qweight, scales = torch.eye(width, dtype=torch.int8) * 127, torch.full((width,), 1 / 127)
     torch.manual_seed(3)
     x = torch.randn(5, width) * torch.tensor([[1e-3], [1.0], [7.0], [1e4], [0.0]])
-    out = int8_sliced_linear(x, *pack_int8_sliced(qweight, scales), width)
+    out = int8_sliced_linear(x, *pack_w8a8(qweight, scales), width)
     largest = x.abs().amax(dim=1, keepdim=True)
     assert ((out - x).abs() <= largest * (1 / (2 * 127 * 254 ** 2) + 3e-7)).all()
     assert not out[4].any()  # a zero row gives zeros
@@ -127,7 +127,7 @@ def test_a_row_gives_the_same_result_alone_and_in_any_batch(kernel):
 
 def test_grouped_int8_experts_equal_one_call_each():
     torch.manual_seed(4)
-    packs = [pack_int8_sliced(*quantize_int8(torch.randn(72, 40))) for _ in range(5)]
+    packs = [pack_w8a8(*quantize_int8(torch.randn(72, 40))) for _ in range(5)]
     stacked = [torch.stack(parts) for parts in zip(*packs)]
     experts, sizes = [4, 0, 1], [5, 1, 17]
     starts = list(itertools.accumulate(sizes[:-1], initial=0))
@@ -140,7 +140,7 @@ def test_grouped_int8_experts_equal_one_call_each():
 
 def test_weights_of_the_wrong_layout_are_refused():
     qweight, scales = quantized(INT8, 64, 32)
-    packed, offsets, padded_scales = pack_int8_sliced(qweight, scales)
+    packed, offsets, padded_scales = pack_w8a8(qweight, scales)
     blocked, _ = pack_int8(qweight, scales)
     with pytest.raises(RuntimeError, match="int8_sliced_linear: packed must be a contiguous int8"):
         int8_sliced_linear(torch.randn(2, 32), blocked, offsets, padded_scales, 64)
