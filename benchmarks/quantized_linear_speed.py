@@ -7,7 +7,11 @@ of them for every method, default 1 GiB: more than the last-level cache of the m
 measured, 480 MiB on the largest) come from memory on every call, as a model's layers do in
 a decode step; a single copy would stay in the cache and show its speed instead.
 Methods run interleaved per shape and row count, so their ratios share the machine's
-moment. Prints a markdown table of the median ms per call (and ratios to float32):
+moment. As in an engine's steps, freed heap memory stays in the process and blocks of every
+size come from the heap (``servelab.platform.retain_freed_heap_memory``,
+``mmap_max_setter``), so a call's output, tens of MiB at prefill sizes, lands on pages
+already mapped rather than on freshly faulted ones. Prints a markdown table of the median
+ms per call (and ratios to float32):
 
     python benchmarks/quantized_linear_speed.py --threads 1 2 --rows 1 4 16 64 256
 
@@ -38,6 +42,7 @@ from servelab.kernels.quantized_cpu import int8_linear, int8_sliced_linear, pack
 from servelab.kernels.quantized_weights import quantize_int4, quantize_int8
 from servelab.kernels.w4a8_cpu import int4_sliced_linear, pack_w4a8, w4a8_linear
 from servelab.kernels.w8a8_cpu import pack_w8a8, w8a8_linear
+from servelab.platform import mmap_max_setter, retain_freed_heap_memory
 
 SHAPES = ((4864, 896), (896, 4864), (896, 896), (128, 896))
 """(out, in) features: the 0.5B model's MLP up and down, attention output and one KV head group."""
@@ -121,6 +126,10 @@ def main() -> None:
                         help="bytes of weight copies each method cycles through (MiB)")
     args = parser.parse_args()
     torch.backends.quantized.engine = "x86"
+    retain_freed_heap_memory()
+    set_mmap_max = mmap_max_setter()
+    if set_mmap_max is not None:
+        set_mmap_max(0)
     for case, (threads, out_features, in_features, rows, ms) in enumerate(
             timed_cases(SHAPES, methods, args.threads, args.rows, args.rounds, args.footprint_mib)):
         if case == 0:

@@ -18,9 +18,16 @@ expose, and a free TCP port.
   kernel must fault in and zero again (about 10^5 page faults and half a second of system
   time per 256-request offline run of the 26m model). Raising both thresholds keeps that
   memory mapped: the process holds on to its peak heap size (plus up to 256 MiB free at the
-  top of the heap), which a serving engine reaches again every step anyway. Blocks above
-  32 MiB (glibc's ceiling for the threshold) stay mappings. An engine that shuts down gives
-  the retained memory back.
+  top of the heap), which a serving engine reaches again every step anyway. An engine that
+  shuts down gives the retained memory back.
+- ``mmap_max_setter``: while a CPU engine's step runs, blocks above 32 MiB
+  (glibc's ceiling for the mmap threshold) come from the heap too. A 2048-token step of the
+  0.5B shape makes 40-80 MiB activations (the gate/up projection's output, the SiLU
+  product), which as mappings were faulted in and zeroed at every step. Outside steps
+  glibc maps them as before, so the engine's long-lived buffers (weights, KV cache) stay
+  mappings that are unmapped when freed, however the engine is released (except a weight
+  packed on first use inside a step, when the engine was not warmed up: freed, it stays in
+  the heap until the next trim, as smaller blocks do).
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import functools
 import math
 import signal
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
     import torch
@@ -96,22 +103,42 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
+M_MMAP_MAX = -4
+DEFAULT_MMAP_MAX = 65536
+"""glibc's default for ``M_MMAP_MAX``, the number of blocks it may serve as mappings at once."""
 # glibc's ceiling for the mmap threshold on 64-bit systems; larger blocks are still mapped.
 MMAP_THRESHOLD_BYTES = 32 << 20
 TRIM_THRESHOLD_BYTES = 256 << 20
 
 
 @functools.lru_cache(maxsize=None)
+def _mallopt():
+    """glibc's ``mallopt``, or None where there is none (other OSes, musl and other C
+    libraries)."""
+    mallopt = getattr(linux_libc(), "mallopt", None)
+    if mallopt is not None:
+        mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+        mallopt.restype = ctypes.c_int
+    return mallopt
+
+
+@functools.lru_cache(maxsize=None)
 def retain_freed_heap_memory() -> bool:
     """Raise glibc's mmap and trim thresholds for this process (once); True when applied,
-    False where there is no glibc ``mallopt`` (other OSes and C libraries)."""
-    libc = linux_libc()
-    mallopt = getattr(libc, "mallopt", None)  # musl and other C libraries have none
+    False where there is no glibc ``mallopt``."""
+    mallopt = _mallopt()
     if mallopt is None:
         return False
-    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-    mallopt.restype = ctypes.c_int
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+
+
+def mmap_max_setter() -> Callable[[int], int] | None:
+    """``set(n)`` sets glibc's ``M_MMAP_MAX`` for this process, the number of blocks it may
+    serve as mappings at once: 0 serves blocks of every size from the heap,
+    ``DEFAULT_MMAP_MAX`` is glibc's default. A C call (no Python frame runs in it, so a
+    step may make two); None without glibc ``mallopt``."""
+    mallopt = _mallopt()
+    return None if mallopt is None else functools.partial(mallopt, M_MMAP_MAX)
 
 
 def return_freed_heap_memory() -> bool:

@@ -27,7 +27,8 @@ from servelab.core.lora_registry import lora_enabled
 from servelab.core.model import ModelParallel
 from servelab.core.engine.resolved_model import ResolvedModel
 from servelab.core.scheduler import SchedulerOutput
-from servelab.platform import free_port, retain_freed_heap_memory, return_freed_heap_memory
+from servelab.platform import (DEFAULT_MMAP_MAX, free_port, mmap_max_setter, retain_freed_heap_memory,
+                               return_freed_heap_memory)
 from servelab.plugins.executor.device_worker import DeviceWorker
 from servelab.plugins.executor.distributed import (ATTACH, STOP, WARM_UP, Topology, WorkerSpec,
                                                    backend_for, default_threads, drive_torchrun,
@@ -108,6 +109,7 @@ class ModelExecutor(Executor):
         self.worker_ranks = range(1, topology.world_size)
         self.group = WorkerGroup(lambda ranks: send_header(STOP, ranks), topology.world_size)
         self._release = weakref.finalize(self, self.group.close)
+        self._set_mmap_max = None  # glibc's M_MMAP_MAX, set around CPU steps from attach on
         self._pending: deque[PendingStep] = deque()
         self._sends: list[Any] = []
         self.worker: DeviceWorker | None = None
@@ -216,6 +218,7 @@ class ModelExecutor(Executor):
                                f"without LoRA adapters"])
         if self.device.type == "cpu":
             retain_freed_heap_memory()
+            self._set_mmap_max = mmap_max_setter()
         sizes = (cache.num_blocks, cache.block_size, cache.num_host_blocks)
         self._to_workers(lambda: send_header(ATTACH, self.worker_ranks, (*sizes, len(cache.groups))))
         self.worker.allocate(*sizes, groups=cache.groups)
@@ -246,7 +249,20 @@ class ModelExecutor(Executor):
     @torch.inference_mode()
     def submit(self, output: SchedulerOutput) -> None:
         """Move blocks, draft, build the flat batch, send it to the workers and run this
-        rank's stage; the step's tokens come from ``collect``."""
+        rank's stage; the step's tokens come from ``collect``. On the CPU the step's blocks
+        of every size come from the heap (glibc's ``M_MMAP_MAX`` 0 while it runs,
+        ``servelab.platform.mmap_max_setter``)."""
+        set_mmap_max = self._set_mmap_max
+        if set_mmap_max is None:
+            return self._submit(output)
+        set_mmap_max(0)
+        try:
+            self._submit(output)
+        finally:
+            set_mmap_max(DEFAULT_MMAP_MAX)
+
+    def _submit(self, output: SchedulerOutput) -> None:
+        """``submit``'s work."""
         if output.blocks_to_spill or output.blocks_to_fill:
             self.cache.transfer_tier_blocks(output.blocks_to_spill, output.blocks_to_fill,
                                             self.worker.read_host_block, self.worker.write_host_block)

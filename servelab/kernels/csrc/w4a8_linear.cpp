@@ -34,7 +34,8 @@
 // channels), with the group's sum of q per channel, and multiplies every 16 rows x 64
 // channels x 64 inputs with them per pass of the tile unit, the rows stored as xq + 128
 // (tdpbusd's A operand is unsigned) and 128 * sum(q) subtracted per group: the same exact
-// int32 group sums as VNNI, so both paths give the same results. Threads split the tiles.
+// int32 group sums as VNNI, so both paths give the same results. Threads split the tiles;
+// many rows go in passes of as many as fit half the core's L2, as w8a8_linear's.
 
 #include <ATen/Parallel.h>
 
@@ -269,43 +270,51 @@ void int4_rows_linear(const char* op, int64_t per_row, at::Tensor& out, const at
       sums[i] = total - offset * static_cast<int32_t>(w.group);
     }
   });
-  const float* a = row_scales.data();
-  const int32_t* xsum = sums;
   float* ys = out.data_ptr<float>();
   constexpr int64_t tile_channels = kTileVecs * kBlock;
-  at::parallel_for(0, (N + tile_channels - 1) / tile_channels, 1, [&](int64_t begin, int64_t end) {
-    // Slices' results go to this thread's buffer of one tile's width, then are summed per row.
-    thread_local std::vector<float> partial;
-    partial.resize(per_row > 1 ? M * tile_channels : 0);
-    const int64_t ldo = per_row > 1 ? tile_channels : N;
-    const auto finish = [&](int64_t n, int64_t channels) {
-      if (per_row > 1) sum_slices(partial.data(), tile_channels, M / per_row, ys + n, N, channels);
-    };
+  const int64_t tiles = (N + tile_channels - 1) / tile_channels, pass = rows_per_pass(K + tile_channels * 4, per_row);
+  // Passes of `pass` rows of x: each pass's operand rows stay in the core's L2 while every tile passes them.
+  for (int64_t first = 0; first < x.size(0); first += pass) {
+    const int64_t rows = std::min(pass, x.size(0) - first), R = rows * per_row, r0 = first * per_row;
+    const float* a = row_scales.data() + r0;
+    const int32_t* xsum = sums + r0 * groups;
+    const uint8_t* pu = xu + r0 * K;
+    const int8_t* pq = xq + r0 * K;
+    float* y0 = ys + first * N;
+    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+      // Slices' results go to this thread's buffer of one tile's width, then are summed per row.
+      thread_local std::vector<float> partial;
+      partial.resize(per_row > 1 ? R * tile_channels : 0);
+      const int64_t ldo = per_row > 1 ? tile_channels : N;
+      const auto finish = [&](int64_t n, int64_t channels) {
+        if (per_row > 1) sum_slices(partial.data(), tile_channels, rows, y0 + n, N, channels);
+      };
 #ifdef SERVELAB_AMX_INT8
-    if (tile_unit) {
-      thread_local std::vector<float> acc;
-      acc.resize(M * tile_channels + 16);
-      float* sums = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(acc.data()) + 63) & ~uintptr_t{63});
-      configure_full_tiles();
+      if (tile_unit) {
+        thread_local std::vector<float> acc;
+        acc.resize(R * tile_channels + 16);
+        float* accs = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(acc.data()) + 63) & ~uintptr_t{63});
+        configure_full_tiles();
+        for (int64_t t = begin; t < end; ++t) {
+          const int64_t n = t * tile_channels, channels = std::min(tile_channels, N - n);
+          tile_unit_rows(pu, a, xsum, w, t, R, accs, per_row > 1 ? partial.data() : y0 + n, ldo, channels);
+          finish(n, channels);
+        }
+        _tile_release();
+        return;
+      }
+#endif
       for (int64_t t = begin; t < end; ++t) {
         const int64_t n = t * tile_channels, channels = std::min(tile_channels, N - n);
-        tile_unit_rows(xu, a, xsum, w, t, M, sums, per_row > 1 ? partial.data() : ys + n, ldo, channels);
+        float* y = per_row > 1 ? partial.data() : y0 + n;
+        int64_t m = 0;
+        for (; m + kMaxRows <= R; m += kMaxRows)
+          tile_rows<kMaxRows>(pq + m * K, a + m, xsum + m * groups, w, t, y + m * ldo, ldo, channels);
+        tile_remainder<kMaxRows - 1>(R - m, pq + m * K, a + m, xsum + m * groups, w, t, y + m * ldo, ldo, channels);
         finish(n, channels);
       }
-      _tile_release();
-      return;
-    }
-#endif
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t n = t * tile_channels, channels = std::min(tile_channels, N - n);
-      float* y = per_row > 1 ? partial.data() : ys + n;
-      int64_t m = 0;
-      for (; m + kMaxRows <= M; m += kMaxRows)
-        tile_rows<kMaxRows>(xq + m * K, a + m, xsum + m * groups, w, t, y + m * ldo, ldo, channels);
-      tile_remainder<kMaxRows - 1>(M - m, xq + m * K, a + m, xsum + m * groups, w, t, y + m * ldo, ldo, channels);
-      finish(n, channels);
-    }
-  });
+    });
+  }
 }
 
 }  // namespace

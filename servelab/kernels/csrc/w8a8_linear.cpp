@@ -17,7 +17,9 @@
 // vector multiplied into up to 6 rows; from kTileUnitRows rows on, CPUs with AMX (Intel
 // Sapphire Rapids and later, where Linux grants the tile state) multiply 16 rows x 16
 // channels x 64 inputs per tdpbusd, 4 channel blocks at a time. Both sum the same exact
-// int32 products and share the epilogue, so their results are identical.
+// int32 products and share the epilogue, so their results are identical. Many rows
+// (prefill) go in passes of as many as fit half the core's L2 (int8_rows.h rows_per_pass),
+// each pass's tiles split over the threads.
 //
 // grouped_w8a8_linear multiplies several experts' rows, each by its own matrix of a stack
 // ([E, N / 16, K' / 4, 64]), in one parallel region: the rows quantized once (a row's
@@ -247,11 +249,16 @@ void operand_linear(const char* op, int64_t per_row, at::Tensor& out, const at::
   const int32_t* os = offsets.data_ptr<int32_t>();
   const float* ss = scales.data_ptr<float>();
   float* ys = out.data_ptr<float>();
-  parallel_items((N + tile_channels - 1) / tile_channels, tile_unit, [&](int64_t t) {
-    const int64_t n = t * tile_channels;
-    operand_item(tile_unit, a, 0, padded_k, M, ws + n * padded_k, os + n, ss + n, ys + n, N,
-                 std::min(tile_channels, N - n));
-  });
+  // Passes of `pass` rows, each split over the threads by tiles.
+  const int64_t pass = rows_per_pass(padded_k, per_row);
+  for (int64_t m = 0; m < M; m += pass) {
+    const int64_t rows = std::min(pass, M - m);
+    parallel_items((N + tile_channels - 1) / tile_channels, tile_unit, [&](int64_t t) {
+      const int64_t n = t * tile_channels;
+      operand_item(tile_unit, a, m, padded_k, rows, ws + n * padded_k, os + n, ss + n, ys + m * N + n, N,
+                   std::min(tile_channels, N - n));
+    });
+  }
 }
 
 // operand_linear for each expert's rows of x (grouped_w8a8_linear's arguments).
@@ -273,9 +280,18 @@ void grouped_operand_linear(const char* op, int64_t per_row, at::Tensor& out, co
   const int32_t* os = offsets.data_ptr<int32_t>();
   const float* ss = scales.data_ptr<float>();
   float* ys = out.data_ptr<float>();
-  parallel_items(static_cast<int64_t>(experts.size()) * tiles, tile_unit, [&](int64_t item) {
-    const int64_t g = item / tiles, n = (item % tiles) * tile_channels, e = experts[g], m = starts[g];
-    operand_item(tile_unit, a, m, padded_k, counts[g], ws + e * expert_stride + n * padded_k, os + e * padded_n + n,
+  // Each expert's rows in passes (rows_per_pass), one item per pass and tile, a pass's tiles in a row.
+  struct Pass {
+    int64_t expert, first, rows;
+  };
+  std::vector<Pass> passes;
+  const int64_t pass = rows_per_pass(padded_k, per_row);
+  for (size_t g = 0; g < experts.size(); ++g)
+    for (int64_t m = 0; m < counts[g]; m += pass) passes.push_back({experts[g], starts[g] + m, std::min(pass, counts[g] - m)});
+  parallel_items(static_cast<int64_t>(passes.size()) * tiles, tile_unit, [&](int64_t item) {
+    const Pass& p = passes[item / tiles];
+    const int64_t n = (item % tiles) * tile_channels, e = p.expert, m = p.first;
+    operand_item(tile_unit, a, m, padded_k, p.rows, ws + e * expert_stride + n * padded_k, os + e * padded_n + n,
                  ss + e * padded_n + n, ys + m * N + n, N, std::min(tile_channels, N - n));
   });
 }
