@@ -287,7 +287,8 @@ void grouped_operand_linear(const char* op, int64_t per_row, at::Tensor& out, co
   std::vector<Pass> passes;
   const int64_t pass = rows_per_pass(padded_k, per_row);
   for (size_t g = 0; g < experts.size(); ++g)
-    for (int64_t m = 0; m < counts[g]; m += pass) passes.push_back({experts[g], starts[g] + m, std::min(pass, counts[g] - m)});
+    for (int64_t m = 0; m < counts[g]; m += pass)
+      passes.push_back({experts[g], starts[g] + m, std::min(pass, counts[g] - m)});
   parallel_items(static_cast<int64_t>(passes.size()) * tiles, tile_unit, [&](int64_t item) {
     const Pass& p = passes[item / tiles];
     const int64_t n = (item % tiles) * tile_channels, e = p.expert, m = p.first;
