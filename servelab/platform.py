@@ -104,11 +104,11 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 M_MMAP_MAX = -4
-DEFAULT_MMAP_MAX = 65536
-"""glibc's default for ``M_MMAP_MAX``, the number of blocks it may serve as mappings at once."""
-# glibc's ceiling for the mmap threshold on 64-bit systems; larger blocks are still mapped.
+# glibc's ceiling for the mmap threshold on 64-bit systems; larger blocks are mapped (outside steps).
 MMAP_THRESHOLD_BYTES = 32 << 20
 TRIM_THRESHOLD_BYTES = 256 << 20
+DEFAULT_MMAP_MAX = 65536
+"""glibc's default for ``M_MMAP_MAX``, the number of blocks it may serve as mappings at once."""
 
 
 @functools.lru_cache(maxsize=None)

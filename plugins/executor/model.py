@@ -109,7 +109,7 @@ class ModelExecutor(Executor):
         self.worker_ranks = range(1, topology.world_size)
         self.group = WorkerGroup(lambda ranks: send_header(STOP, ranks), topology.world_size)
         self._release = weakref.finalize(self, self.group.close)
-        self._set_mmap_max = None  # glibc's M_MMAP_MAX, set around CPU steps from attach on
+        self._set_mmap_max = mmap_max_setter() if self.device.type == "cpu" else None  # around each step
         self._pending: deque[PendingStep] = deque()
         self._sends: list[Any] = []
         self.worker: DeviceWorker | None = None
@@ -218,7 +218,6 @@ class ModelExecutor(Executor):
                                f"without LoRA adapters"])
         if self.device.type == "cpu":
             retain_freed_heap_memory()
-            self._set_mmap_max = mmap_max_setter()
         sizes = (cache.num_blocks, cache.block_size, cache.num_host_blocks)
         self._to_workers(lambda: send_header(ATTACH, self.worker_ranks, (*sizes, len(cache.groups))))
         self.worker.allocate(*sizes, groups=cache.groups)

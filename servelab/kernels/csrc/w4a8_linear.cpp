@@ -272,7 +272,7 @@ void int4_rows_linear(const char* op, int64_t per_row, at::Tensor& out, const at
   });
   float* ys = out.data_ptr<float>();
   constexpr int64_t tile_channels = kTileVecs * kBlock;
-  const int64_t tiles = (N + tile_channels - 1) / tile_channels, pass = rows_per_pass(K + tile_channels * 4, per_row);
+  const int64_t tiles = (N + tile_channels - 1) / tile_channels, pass = rows_per_pass(K + tile_channels * sizeof(float), per_row);
   // Passes of `pass` rows of x: each pass's operand rows (K bytes each) and the tile unit's float32 sums of them
   // (64 per row) stay in the core's L2 while every tile passes them.
   for (int64_t first = 0; first < x.size(0); first += pass) {
