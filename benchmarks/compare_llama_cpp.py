@@ -12,8 +12,9 @@ architecture (the weights and ids are the same; only the text a token decodes to
 - ``float32`` / ``bfloat16``: GGUF ``f32`` / ``bf16``;
 - ``int8`` (weight-only) and ``w8a8`` (servelab: LM head in int8 too): ``q8_0`` (int8
   weights in blocks of 32 with a scale; llama.cpp multiplies them with int8 activations);
-- ``int4`` (servelab: groups of 128, float32 head; ``int4-head``: an int8 head) and ``w4a8``
-  (int4 weights with int8 activations, an int8 head with int8 activations): ``Q4_0`` by
+- ``int4`` (servelab: groups of 128, float32 head; ``int4-head``: an int8 head;
+  ``int4-head4``: an int4 head) and ``w4a8`` (int4 weights with int8 activations, an int8
+  head with int8 activations; ``w4a8-head4``: an int4 head): ``Q4_0`` by
   ``llama-quantize`` from the ``f32`` file (blocks of 32 with a scale, 4.5 bits a weight as
   servelab's groups of 128 with a scale and a zero; llama.cpp multiplies them with int8
   activations; llama-quantize keeps the output matrix at Q6_K).
@@ -53,7 +54,7 @@ from servelab.bench.report import render_markdown
 SDIST_VERSION = "0.3.36"
 PROMPT_TOKENS, DECODE_TOKENS, PREFILL_TOKENS = 16, 128, 256
 GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "int8": "q8_0", "w8a8": "q8_0", "int4": "q4_0",
-              "int4-head": "q4_0", "w4a8": "q4_0"}
+              "int4-head": "q4_0", "int4-head4": "q4_0", "w4a8": "q4_0", "w4a8-head4": "q4_0"}
 """The GGUF weight type each servelab mode is compared with."""
 TOOLS = ("llama-bench", "llama-server", "llama-quantize")
 CONVERT = (

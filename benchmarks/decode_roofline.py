@@ -22,7 +22,8 @@ it is the engine's own time.
 Models are ``servelab.bench.random_llama``'s (random weights, written once under
 ``--folder``); ``--modes`` are a dtype (``float32``, ``bfloat16``) or a weight
 quantization (``int8``, ``w8a8`` with the LM head quantized too; ``int4`` with a float32
-head, ``int4-head`` with an int8 one). A weight-only mode with ``-widened`` after it
+head, ``int4-head`` with an int8 one, ``int4-head4`` with an int4 one; ``w4a8`` with an int8
+head, ``w4a8-head4`` with an int4 one). A weight-only mode with ``-widened`` after it
 (``int8-widened``, ``int4-head-widened``) runs through the kernels of CPUs without int8 dot
 products (``int8_linear``, ``int4_linear``: each weight widened to float32) where the mode
 itself takes ``int8_sliced_linear`` or ``int4_sliced_linear``, to compare them on one
@@ -46,7 +47,10 @@ from servelab.bench.random_llama import MODELS, VOCAB, make_checkpoint, matmul_p
 
 PROMPT_TOKENS = 16
 DECODE_TOKENS = 128
-QUANTIZATIONS = ("int8", "w8a8", "int4", "int4-head", "w4a8")
+QUANTIZATIONS = {"int8": ("int8", "true"), "w8a8": ("w8a8", "true"), "int4": ("int4", "false"),
+                 "int4-head": ("int4", "true"), "int4-head4": ("int4", "int4"), "w4a8": ("w4a8", "true"),
+                 "w4a8-head4": ("w4a8", "int4")}
+"""Each quantized mode's ``model.quantization`` and ``model.quantization_lm_head``."""
 WIDENED = "-widened"
 """A weight-only mode's suffix for the widening kernels."""
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
@@ -70,40 +74,39 @@ def read_bandwidth(threads: int, clock: Callable[[], float] = time.perf_counter,
 
 
 def overrides_for(mode: str) -> list[str]:
-    """The engine overrides of a mode: a dtype, or a weight quantization (int8, w8a8 and
-    w4a8 with the LM head in int8 too; int4 keeps a float32 head, int4-head has an int8 one)."""
+    """The engine overrides of a mode: a dtype, or a weight quantization with its LM head
+    (``QUANTIZATIONS``)."""
     mode = mode.removesuffix(WIDENED)
-    if mode == "int4":
-        return ["model.dtype=float32", "model.quantization=int4"]
-    if mode == "int4-head":
-        return ["model.dtype=float32", "model.quantization=int4", "model.quantization_lm_head=true"]
     if mode in QUANTIZATIONS:
-        return ["model.dtype=float32", f"model.quantization={mode}", "model.quantization_lm_head=true"]
+        quantization, head = QUANTIZATIONS[mode]
+        return ["model.dtype=float32", f"model.quantization={quantization}", f"model.quantization_lm_head={head}"]
     return [f"model.dtype={mode}"]
 
 
 INT4_WIDTH = 0.5 + 2 * 4 / 128
 """An int4 weight's bytes as the kernels read them: the nibble and its share of its group's
 float32 scale and offset (groups of 128, the default)."""
-WIDTH = {"float32": 4.0, "bfloat16": 2.0, "int8": 1.0, "w8a8": 1.0, "int4": INT4_WIDTH, "int4-head": INT4_WIDTH,
-         "w4a8": INT4_WIDTH}
-"""Bytes per stored weight of each mode (int8's one scale per row is left out: 1/K of a byte)."""
+HEAD_WIDTH = {"false": 4.0, "true": 1.0, "int4": INT4_WIDTH}
+"""Bytes per LM head weight by ``model.quantization_lm_head`` (float32, int8, int4)."""
+WIDTH = {"float32": 4.0, "bfloat16": 2.0, "int8": 1.0, "w8a8": 1.0, "int4": INT4_WIDTH, "w4a8": INT4_WIDTH}
+"""Bytes per stored weight of each dtype and ``model.quantization`` (int8's one scale per
+row is left out: 1/K of a byte)."""
 
 
 def weight_bytes(name: str, mode: str, batch: int, experts: float | None = None) -> float:
     """Bytes one decode step reads of the weights: the matmul weights at their stored
-    width (int4 with its group scales and offsets; int4's LM head in float32, int4-head's
-    and w4a8's in int8; of a mixture, ``experts`` experts per sparse layer) and the
-    ``batch`` embedding rows (float32 in the quantized modes)."""
+    width (int4 with its group scales and offsets; the LM head as the mode quantizes it; of
+    a mixture, ``experts`` experts per sparse layer) and the ``batch`` embedding rows
+    (float32 in the quantized modes)."""
     mode = mode.removesuffix(WIDENED)
     shape = MODELS[name]
     hidden = shape["hidden_size"]
-    row = WIDTH[mode] if mode not in QUANTIZATIONS else 4.0
+    if mode not in QUANTIZATIONS:
+        return matmul_parameters(name, experts) * WIDTH[mode] + batch * hidden * WIDTH[mode]
+    quantization, head_setting = QUANTIZATIONS[mode]
     head = hidden * shape.get("vocab_size", VOCAB)
-    if mode in ("int4", "int4-head", "w4a8"):
-        head_width = 4.0 if mode == "int4" else 1.0
-        return (matmul_parameters(name, experts) - head) * WIDTH[mode] + head * head_width + batch * hidden * row
-    return matmul_parameters(name, experts) * WIDTH[mode] + batch * hidden * row
+    return ((matmul_parameters(name, experts) - head) * WIDTH[quantization] + head * HEAD_WIDTH[head_setting]
+            + batch * hidden * 4.0)
 
 
 def decode_step_seconds(llm: Any, batch: int, clock: Callable[[], float]) -> tuple[float, float, float | None]:

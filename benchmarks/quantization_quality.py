@@ -1,6 +1,6 @@
 """Perplexity and greedy agreement of quantized weights (``model.quantization`` none, int8,
-w8a8, int4, w4a8; ``int8+head`` / ``w8a8+head`` / ``w4a8+head`` add
-``model.quantization_lm_head=true``) and of a
+w8a8, int4, w4a8; ``int8+head`` / ``w8a8+head`` / ``int4+head`` / ``w4a8+head`` add
+``model.quantization_lm_head=true``, ``int4+head4`` / ``w4a8+head4`` an int4 LM head) and of a
 quantized KV cache (modes ``kv-int8``, ``kv-fp8_e4m3``: ``cache.kv_dtype``, float weights)
 on the default model's held-out sets, scored by servelab itself.
 
@@ -63,6 +63,8 @@ def score(llm, rows) -> tuple[float, list[int]]:
     return nll, argmax
 
 
+HEADS = {"head": "true", "head4": "int4"}
+"""A weight mode's ``+head`` suffix (the int8 LM head) or ``+head4`` (an int4 one)."""
 KV_PREFIX = "kv-"
 """Modes ``kv-<cache.kv_dtype>`` quantize the KV cache instead of the weights."""
 
@@ -74,7 +76,7 @@ def mode_overrides(mode: str, group_size: int) -> list[str]:
     quantization, _, head = mode.partition("+")
     overrides = [f"model.quantization={quantization}"]
     if head:
-        overrides.append("model.quantization_lm_head=true")
+        overrides.append(f"model.quantization_lm_head={HEADS[head]}")
     if quantization in ("int4", "w4a8"):
         overrides.append(f"model.quantization_group_size={group_size}")
     return overrides
@@ -125,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--venv", type=Path, required=True, help="a venv holding servelab's [test] dependencies")
     parser.add_argument("--scratch", type=Path, default=Path.home() / ".cache/servelab-tiny-model")
     parser.add_argument("--modes", nargs="+", default=["none", "int8", "w8a8", "int8+head", "w8a8+head", "int4"],
-                        help="weight modes (none, int8, w8a8, int8+head, w8a8+head, int4) and KV cache modes "
+                        help="weight modes (none, int8, w8a8, int4, w4a8; +head, +head4) and KV cache modes "
                              "(kv-int8, kv-fp8_e4m3)")
     parser.add_argument("--group-size", type=int, default=128)
     parser.add_argument("--row-tokens", type=int, default=511)

@@ -103,8 +103,9 @@ class ModelConfig:
     float; w8a8 and w4a8: int8 and int4 weights with activations quantized to int8 per row,
     CPUs with AVX512-VNNI); ``quantization_group_size``: input features per int4 scale
     (default 128, a multiple of 8 for w4a8; a saved int4 folder's own);
-    ``quantization_lm_head``: every mode also multiplies the LM head with int8 weights,
-    quantized at load (default false: the head stays float). See docs/quantization.md.
+    ``quantization_lm_head``: false (default: the head stays float) | true or int8 (every
+    mode also multiplies the LM head with int8 weights, quantized at load) | int4 (int4 and
+    w4a8: the head in int4 too, in the layers' groups). See docs/quantization.md.
     """
 
     path: Optional[str] = None
@@ -113,7 +114,7 @@ class ModelConfig:
     dtype: str = "auto"
     quantization: str = "auto"
     quantization_group_size: Optional[int] = None
-    quantization_lm_head: bool = False
+    quantization_lm_head: Any = False
     max_model_len: Optional[int] = None
     seed: int = 0
 

@@ -5,7 +5,8 @@ checks, the checkpoint tensors it rewrites and the layers it replaces (docs/quan
 servelab ``quantization_config``, else float) | none | int8 | w8a8 | int4 | w4a8, and
 ``model.quantization_group_size`` (int4 and w4a8, default 128). Every linear layer inside
 the decoder layers (``model.layers.*``: attention and MLP projections) is quantized; the
-embeddings, norms and LM head stay in floating point. ``w8a8`` and ``w4a8`` store int8 and
+embeddings, norms and LM head stay in floating point (the LM head quantized too with
+``model.quantization_lm_head``). ``w8a8`` and ``w4a8`` store int8 and
 int4 weights as ``int8`` and ``int4`` do and also quantize each activation row to int8 at
 every call (CPUs with AVX512-VNNI only).
 """
@@ -27,6 +28,8 @@ INT8_ACTIVATION_MODES = {8: "w8a8", 4: "w4a8"}
 W4A8_GROUP_MULTIPLE = 8
 """w4a8's group sizes are multiples of this (its kernel reads 8 inputs of a channel at a time)."""
 DEFAULT_GROUP_SIZE = 128
+LM_HEAD_BITS = {False: None, True: 8, "int8": 8, "int4": 4}
+"""``model.quantization_lm_head``'s values and the LM head's bits each gives (None: float)."""
 QUANT_METHOD = "servelab"
 DECODER_PREFIX = "model.layers."
 """Checkpoint tensors and model modules below this prefix are the quantized ones."""
@@ -41,15 +44,17 @@ class WeightQuantization:
     ``int8_activations``: activation rows are quantized to int8 at every call and
     multiplied with int8 dot products (``model.quantization=w8a8`` for int8 weights,
     ``w4a8`` for int4).
-    ``lm_head``: the LM head multiplies with int8 weights too (with int8 activations under
-    w8a8, float ones under int8 and int4), quantized at load from its float weight
-    (``model.quantization_lm_head``)."""
+    ``lm_head``: the LM head multiplies with quantized weights too (with int8 activations
+    under w8a8 and w4a8, float ones under int8 and int4), quantized at load from its float
+    weight (``model.quantization_lm_head``): ``lm_head_bits`` 8 (one scale per vocabulary
+    row) or 4 (int4 layers only: in their groups of ``group_size``)."""
 
     bits: int
     group_size: int
     prequantized: bool = False
     int8_activations: bool = False
     lm_head: bool = False
+    lm_head_bits: int = 8
 
     @property
     def mode(self) -> str:
@@ -62,6 +67,11 @@ class WeightQuantization:
         if self.bits == 8:
             return 1.0 + scale_bytes / in_features
         return 0.5 + 2.0 * scale_bytes / self.group_size
+
+    def head_bytes_per_weight(self, in_features: int, scale_bytes: float) -> float:
+        """Stored bytes per weight of the quantized LM head (``in_features`` inputs)."""
+        head = WeightQuantization(self.lm_head_bits, self.group_size if self.lm_head_bits == 4 else -1)
+        return head.bytes_per_weight(in_features, scale_bytes)
 
     def config_entry(self) -> dict:
         """The ``quantization_config`` entry of a saved folder's config.json."""
@@ -110,13 +120,20 @@ def resolve_quantization(model_config: Any, hf_config: Any | None) -> WeightQuan
             and quantization.group_size % W4A8_GROUP_MULTIPLE):
         problems.append(f"model.quantization=w4a8 needs model.quantization_group_size a multiple of "
                         f"{W4A8_GROUP_MULTIPLE}, got {quantization.group_size}")
-    lm_head = bool(getattr(model_config, "quantization_lm_head", False))
-    if lm_head and quantization is None:
-        problems.append(f"model.quantization_lm_head=true needs quantized weights (model.quantization=int8, w8a8, "
-                        f"int4 or w4a8), got model.quantization={mode}")
+    head = getattr(model_config, "quantization_lm_head", False)
+    head_bits = LM_HEAD_BITS.get(head) if type(head) in (bool, str) else None
+    shown = str(head).lower() if type(head) is bool else head
+    if head_bits is None and head is not False:
+        problems.append(f"model.quantization_lm_head must be false, true (int8), int8 or int4, got {head!r}")
+    elif head_bits and quantization is None:
+        problems.append(f"model.quantization_lm_head={shown} needs quantized weights (model.quantization=int8, "
+                        f"w8a8, int4 or w4a8), got model.quantization={mode}")
+    elif head_bits == 4 and quantization.bits != 4:
+        problems.append(f"model.quantization_lm_head=int4 needs int4 layers (model.quantization=int4 or w4a8), "
+                        f"whose group size it takes; got model.quantization={quantization.mode}")
     if problems:
         raise ConfigError(problems)
-    return dataclasses.replace(quantization, lm_head=True) if lm_head else quantization
+    return dataclasses.replace(quantization, lm_head=True, lm_head_bits=head_bits) if head_bits else quantization
 
 
 def quantization_problems(quantization: WeightQuantization | None, shape: Any, tensor_parallel_size: int,
@@ -164,7 +181,7 @@ def group_problems(layer: str, in_features: int, group_size: int, ranks: int = 1
 def weight_memory_bytes(shape: Any, quantization: WeightQuantization | None, dtype_bytes: float) -> float:
     """Bytes of every weight of a model of ``shape`` (a ``ModelShape``) in ``dtype_bytes``
     floats, its decoder linear layers stored as ``quantization`` asks (None: floats), plus
-    the int8 copy of the LM head that ``lm_head`` keeps beside its float weight (a
+    the quantized copy of the LM head that ``lm_head`` keeps beside its float weight (a
     mixture of experts' matrices too)."""
     total = shape.num_parameters * dtype_bytes
     if quantization is None:
@@ -180,7 +197,8 @@ def weight_memory_bytes(shape: Any, quantization: WeightQuantization | None, dty
         total -= shape.experts.sparse_layers(shape.num_layers) * (
             saved(shape.experts.linear_shapes(shape.hidden_size)) - saved(dense_mlp))
     if quantization.lm_head:
-        total += shape.vocab_size * shape.hidden_size * quantization.bytes_per_weight(shape.hidden_size, dtype_bytes)
+        total += shape.vocab_size * shape.hidden_size * quantization.head_bytes_per_weight(shape.hidden_size,
+                                                                                         dtype_bytes)
     return total
 
 

@@ -90,11 +90,10 @@ class Widths:
 
     @property
     def head_weight_bytes(self) -> float:
-        """Bytes per weight the LM head reads: int8 with ``model.quantization_lm_head``
-        (under int4 weights too)."""
+        """Bytes per weight the LM head reads: int8 or int4 with ``model.quantization_lm_head``."""
         if self.quantization is None or not self.quantization.lm_head:
             return self.wb
-        return WeightQuantization(8, -1).bytes_per_weight(self.hidden, self.ab)
+        return self.quantization.head_bytes_per_weight(self.hidden, self.ab)
 
 
 def matmul(name: str, rows: int, inputs: int, outputs: int, w: Widths) -> Operator:

@@ -33,7 +33,7 @@ from servelab.core.quantization import W4A8_GROUP_MULTIPLE, WeightQuantization, 
 from servelab.kernels.cpu_ops import native_cpu_available, native_cpu_enabled
 from servelab.kernels.int4_cpu import int4_linear, pack_int4_blocks
 from servelab.kernels.quantized_cpu import int8_linear, int8_sliced_linear, pack_int8, slices_on_dot_products
-from servelab.kernels.quantized_weights import dequantize_int4, dequantize_int8, quantize_int8
+from servelab.kernels.quantized_weights import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 from servelab.kernels.w4a8_cpu import int4_sliced_linear, pack_w4a8, w4a8_linear, w4a8_linear_reference
 from servelab.kernels.w8a8_cpu import pack_w8a8, w8a8_linear, w8a8_linear_reference, w8a8_unavailable_reason
 
@@ -170,16 +170,17 @@ class QuantizedLinear(nn.Module):
 
 
 class QuantizedHead(nn.Module):
-    """An LM head that multiplies with int8 weights (one scale per vocabulary row): its
-    float ``weight`` (the embedding's when tied) stays the parameter the checkpoint fills,
-    and an int8 ``QuantizedLinear`` quantized from it is built on first use (rebuilt when
-    it changes), so saved folders and the embedding lookup keep float weights."""
+    """An LM head that multiplies with quantized weights: int8 (``bits`` 8, one scale per
+    vocabulary row) or int4 (``bits`` 4, in groups of ``group_size`` inputs). Its float
+    ``weight`` (the embedding's when tied) stays the parameter the checkpoint fills, and a
+    ``QuantizedLinear`` quantized from it is built on first use (rebuilt when it changes),
+    so saved folders and the embedding lookup keep float weights."""
 
-    def __init__(self, head: nn.Linear, int8_activations: bool):
+    def __init__(self, head: nn.Linear, int8_activations: bool, bits: int = 8, group_size: int = -1):
         super().__init__()
         self.in_features, self.out_features = head.in_features, head.out_features
         self.weight, self.bias = head.weight, head.bias
-        self.int8_activations = int8_activations
+        self.int8_activations, self.bits, self.group_size = int8_activations, bits, group_size
         self._quantized: tuple[tuple, QuantizedLinear] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -187,16 +188,17 @@ class QuantizedHead(nn.Module):
         return self.quantized().forward(x)  # no module hooks on the inner layer: skip nn.Module's call
 
     def quantized(self) -> QuantizedLinear:
-        """The int8 layer quantized from the current float weight."""
+        """The quantized layer built from the current float weight."""
         weight = self.weight
         key = (weight._version, weight.data_ptr())
         if self._quantized is None or self._quantized[0] != key:
             with torch.inference_mode(False), torch.no_grad():  # normal tensors, usable in and out of inference mode
-                layer = QuantizedLinear(self.in_features, self.out_features, self.bias is not None, 8, -1,
-                                        weight.dtype, self.int8_activations).to(weight.device)
-                qweight, scales = quantize_int8(weight.detach())
-                layer.qweight.copy_(qweight)
-                layer.scales.copy_(scales)
+                layer = QuantizedLinear(self.in_features, self.out_features, self.bias is not None, self.bits,
+                                        self.group_size, weight.dtype, self.int8_activations).to(weight.device)
+                quantized = (quantize_int8(weight.detach()) if self.bits == 8
+                             else quantize_int4(weight.detach(), self.group_size))
+                for name, value in zip(("qweight", "scales", "zeros"), quantized):  # int8: no zeros
+                    getattr(layer, name).copy_(value)
                 if self.bias is not None:
                     layer.bias.copy_(self.bias)
             self._quantized = (key, layer)
@@ -231,7 +233,9 @@ def quantize_linears(model: torch.nn.Module, quantization: WeightQuantization) -
     replaced. Decoder weights the quantizer rewrites that are then still float are a
     ``ConfigError`` naming their modules (once for every layer)."""
     if quantization.lm_head and isinstance(getattr(model, "lm_head", None), torch.nn.Linear):
-        model.lm_head = QuantizedHead(model.lm_head, quantization.int8_activations)
+        group_size = quantization.group_size if quantization.lm_head_bits == 4 else -1
+        model.lm_head = QuantizedHead(model.lm_head, quantization.int8_activations, quantization.lm_head_bits,
+                                      group_size)
     replaced = 0
     for name, module in list(model.named_modules()):
         if callable(getattr(module, "quantize_weights", None)):

@@ -45,9 +45,9 @@ def w4a8_linear(x: torch.Tensor, packed: torch.Tensor, params: torch.Tensor, out
 
 def int4_sliced_linear(x: torch.Tensor, packed: torch.Tensor, params: torch.Tensor, out_features: int) -> torch.Tensor:
     """x [M, K] float32 (contiguous) -> x @ W.T [M, out_features] float32 for the int4
-    weight of ``pack_w4a8``'s tensors, weight-only: each row of x split into three int8
-    slices (exact to about 6e-8 of its largest value, as ``int8_sliced_linear``'s)
-    multiplied as ``w4a8_linear`` multiplies its rows, the slices' results summed."""
+    weight of ``pack_w4a8``'s tensors, weight-only: each row of x split into two int8
+    slices (exact to about 1.6e-5 of its largest value: ``int8_sliced_linear``'s first
+    two) multiplied as ``w4a8_linear`` multiplies its rows, the slices' results summed."""
     out = x.new_empty(x.shape[0], out_features)
     native_cpu_ops().int4_sliced_linear(out, x, packed, params)
     return out

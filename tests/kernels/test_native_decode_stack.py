@@ -88,12 +88,13 @@ W8A8 = pytest.mark.skipif(w8a8_unavailable_reason() is not None, reason=str(w8a8
     ("qwen3-moe", "bfloat16", "none"), ("qwen2", "float32", "int8+head"),
     pytest.param("llama", "float32", "w8a8+head", marks=W8A8),
     ("llama", "float32", "int8 widened"), ("qwen3-moe", "float32", "int8 widened"),
-    ("qwen2", "float32", "int8+head widened"), ("llama", "float32", "int4 widened")])
+    ("qwen2", "float32", "int8+head widened"), ("llama", "float32", "int4 widened"), ("qwen2", "float32", "int4+head4"),
+    pytest.param("qwen2", "float32", "w4a8+head4", marks=W8A8)])
 def test_the_stack_equals_the_layer_loop_to_the_bit(checkpoints, family, dtype, quantization, monkeypatch):
     """Same tokens and log-probabilities with the stack (decode steps whole: embedding,
     layers, final norm and LM head in its call) and with the Python loop, in float32
     and with every weight-quantization kernel (int4 and w4a8 in groups of 32: the model is
-    narrow; the int8 LM head, weight-only and w8a8),
+    narrow; the int8 LM head, weight-only and w8a8, and the int4 one),
     with Qwen3's q/k norms, for mixtures of experts in float32, int8 and w8a8 (the same
     pairs counted per expert), and in bfloat16 (steps of at most 16 rows: bf16_linear in
     both). A 40-token prompt's later chunks of 16 give experts several rows in one step
@@ -106,9 +107,10 @@ def test_the_stack_equals_the_layer_loop_to_the_bit(checkpoints, family, dtype, 
         monkeypatch.setattr(quantized_linear, "slices_on_dot_products", lambda: False)
         quantization = quantization.removesuffix(" widened")
     overrides = [*BASE, f"model.dtype={dtype}", "scheduler=chunked", "scheduler.token_budget=16"]
-    overrides += [] if quantization == "none" else [f"model.quantization={quantization.removesuffix('+head')}"]
-    if quantization.endswith("+head"):  # the int8 LM head, in the stack's call too
-        overrides.append("model.quantization_lm_head=true")
+    quantization, _, head = quantization.partition("+")
+    overrides += [] if quantization == "none" else [f"model.quantization={quantization}"]
+    if head:  # the int8 (head) or int4 (head4) LM head, in the stack's call too
+        overrides.append(f"model.quantization_lm_head={'int4' if head == 'head4' else 'true'}")
     if quantization in ("int4", "w4a8"):
         overrides.append("model.quantization_group_size=32")
     llm = LLM(checkpoints[family], overrides=overrides)

@@ -69,6 +69,16 @@ def test_an_int8_lm_head_is_read_and_kept_beside_its_float_weight():
     assert body < weight_memory_bytes(SHAPE, None, 2.0)
 
 
+def test_an_int4_lm_head_reads_its_nibbles_and_group_scales():
+    int4 = WeightQuantization(4, 16, lm_head=True, lm_head_bits=4)
+    head = {op.name: op for op in last_stage_operators(1, 1, Widths.of(SHAPE, 1, 2.0, 2.0, 2.0, int4))}["lm_head"]
+    float_head = {op.name: op for op in last_stage_operators(1, 1, Widths.of(SHAPE, 1, 2.0, 2.0, 2.0))}["lm_head"]
+    # 100 x 32 weights: half a byte each, a 2-byte scale and zero per group of 16 inputs
+    assert float_head.bytes - head.bytes == 32 * 100 * 2 - (32 * 100 * 0.5 + 100 * (32 // 16) * 2 * 2)
+    body = weight_memory_bytes(SHAPE, WeightQuantization(4, 16), 2.0)
+    assert weight_memory_bytes(SHAPE, int4, 2.0) == body + 32 * 100 * 0.5 + 100 * (32 // 16) * 2 * 2
+
+
 def test_memory_bound_decode_speeds_up_with_quantized_weights():
     llama = ModelShape(32, 32, 32, 128, None, 4096, 32000, 4096, 11008)
     a100 = HardwareConfig(name="a100-80gb", peak_flops=312e12, memory_bandwidth=2039e9)

@@ -228,6 +228,47 @@ def test_the_lm_head_option_needs_quantized_weights():
         resolve_quantization(ModelConfig(quantization_lm_head=True), SimpleNamespace())
 
 
+@pytest.mark.parametrize("mode, head, expected", [
+    ("int8", "int8", WeightQuantization(8, -1, lm_head=True)),
+    ("int4", "int4", WeightQuantization(4, 128, lm_head=True, lm_head_bits=4)),
+    ("w4a8", "int4", WeightQuantization(4, 128, int8_activations=True, lm_head=True, lm_head_bits=4)),
+    ("w4a8", "int8", WeightQuantization(4, 128, int8_activations=True, lm_head=True)),
+    ("int4", False, WeightQuantization(4, 128)),
+])
+def test_the_lm_head_option_names_its_bits(mode, head, expected):
+    assert resolve_quantization(ModelConfig(quantization=mode, quantization_lm_head=head), SimpleNamespace()) == expected
+
+
+@pytest.mark.parametrize("mode, head, message", [
+    ("int8", "int4", "model.quantization_lm_head=int4 needs int4 layers \\(model.quantization=int4 or w4a8\\), whose "
+                     "group size it takes; got model.quantization=int8"),
+    ("w8a8", "int4", "got model.quantization=w8a8$"),
+    ("int4", "int2", "model.quantization_lm_head must be false, true \\(int8\\), int8 or int4, got 'int2'"),
+    ("int4", 1, "model.quantization_lm_head must be false, true \\(int8\\), int8 or int4, got 1"),
+    ("none", "int4", "model.quantization_lm_head=int4 needs quantized weights"),
+])
+def test_a_bad_lm_head_option_is_refused_naming_the_field(mode, head, message):
+    with pytest.raises(ConfigError, match=message):
+        resolve_quantization(ModelConfig(quantization=mode, quantization_lm_head=head), SimpleNamespace())
+
+
+@pytest.mark.parametrize("int8_activations", [False, True])
+def test_an_int4_head_multiplies_the_int4_groups_of_its_float_weight(int8_activations):
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.layers = torch.nn.ModuleList()
+    model.lm_head = Linear(64, 40, bias=False)
+    quantize_linears(model, WeightQuantization(4, 16, int8_activations=int8_activations, lm_head=True, lm_head_bits=4))
+    head = model.lm_head
+    assert isinstance(head, QuantizedHead) and head.quantized().bits == 4 and head.quantized().group_size == 16
+    x = torch.randn(5, 64)
+    qweight, scales, zeros = quantize_int4(head.weight.detach(), 16)
+    expected = (w4a8_linear_reference(x, qweight, scales, zeros) if int8_activations
+                else x @ dequantize_int4(qweight, scales, zeros, torch.float32).T)
+    with torch.inference_mode():
+        torch.testing.assert_close(head(x), expected, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("mode, group_size, message", [
     ("int3", None, "model.quantization must be one of auto, none, int8, w8a8, int4, w4a8, got 'int3'"),
     ("w4a8", 12, "model.quantization=w4a8 needs model.quantization_group_size a multiple of 8, got 12"),

@@ -6,7 +6,7 @@
 #include "vec.h"
 
 #if defined(SERVELAB_AMX) && defined(__AMX_INT8__)
-#define SERVELAB_AMX_INT8 1  // the int8 tile products (tdpbusd) too
+#define SERVELAB_AMX_INT8 1  // the int8 tile products (tdpbusd, tdpbssd) too
 #endif
 
 #ifdef SERVELAB_AMX
@@ -40,12 +40,23 @@ inline void configure_full_tiles() {
 }
 
 #ifdef SERVELAB_AMX_INT8
+// tmm c += tmm a x tmm b on the int8 tile product: signed a (signed_rows) or unsigned, signed
+// b. A macro: the tile intrinsics write their register numbers into the instruction's text.
+#define SERVELAB_TILE_PRODUCT(signed_rows, c, a, b) \
+  do {                                              \
+    if constexpr (signed_rows)                      \
+      _tile_dpbssd(c, a, b);                        \
+    else                                            \
+      _tile_dpbusd(c, a, b);                        \
+  } while (0)
+
 // sums[r][16 v + j] = the int32 dot product over `inputs` (a multiple of 64) of row r of the
-// 16 unsigned-byte rows at `rows` (row stride `row_stride` bytes) with channel 16 v + j of a
-// 64-channel tile of signed-byte weights: four blocks of 16 channels `block_stride` bytes
-// apart, each `inputs / 4` rows of 64 bytes (4 inputs x 16 channels, the tile unit's B
-// layout). Uses tmm0-3 (C), tmm4 (A) and tmm5-6 (B, in turn), configured by
-// configure_full_tiles.
+// 16 byte rows at `rows` (row stride `row_stride` bytes; unsigned, or signed with
+// kSignedRows) with channel 16 v + j of a 64-channel tile of signed-byte weights: four
+// blocks of 16 channels `block_stride` bytes apart, each `inputs / 4` rows of 64 bytes (4
+// inputs x 16 channels, the tile unit's B layout). Uses tmm0-3 (C), tmm4 (A) and tmm5-6
+// (B, in turn), configured by configure_full_tiles.
+template <bool kSignedRows = false>
 inline void tile_unit_sums(const uint8_t* rows, int64_t row_stride, const void* weights, int64_t block_stride,
                            int64_t inputs, int32_t (*sums)[64]) {
   _tile_zero(0);
@@ -56,13 +67,13 @@ inline void tile_unit_sums(const uint8_t* rows, int64_t row_stride, const void* 
     const char* block = static_cast<const char*>(weights) + k * 16;
     _tile_loadd(4, rows + k, row_stride);
     _tile_loadd(5, block, 64);
-    _tile_dpbusd(0, 4, 5);
+    SERVELAB_TILE_PRODUCT(kSignedRows, 0, 4, 5);
     _tile_loadd(6, block + block_stride, 64);
-    _tile_dpbusd(1, 4, 6);
+    SERVELAB_TILE_PRODUCT(kSignedRows, 1, 4, 6);
     _tile_loadd(5, block + 2 * block_stride, 64);
-    _tile_dpbusd(2, 4, 5);
+    SERVELAB_TILE_PRODUCT(kSignedRows, 2, 4, 5);
     _tile_loadd(6, block + 3 * block_stride, 64);
-    _tile_dpbusd(3, 4, 6);
+    SERVELAB_TILE_PRODUCT(kSignedRows, 3, 4, 6);
   }
   _tile_stored(0, sums[0], 64 * 4);
   _tile_stored(1, sums[0] + 16, 64 * 4);

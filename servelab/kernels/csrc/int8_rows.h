@@ -2,8 +2,8 @@
 // (w8a8_linear.cpp, w4a8_linear.cpp) multiply them: scale[m] = max |x[m]| / 127 (1 for a
 // zero row) and q = round(x[m] / scale[m]) to nearest even, stored as the byte q + offset
 // (offset 128 for the unsigned operand of vpdpbusd, 0 for its signed one); or split into
-// int8 slices that keep them float32 in effect (weight-only int8_sliced_linear). Built for
-// AVX-512 only.
+// int8 slices that keep them to a small fraction of their largest value (weight-only
+// int8_sliced_linear and int4_sliced_linear). Built for AVX-512 only.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -67,16 +67,16 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, int64_t padded_k
   });
 }
 
-// Slices of the M rows of x [M, K] for a weight-only int8 matmul on int8 dot products:
-// row m becomes the kSlices rows xq[m * kSlices + l, 0:padded_k] (bytes q + 128, 128 past K)
-// with scale[m * kSlices + l] = s / 254^l, s = max |x[m]| / 127 (1 for a zero row), each
+// Slices of the M rows of x [M, K] for a weight-only matmul on int8 dot products: row m
+// becomes the `slices` rows xq[m * slices + l, 0:padded_k] (bytes q + offset, offset past K)
+// with scale[m * slices + l] = s / 254^l, s = max |x[m]| / 127 (1 for a zero row), each
 // slice the previous remainder quantized to [-127, 127]: x[m] = sum_l q_l * scale_l + e with
-// |e| <= max |x[m]| / (2 * 127 * 254^(kSlices - 1)) (about 6e-8 of the row's largest value).
+// |e| <= max |x[m]| / (2 * 127 * 254^(slices - 1)): with kSlices (int8 weights) about 6e-8
+// of the row's largest value, float32 in effect; with two (int4 weights) 1.6e-5.
 constexpr int kSlices = 3;
 
-// The bytes are stored q + offset, as quantize_rows stores them.
 inline void slice_rows(const float* x, int64_t M, int64_t K, int64_t padded_k, int offset, uint8_t* xq,
-                       float* scale) {
+                       float* scale, int slices = kSlices) {
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     const __m512 low = _mm512_set1_ps(-127.f), high = _mm512_set1_ps(127.f);
     for (int64_t m = begin; m < end; ++m) {
@@ -84,16 +84,16 @@ inline void slice_rows(const float* x, int64_t M, int64_t K, int64_t padded_k, i
       const float max_abs = max_abs_of(row, K);
       float steps[kSlices], inverses[kSlices];
       steps[0] = max_abs > 0.f ? max_abs / 127.f : 1.f;
-      for (int l = 1; l < kSlices; ++l) steps[l] = steps[l - 1] / 254.f;
-      for (int l = 0; l < kSlices; ++l) {
+      for (int l = 1; l < slices; ++l) steps[l] = steps[l - 1] / 254.f;
+      for (int l = 0; l < slices; ++l) {
         inverses[l] = 1.f / steps[l];
-        scale[m * kSlices + l] = steps[l];
+        scale[m * slices + l] = steps[l];
       }
-      uint8_t* out = xq + m * kSlices * padded_k;
+      uint8_t* out = xq + m * slices * padded_k;
       for (int64_t k = 0; k < K; k += 16) {
         const __mmask16 lanes = K - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (K - k)) - 1);
         __m512 rest = _mm512_maskz_loadu_ps(lanes, row + k);
-        for (int l = 0; l < kSlices; ++l) {
+        for (int l = 0; l < slices; ++l) {
           const __m512 q = _mm512_min_ps(high, _mm512_max_ps(low, _mm512_roundscale_ps(
               _mm512_mul_ps(rest, _mm512_set1_ps(inverses[l])), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
           rest = _mm512_fnmadd_ps(q, _mm512_set1_ps(steps[l]), rest);
@@ -101,20 +101,21 @@ inline void slice_rows(const float* x, int64_t M, int64_t K, int64_t padded_k, i
                                _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_cvtps_epi32(q), _mm512_set1_epi32(offset))));
         }
       }
-      for (int l = 0; l < kSlices; ++l)
+      for (int l = 0; l < slices; ++l)
         std::fill(out + l * padded_k + K, out + (l + 1) * padded_k, static_cast<uint8_t>(offset));
     }
   });
 }
 
-// out[r, 0:channels] (row stride ldo) = the sum of the kSlices rows r * kSlices + l of
+// out[r, 0:channels] (row stride ldo) = the sum of the `slices` rows r * slices + l of
 // partial (row stride ldp): each row's result from its slices' results, for M rows.
-inline void sum_slices(const float* partial, int64_t ldp, int64_t M, float* out, int64_t ldo, int64_t channels) {
+inline void sum_slices(const float* partial, int64_t ldp, int64_t M, float* out, int64_t ldo, int64_t channels,
+                       int slices = kSlices) {
   for (int64_t r = 0; r < M; ++r) {
-    const float* slice = partial + r * kSlices * ldp;
+    const float* slice = partial + r * slices * ldp;
     for (int64_t c = 0; c < channels; ++c) {
       float sum = slice[c];
-      for (int l = 1; l < kSlices; ++l) sum += slice[l * ldp + c];
+      for (int l = 1; l < slices; ++l) sum += slice[l * ldp + c];
       out[r * ldo + c] = sum;
     }
   }
