@@ -33,8 +33,9 @@
 // a group at a time into bytes in its L1 (the B operand of the tile product: 16 rows of 4
 // inputs x 16 channels; q, 0..15, is a signed byte too) and multiplies every 16 rows x 64
 // channels x 64 inputs with them per pass of the tile unit (tdpbssd: signed rows, signed
-// weights): the same exact int32 group sums as VNNI, so both paths give the same results. Threads split the tiles;
-// many rows go in passes of as many as fit half the core's L2, as w8a8_linear's.
+// weights): the same exact int32 group sums as VNNI, so both paths give the same results.
+// Threads split the tiles; many rows go in passes of as many as fit half the core's L2, as
+// w8a8_linear's.
 
 #include <ATen/Parallel.h>
 
@@ -63,7 +64,7 @@ constexpr int64_t kMaxTileUnitGroup = 512;  // the largest group the tile unit m
 // below what rounding weights to 4 bits changes (the tiny model's perplexity with int4
 // weights: the same to four digits with two slices as with three), and make one row's
 // three dot products per 64 weight bytes two (0.5B layers: 1.2-1.7x faster at 16-256 rows,
-// 6-9% shorter batch-1 decode steps).
+// 5-9% shorter batch-1 decode steps).
 constexpr int kInt4Slices = 2;
 
 struct W4A8Weight {
