@@ -68,10 +68,16 @@ class WeightQuantization:
             return 1.0 + scale_bytes / in_features
         return 0.5 + 2.0 * scale_bytes / self.group_size
 
+    @property
+    def lm_head_group_size(self) -> int:
+        """Inputs per scale of the quantized LM head: the layers' groups for int4, -1 (one
+        scale per vocabulary row) for int8."""
+        return self.group_size if self.lm_head_bits == 4 else -1
+
     def head_bytes_per_weight(self, in_features: int, scale_bytes: float) -> float:
         """Stored bytes per weight of the quantized LM head (``in_features`` inputs)."""
-        head = WeightQuantization(self.lm_head_bits, self.group_size if self.lm_head_bits == 4 else -1)
-        return head.bytes_per_weight(in_features, scale_bytes)
+        return WeightQuantization(self.lm_head_bits, self.lm_head_group_size).bytes_per_weight(in_features,
+                                                                                               scale_bytes)
 
     def config_entry(self) -> dict:
         """The ``quantization_config`` entry of a saved folder's config.json."""

@@ -233,9 +233,8 @@ def quantize_linears(model: torch.nn.Module, quantization: WeightQuantization) -
     replaced. Decoder weights the quantizer rewrites that are then still float are a
     ``ConfigError`` naming their modules (once for every layer)."""
     if quantization.lm_head and isinstance(getattr(model, "lm_head", None), torch.nn.Linear):
-        group_size = quantization.group_size if quantization.lm_head_bits == 4 else -1
         model.lm_head = QuantizedHead(model.lm_head, quantization.int8_activations, quantization.lm_head_bits,
-                                      group_size)
+                                      quantization.lm_head_group_size)
     replaced = 0
     for name, module in list(model.named_modules()):
         if callable(getattr(module, "quantize_weights", None)):
