@@ -143,11 +143,12 @@ def test_openai_client_sends_user_and_extra_body(deadline_server):
     with openai.OpenAI(base_url=f"{deadline_server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120) as client:
         before = _samples(deadline_server)
         result = client.completions.create(model=MODEL, prompt="hello", max_tokens=2, user="first",
-                                           extra_body={"priority": 1, "slo_class": "loose"})
-        assert result.choices[0].finish_reason
+                                           extra_body={"priority": 1, "slo_class": "loose", "ignore_eos": True})
+        assert result.choices[0].finish_reason == "length"
         chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                              max_tokens=2, user="first", extra_body={"priority": -1})
-        assert chat.choices[0].finish_reason
+                                              max_tokens=2, user="first",
+                                              extra_body={"priority": -1, "ignore_eos": True})
+        assert chat.choices[0].finish_reason == "length"
         with pytest.raises(openai.BadRequestError) as caught:
             client.completions.create(model=MODEL, prompt="hello", max_tokens=2, extra_body={"priority": 5000})
         assert caught.value.body["param"] == "priority"
