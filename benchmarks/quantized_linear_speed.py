@@ -14,6 +14,12 @@ already mapped rather than on freshly faulted ones. Prints a markdown table of t
 ms per call (and ratios to float32):
 
     python benchmarks/quantized_linear_speed.py --threads 1 2 --rows 1 4 16 64 256
+    python benchmarks/quantized_linear_speed.py --threads 2 --rows 1 --shapes 9728x896 151936x896 \
+        --methods float32 int8-sliced w8a8 int4-sliced w4a8
+
+``--shapes`` takes other (out x in) layers (the 0.5B model's fused gate/up is 9728x896, its
+LM head 151936x896), ``--methods`` a subset of the methods (float32, whose time the ratios
+divide, always runs).
 
 Methods: ``float32`` servelab's ``Linear`` (float32 weights in ``float_linear``'s blocked
 layout), ``int8`` servelab's weight-only kernel that widens each weight to float32 (``int8_linear``; CPUs without VNNI),
@@ -33,6 +39,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Callable
 
 import torch
 
@@ -54,36 +61,56 @@ def copies_of(tensors: tuple[torch.Tensor, ...], count: int) -> list[tuple[torch
     return [tuple(t.clone() for t in tensors) for _ in range(count)]
 
 
-def methods(out_features: int, in_features: int, copies: int) -> dict[str, list]:
-    """Per method, callables x -> y over independent copies of one random layer: ``copies``
-    of the float32 weight, and as many more of the narrower ones as fill the same bytes."""
+METHODS = ("float32", "int8", "int8-sliced", "w8a8", "int4", "int4-sliced", "w4a8", "dynamic")
+"""Every method, in the order they take turns and print."""
+
+
+def methods(out_features: int, in_features: int, copies: int, names=METHODS) -> dict[str, list]:
+    """Per method of ``names``, callables x -> y over independent copies of one random
+    layer: ``copies`` of the float32 weight, and as many more of the narrower ones as fill
+    the same bytes."""
     torch.manual_seed(0)
     weight = torch.randn(out_features, in_features) * 0.02
     qweight, scales = quantize_int8(weight)
     int4 = quantize_int4(weight, 128)
-    qtensor = torch._make_per_channel_quantized_tensor(qweight, scales.double(),
-                                                       torch.zeros(out_features, dtype=torch.long), 0)
-    linears = []
-    for _ in range(copies):
-        linear = Linear(in_features, out_features, bias=False)
-        with torch.no_grad():
-            linear.weight.copy_(weight)
-        linears.append(linear)
-    return {
-        "float32": linears,
-        "int8": [lambda x, p=p: int8_linear(x, *p, out_features) for p in copies_of(pack_int8(qweight, scales),
-                                                                                  4 * copies)],
-        "int8-sliced": [lambda x, p=p: int8_sliced_linear(x, *p, out_features)
-                        for p in copies_of(pack_w8a8(qweight, scales), 4 * copies)],
-        "w8a8": [lambda x, p=p: w8a8_linear(x, *p, out_features) for p in copies_of(pack_w8a8(qweight, scales),
-                                                                                  4 * copies)],
-        "int4": [lambda x, p=p: int4_linear(x, *p, out_features) for p in copies_of(pack_int4_blocks(*int4),
-                                                                                  8 * copies)],
-        "int4-sliced": [lambda x, p=p: int4_sliced_linear(x, *p, out_features)
-                        for p in copies_of(pack_w4a8(*int4), 8 * copies)],
-        "w4a8": [lambda x, p=p: w4a8_linear(x, *p, out_features) for p in copies_of(pack_w4a8(*int4), 8 * copies)],
-        "dynamic": [lambda x, p=torch.ops.quantized.linear_prepack(qtensor.clone(), None):
-                    torch.ops.quantized.linear_dynamic(x, p, False) for _ in range(4 * copies)]}
+
+    def float32() -> list:
+        linears = []
+        for _ in range(copies):
+            linear = Linear(in_features, out_features, bias=False)
+            with torch.no_grad():
+                linear.weight.copy_(weight)
+            linears.append(linear)
+        return linears
+
+    def dynamic() -> list:
+        qtensor = torch._make_per_channel_quantized_tensor(qweight, scales.double(),
+                                                           torch.zeros(out_features, dtype=torch.long), 0)
+        return [lambda x, p=torch.ops.quantized.linear_prepack(qtensor.clone(), None):
+                torch.ops.quantized.linear_dynamic(x, p, False) for _ in range(4 * copies)]
+
+    def kernel(op, packed: tuple[torch.Tensor, ...], per_float32: int) -> Callable[[], list]:
+        return lambda: [lambda x, p=p: op(x, *p, out_features) for p in copies_of(packed(), per_float32 * copies)]
+
+    builders = {
+        "float32": float32,
+        "int8": kernel(int8_linear, lambda: pack_int8(qweight, scales), 4),
+        "int8-sliced": kernel(int8_sliced_linear, lambda: pack_w8a8(qweight, scales), 4),
+        "w8a8": kernel(w8a8_linear, lambda: pack_w8a8(qweight, scales), 4),
+        "int4": kernel(int4_linear, lambda: pack_int4_blocks(*int4), 8),
+        "int4-sliced": kernel(int4_sliced_linear, lambda: pack_w4a8(*int4), 8),
+        "w4a8": kernel(w4a8_linear, lambda: pack_w4a8(*int4), 8),
+        "dynamic": dynamic}
+    return {name: builders[name]() for name in METHODS if name in names}
+
+
+def shape(text: str) -> tuple[int, int]:
+    """``--shapes``' "OUTxIN" as (out, in) features."""
+    try:
+        out_features, in_features = (int(part) for part in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a layer shape is OUTxIN (two integers), got {text!r}") from None
+    return out_features, in_features
 
 
 def median_ms(calls: dict[str, list], x: torch.Tensor, rounds: int) -> dict[str, float]:
@@ -124,14 +151,24 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--footprint-mib", type=int, default=FOOTPRINT_MIB,
                         help="bytes of weight copies each method cycles through (MiB)")
+    parser.add_argument("--shapes", type=shape, nargs="+", default=list(SHAPES), metavar="OUTxIN",
+                        help="layers as out x in features (default: the 0.5B model's MLP up and down, "
+                        "attention output and one KV head group)")
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),
+                        help="methods to time (float32 always runs: the ratios are to it)")
     args = parser.parse_args()
+    chosen = {"float32", *args.methods}
+
+    def chosen_methods(out_features: int, in_features: int, copies: int) -> dict[str, list]:
+        return methods(out_features, in_features, copies, chosen)
+
     torch.backends.quantized.engine = "x86"
     retain_freed_heap_memory()
     set_mmap_max = mmap_max_setter()
     if set_mmap_max is not None:
         set_mmap_max(0)
     for case, (threads, out_features, in_features, rows, ms) in enumerate(
-            timed_cases(SHAPES, methods, args.threads, args.rows, args.rounds, args.footprint_mib)):
+            timed_cases(args.shapes, chosen_methods, args.threads, args.rows, args.rounds, args.footprint_mib)):
         if case == 0:
             names = list(ms)
             print("| threads | layer N x K | M | " + " | ".join(f"{name} ms" for name in names) + " | "

@@ -60,7 +60,7 @@ constexpr int64_t kTileRows = 16;      // rows of an AMX tile
 // Each weight stream of a VNNI tile is prefetched this far ahead: without it, int8_sliced_linear
 // at one row (three dot products per weight vector) streamed a 0.5B model's matrices from
 // memory no faster than int8_linear on two threads of the development VM; with it 5-10%
-// faster (w8a8_linear's one dot product per vector unchanged).
+// faster (w8a8_linear's one dot product per vector unchanged: at one row it prefetches nothing).
 constexpr int64_t kPrefetchBytes = 1024;
 
 // out[r, 0:channels] = (sums[r] - offsets) * x_scale[r] * w_scale for `rows` rows of a
@@ -97,9 +97,14 @@ void tile_rows(const uint8_t* xu, int64_t padded_k, const float* x_scale, const 
     __m512i xs[R];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) xs[r] = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xu + r * padded_k + k));
+    // Past its block's end a stream's prefetch runs on into the next tile's block of the
+    // same stream (blocks are tiles' worth apart), not into the next block of this tile,
+    // which its own stream has already read.
+    const int64_t ahead = k * kBlock + kPrefetchBytes;
+    const int8_t* prefetched = w + ahead + (ahead < block_stride ? 0 : (kTileVecs - 1) * block_stride);
 #pragma GCC unroll 8
     for (int v = 0; v < kTileVecs; ++v) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + v * block_stride + k * kBlock + kPrefetchBytes), _MM_HINT_T0);
+      if constexpr (R > 1) _mm_prefetch(reinterpret_cast<const char*>(prefetched + v * block_stride), _MM_HINT_T0);
       const __m512i weights = _mm512_loadu_si512(w + v * block_stride + k * kBlock);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) acc[r][v] = _mm512_dpbusd_epi32(acc[r][v], xs[r], weights);
