@@ -14,6 +14,12 @@ that only decode. The fraction is (bytes per step / step time) / bandwidth.
 
     python benchmarks/decode_roofline.py --models 26m 05b --modes float32 bfloat16 int8 w8a8 --batches 1 4 16
 
+``--overrides`` adds config overrides to every run; with ``decoding.multi_step=N`` a
+scheduled step runs up to N model steps (greedy: in one native call), and the time of a
+decode step is the scheduled step's time over the model steps it ran:
+
+    python benchmarks/decode_roofline.py --models 05b --modes int8 --batches 1 --overrides decoding.multi_step=8
+
 ``--clock cpu`` times the bandwidth passes and the steps with the process's CPU time
 instead of the wall clock: on a machine shared with other work, the time the process
 was not running then does not count (memory contention still does); with ``--threads 1``
@@ -134,19 +140,28 @@ def decode_step_seconds(llm: Any, batch: int, clock: Callable[[], float]) -> tup
             touched.append(statistics.mean(sum(b > a for a, b in zip(counts[layer], after[layer])) for layer in after))
         counts = after
     experts = statistics.mean(touched[1:]) if touched else None
-    return statistics.median(times[1:]), PROMPT_TOKENS + DECODE_TOKENS / 2, experts  # the first step prefills
+    # The first step prefills (and chooses the first token); each later one runs up to
+    # `decoding.multi_step` model steps, as many as the tokens left allow.
+    steps = engine.strategy.decode_steps
+    runs = [min(steps, DECODE_TOKENS - 1 - steps * i) for i in range(len(times) - 1)]
+    if sum(runs) != DECODE_TOKENS - 1 or min(runs) < 1:
+        raise RuntimeError(f"{len(times) - 1} decode steps of up to {steps} model steps each do not make the "
+                           f"{DECODE_TOKENS - 1} tokens after the first: cannot tell each step's model steps")
+    per_model_step = [seconds / run for seconds, run in zip(times[1:], runs)]
+    return statistics.median(per_model_step), PROMPT_TOKENS + DECODE_TOKENS / 2, experts
 
 
 def measure(name: str, folder: str, mode: str, batches: list[int], threads: int, bandwidth: float,
-            clock: Callable[[], float]) -> list[dict[str, Any]]:
-    """One row per batch size for model ``name`` (written in ``folder``) in ``mode``."""
+            clock: Callable[[], float], overrides: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """One row per batch size for model ``name`` (written in ``folder``) in ``mode``, with
+    ``overrides`` added to the engine's config."""
     from servelab import LLM
     from servelab.plugins.models import quantized_linear
 
     widened = mock.patch.object(quantized_linear, "slices_on_dot_products", lambda: False)
     with widened if mode.endswith(WIDENED) else contextlib.nullcontext():
         llm = LLM(folder, overrides=["device=cpu", "model.max_model_len=512", f"parallel.threads={threads}",
-                                     *overrides_for(mode)])
+                                     *overrides_for(mode), *overrides])
         llm.warm_up()
         rows = []
         for batch in batches:
@@ -167,6 +182,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--folder", default=os.path.join(tempfile.gettempdir(), "servelab-random-llama"))
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
+    parser.add_argument("--overrides", nargs="*", default=[],
+                        help="more servelab config overrides for every run (decoding.multi_step=8, say)")
     args = parser.parse_args()
     clock = CLOCKS[args.clock]
     bandwidth = read_bandwidth(args.threads, clock)
@@ -177,8 +194,8 @@ def main() -> None:
     for name in args.models:
         folder = make_checkpoint(os.path.join(args.folder, name), name)
         for mode in args.modes:
-            for row in measure(name, folder, mode, args.batches, args.threads, bandwidth, clock):
-                print(f"| {name} | {row['mode']} | {row['batch']} | {row['step_ms']:.2f} | {row['tokens_per_s']:.0f} "
+            for row in measure(name, folder, mode, args.batches, args.threads, bandwidth, clock, args.overrides):
+                print(f"| {name} | {' '.join([row['mode'], *args.overrides])} | {row['batch']} | {row['step_ms']:.2f} | {row['tokens_per_s']:.0f} "
                       f"| {row['mb_per_step']:.1f} | {row['gb_per_s']:.1f} | {row['fraction']:.0%} |", flush=True)
     print(f"re-measured read bandwidth: {read_bandwidth(args.threads, clock) / 1e9:.1f} GB/s")
 

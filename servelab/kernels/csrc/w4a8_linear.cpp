@@ -97,6 +97,15 @@ void tile_rows(const int8_t* xq, const float* a, const int32_t* xsum, const W4A8
     for (int v = 0; v < kTileVecs; ++v) acc[r][v] = _mm512_setzero_ps();
   const int64_t steps = w.group / kStepInputs;
   for (int64_t g = 0; g < w.groups; ++g) {
+    {
+      const int64_t ahead = (g + 2) * 2 * kBlock;
+      const float* next = params + ahead + (ahead < w.block_params() ? 0 : (kTileVecs - 1) * w.block_params());
+#pragma GCC unroll 8
+      for (int v = 0; v < kTileVecs; ++v) {
+        _mm_prefetch(reinterpret_cast<const char*>(next + v * w.block_params()), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(next + v * w.block_params() + kBlock), _MM_HINT_T0);
+      }
+    }
     __m512i sums[R][kTileVecs], high_sums[R][kTileVecs];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)

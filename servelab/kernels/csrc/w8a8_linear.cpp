@@ -92,6 +92,10 @@ void tile_rows(const uint8_t* xu, int64_t padded_k, const float* x_scale, const 
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
     for (int v = 0; v < kTileVecs; ++v) acc[r][v] = _mm512_setzero_si512();
+  for (int v = 0; v < kTileVecs; ++v) {  // the next tile's epilogue operands, while this tile streams
+    _mm_prefetch(reinterpret_cast<const char*>(offsets + (kTileVecs + v) * kBlock), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w_scale + (kTileVecs + v) * kBlock), _MM_HINT_T0);
+  }
   const int64_t block_stride = padded_k * kBlock;
   for (int64_t k = 0; k < padded_k; k += 4) {
     __m512i xs[R];
