@@ -97,7 +97,7 @@ void tile_rows(const int8_t* xq, const float* a, const int32_t* xsum, const W4A8
     for (int v = 0; v < kTileVecs; ++v) acc[r][v] = _mm512_setzero_ps();
   const int64_t steps = w.group / kStepInputs;
   for (int64_t g = 0; g < w.groups; ++g) {
-    {
+    {  // the group parameters two groups on (past a block's end: the next tile's), as the packed streams are
       const int64_t ahead = (g + 2) * 2 * kBlock;
       const float* next = params + ahead + (ahead < w.block_params() ? 0 : (kTileVecs - 1) * w.block_params());
 #pragma GCC unroll 8
@@ -173,6 +173,19 @@ void unpack_group(const W4A8Weight& w, int64_t tile, int64_t g, uint8_t* unpacke
   const uint8_t* packed = w.packed + tile * kTileVecs * w.block_bytes();
   const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
   const int64_t steps = w.group / kStepInputs;
+  // Group g + 2's weights and parameters (past a block's end: the next tile's first groups),
+  // on their way while this group is multiplied.
+  const int64_t ahead = (g + 2) * steps * 64, params_ahead = (g + 2) * 2 * kBlock;
+  const uint8_t* next = packed + ahead + (ahead < w.block_bytes() ? 0 : (kTileVecs - 1) * w.block_bytes());
+  const float* params = w.params + tile * kTileVecs * w.block_params();
+  const float* next_params =
+      params + params_ahead + (params_ahead < w.block_params() ? 0 : (kTileVecs - 1) * w.block_params());
+  for (int v = 0; v < kTileVecs; ++v) {
+    for (int64_t line = 0; line < steps * 64; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(next + v * w.block_bytes() + line), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(next_params + v * w.block_params()), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(next_params + v * w.block_params() + kBlock), _MM_HINT_T0);
+  }
   for (int v = 0; v < kTileVecs; ++v) {
     for (int64_t t = 0; t < steps; ++t) {
       const __m512i raw = _mm512_loadu_si512(packed + v * w.block_bytes() + (g * steps + t) * 64);

@@ -79,6 +79,15 @@ void finish_rows(int64_t rows, const int32_t* sums, int64_t lds, const float* x_
   }
 }
 
+// The next tile's offsets and scales (finish_rows' operands), on their way while this tile's
+// weights stream: otherwise each tile's epilogue waits for them from memory.
+inline void prefetch_next_epilogue(const int32_t* offsets, const float* w_scale) {
+  for (int v = 0; v < kTileVecs; ++v) {
+    _mm_prefetch(reinterpret_cast<const char*>(offsets + (kTileVecs + v) * kBlock), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w_scale + (kTileVecs + v) * kBlock), _MM_HINT_T0);
+  }
+}
+
 // out[r, 0:channels] for R rows of xu against the tile whose first block starts at w.
 template <int R>
 void tile_rows(const uint8_t* xu, int64_t padded_k, const float* x_scale, const int8_t* w, const int32_t* offsets,
@@ -92,10 +101,7 @@ void tile_rows(const uint8_t* xu, int64_t padded_k, const float* x_scale, const 
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
     for (int v = 0; v < kTileVecs; ++v) acc[r][v] = _mm512_setzero_si512();
-  for (int v = 0; v < kTileVecs; ++v) {  // the next tile's epilogue operands, while this tile streams
-    _mm_prefetch(reinterpret_cast<const char*>(offsets + (kTileVecs + v) * kBlock), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w_scale + (kTileVecs + v) * kBlock), _MM_HINT_T0);
-  }
+  prefetch_next_epilogue(offsets, w_scale);
   const int64_t block_stride = padded_k * kBlock;
   for (int64_t k = 0; k < padded_k; k += 4) {
     __m512i xs[R];
