@@ -15,9 +15,9 @@ from servelab.kernels.w8a8_cpu import w8a8_unavailable_reason
 needs_kernel = pytest.mark.skipif(w8a8_unavailable_reason() is not None, reason=str(w8a8_unavailable_reason()))
 
 # (out_features, in_features, group): one channel, one group of 8, partial and several tiles;
-# groups of multiples of 64 take the tile unit from 4 rows where the CPU has one.
+# groups of multiples of 64 take the tile unit from 8 rows where the CPU has one.
 SHAPES = [(1, 8, 8), (5, 16, 8), (17, 48, 16), (64, 64, 32), (100, 96, 96), (200, 256, 128), (130, 192, 64)]
-ROWS = [0, 1, 2, 3, 4, 7, 9, 10, 16, 17, 40]  # 3-row VNNI tiles and their remainders; 16-row AMX tiles from 10
+ROWS = [0, 1, 2, 3, 4, 7, 8, 9, 16, 17, 40]  # 3-row VNNI tiles and their remainders; 16-row AMX tiles from 8
 
 
 def quantized(out_features: int, in_features: int, group: int, seed: int = 0):
