@@ -55,7 +55,7 @@ INT4 = Kernel("int4", int4_in_groups, dequantize_int4, pack_w4a8, int4_sliced_li
               ((1, 8), (5, 16), (17, 48), (64, 64), (100, 96), (200, 128)), 1.56e-5)
 KERNELS = [INT8, INT4]
 ROWS = [1, 2, 3, 4, 5, 6, 13, 16, 40, 170]
-"""VNNI tiles of a few slice rows; the tile unit's 16 from 2 (int8) or 4 (int4) rows, up to
+"""VNNI tiles of a few slice rows; the tile unit's 16 from 3 (int8) or 4 (int4) rows, up to
 prefill-sized batches."""
 
 

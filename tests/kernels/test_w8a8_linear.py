@@ -16,7 +16,7 @@ needs_kernel = pytest.mark.skipif(w8a8_unavailable_reason() is not None, reason=
 
 # (out_features, in_features): one channel, K not a multiple of 4 or 16, partial and several tiles.
 SHAPES = [(1, 1), (5, 3), (17, 31), (64, 64), (100, 37), (200, 130)]
-ROWS = [1, 2, 3, 4, 5, 6, 7, 13, 16, 17, 40]  # the 6-row VNNI tiles; 16-row AMX tiles from 4 rows
+ROWS = [1, 2, 3, 4, 5, 6, 7, 13, 16, 17, 40]  # the 6-row VNNI tiles; 16-row AMX tiles from 7 rows
 
 
 def quantized(out_features: int, in_features: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

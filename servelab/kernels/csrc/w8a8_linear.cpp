@@ -31,7 +31,7 @@
 // row's largest value by splitting each row into kSlices int8 rows (int8_rows.h
 // slice_rows: the row quantized, then what it left out quantized on a 254x finer scale,
 // twice), multiplied like w8a8's rows (one weight load feeds all three at batch 1, and
-// from two rows on the tile unit takes them) and summed per row. Against widening each
+// from three rows on the tile unit takes them) and summed per row. Against widening each
 // weight to float32 (int8_linear) it does a third of the instructions per weight byte.
 
 #include <ATen/Parallel.h>
@@ -55,7 +55,7 @@ constexpr int64_t kPackChannels = 64;  // the packed channel count is a multiple
 constexpr int64_t kPackInputs = 64;    // the packed input count is a multiple of this
 constexpr int kTileVecs = 4;           // blocks per tile: 64 channels
 constexpr int kMaxRows = 6;            // 24 int32 accumulators of 32 registers
-constexpr int64_t kTileUnitRows = 4;   // rows from which AMX multiplies, where it can
+constexpr int64_t kTileUnitRows = 7;   // rows from which AMX multiplies, where it can
 constexpr int64_t kTileRows = 16;      // rows of an AMX tile
 // Each weight stream of a VNNI tile is prefetched this far ahead: without it, int8_sliced_linear
 // at one row (three dot products per weight vector) streamed a 0.5B model's matrices from
@@ -181,19 +181,19 @@ int64_t check_w8a8(const char* op, const at::Tensor& out, const at::Tensor& x, c
 
 // The int8 operand of x [M, K]: `per_row` rows for each row of x (1: the row quantized,
 // w8a8; kSlices: its slices, weight-only int8), built once per call into per-thread
-// buffers that outlive it, followed by one tile of padding rows (zero activations: 128)
-// for the tile unit.
+// buffers that outlive it, followed where the tile unit multiplies them by one tile of
+// padding rows (zero activations: 128).
 struct Operand {
   const uint8_t* rows;
   const float* scales;
   int64_t per_row;
 };
 
-Operand operand_rows(const at::Tensor& x, int64_t padded_k, int64_t per_row) {
+Operand operand_rows(const at::Tensor& x, int64_t padded_k, int64_t per_row, bool tile_unit) {
   const int64_t M = x.size(0), rows = M * per_row;
   thread_local std::vector<uint8_t> xu;
   thread_local std::vector<float> x_scale;
-  xu.resize((rows + kTileRows) * padded_k);
+  xu.resize((rows + (tile_unit ? kTileRows : 0)) * padded_k);
   x_scale.resize(rows);
   std::fill(xu.begin() + rows * padded_k, xu.end(), uint8_t{128});
   if (per_row == 1)
@@ -259,7 +259,7 @@ void operand_linear(const char* op, int64_t per_row, at::Tensor& out, const at::
   const int64_t M = x.size(0), N = out.size(1);
   constexpr int64_t tile_channels = kTileVecs * kBlock;
   const bool tile_unit = M * per_row >= kTileUnitRows && int8_tile_unit_available();
-  const Operand a = operand_rows(x, padded_k, per_row);
+  const Operand a = operand_rows(x, padded_k, per_row, tile_unit);
   const int8_t* ws = packed.data_ptr<int8_t>();
   const int32_t* os = offsets.data_ptr<int32_t>();
   const float* ss = scales.data_ptr<float>();
@@ -290,7 +290,7 @@ void grouped_operand_linear(const char* op, int64_t per_row, at::Tensor& out, co
   const int64_t tiles = (N + tile_channels - 1) / tile_channels;
   const bool tile_unit =
       int8_tile_unit_available() && *std::max_element(counts.begin(), counts.end()) * per_row >= kTileUnitRows;
-  const Operand a = operand_rows(x, padded_k, per_row);
+  const Operand a = operand_rows(x, padded_k, per_row, tile_unit);
   const int8_t* ws = packed.data_ptr<int8_t>();
   const int32_t* os = offsets.data_ptr<int32_t>();
   const float* ss = scales.data_ptr<float>();
