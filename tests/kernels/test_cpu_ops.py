@@ -227,6 +227,34 @@ def test_argmax_rows_matches_torch_argmax():
         ops().argmax_rows(out, logits.double())
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_argmax_rows_of_a_long_vocabulary_split_in_chunks(threads):
+    """Rows longer than a chunk (8192 logits) are scanned in pieces, split over the threads:
+    a tie across chunks answers the first, a NaN in a later chunk beats a larger value in an
+    earlier one, the first of two NaN chunks wins, and a single row answers as in a batch."""
+    torch.manual_seed(1)
+    logits = torch.randn(6, 40_003)
+    logits[0, [100, 30_000]] = 50.0           # tie in chunks 0 and 3
+    logits[1, 40_002] = 60.0                   # the last logit of the last (partial) chunk
+    logits[2, 5] = 70.0
+    logits[2, 20_000] = float("nan")           # NaN after the maximum
+    logits[3, [9_000, 33_000]] = float("nan")  # NaN in chunks 1 and 4
+    logits[4] = float("-inf")
+    logits[5, 8_191:8_193] = 80.0              # a tie across a chunk boundary
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = torch.empty(6, dtype=torch.long)
+        ops().argmax_rows(out, logits)
+        assert torch.equal(out, logits.argmax(dim=-1))
+        for r in range(6):
+            alone = torch.empty(1, dtype=torch.long)
+            ops().argmax_rows(alone, logits[r:r + 1].clone())
+            assert alone.item() == out[r].item()
+    finally:
+        torch.set_num_threads(previous)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_causal_prefill_attention_equals_sdpa_per_request(dtype, threads):
