@@ -37,6 +37,7 @@ dot products).
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from typing import Callable
@@ -157,11 +158,7 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),
                         help="methods to time (float32 always runs: the ratios are to it)")
     args = parser.parse_args()
-    chosen = {"float32", *args.methods}
-
-    def chosen_methods(out_features: int, in_features: int, copies: int) -> dict[str, list]:
-        return methods(out_features, in_features, copies, chosen)
-
+    chosen_methods = functools.partial(methods, names={"float32", *args.methods})
     torch.backends.quantized.engine = "x86"
     retain_freed_heap_memory()
     set_mmap_max = mmap_max_setter()
