@@ -10,6 +10,7 @@
 
 #include <c10/util/BFloat16.h>
 
+#include "tile_stream.h"
 #include "vec.h"
 
 namespace servelab_cpu {
@@ -96,12 +97,10 @@ void tile_rows(const float* x, int64_t ldx, const Slice<W>& s, float* out, int64
     column[v] = s.tile + (v * kLanes / kBlock) * s.K * kBlock + (v * kLanes) % kBlock;
   const int64_t block_elements = s.K * kBlock;
   for (int64_t k = s.k_begin; k < s.k_end; ++k) {
-    // Past its block's end a stream's prefetch runs on into the next tile's block of the
-    // same stream, not into this tile's next block, which is being read already.
     const int64_t ahead = k * kBlock + kPrefetchBytes / static_cast<int64_t>(sizeof(W));
-    const int64_t next_tile = ahead < block_elements ? 0 : (kTileChannels / kBlock - 1) * block_elements;
     for (int v = 0; v < kTileVecs; ++v) {
-      if (k % kStepsPerLine<W> == 0) __builtin_prefetch(column[v] + ahead + next_tile, 0, 3);
+      if (k % kStepsPerLine<W> == 0)
+        __builtin_prefetch(stream_ahead(column[v], ahead, block_elements, kTileChannels / kBlock), 0, 3);
       const VecRegister weights = load_weights(column[v] + k * kBlock);
       for (int r = 0; r < R; ++r) acc[r][v] = fmadd_register(x[r * ldx + k], weights, acc[r][v]);
     }

@@ -45,6 +45,7 @@
 #include "amx.h"
 #include "int8_rows.h"
 #include "ops.h"
+#include "tile_stream.h"
 
 namespace servelab_cpu {
 
@@ -98,8 +99,7 @@ void tile_rows(const int8_t* xq, const float* a, const int32_t* xsum, const W4A8
   const int64_t steps = w.group / kStepInputs;
   for (int64_t g = 0; g < w.groups; ++g) {
     {  // the group parameters two groups on (past a block's end: the next tile's), as the packed streams are
-      const int64_t ahead = (g + 2) * 2 * kBlock;
-      const float* next = params + ahead + (ahead < w.block_params() ? 0 : (kTileVecs - 1) * w.block_params());
+      const float* next = stream_ahead(params, (g + 2) * 2 * kBlock, w.block_params(), kTileVecs);
 #pragma GCC unroll 8
       for (int v = 0; v < kTileVecs; ++v) {
         _mm_prefetch(reinterpret_cast<const char*>(next + v * w.block_params()), _MM_HINT_T0);
@@ -112,10 +112,7 @@ void tile_rows(const int8_t* xq, const float* a, const int32_t* xsum, const W4A8
 #pragma GCC unroll 8
       for (int v = 0; v < kTileVecs; ++v) sums[r][v] = high_sums[r][v] = _mm512_setzero_si512();
     for (int64_t t = g * steps; t < (g + 1) * steps; ++t) {
-      // Past its block's end a stream's prefetch runs on into the next tile's block of the
-      // same stream, not into the next block of this tile, which is being read already.
-      const int64_t ahead = t * 64 + kPrefetchBytes;
-      const uint8_t* prefetched = packed + ahead + (ahead < w.block_bytes() ? 0 : (kTileVecs - 1) * w.block_bytes());
+      const uint8_t* prefetched = stream_ahead(packed, t * 64 + kPrefetchBytes, w.block_bytes(), kTileVecs);
 #pragma GCC unroll 8
       for (int v = 0; v < kTileVecs; ++v) {
         _mm_prefetch(reinterpret_cast<const char*>(prefetched + v * w.block_bytes()), _MM_HINT_T0);
@@ -175,11 +172,9 @@ void unpack_group(const W4A8Weight& w, int64_t tile, int64_t g, uint8_t* unpacke
   const int64_t steps = w.group / kStepInputs;
   // Group g + 2's weights and parameters (past a block's end: the next tile's first groups),
   // on their way while this group is multiplied.
-  const int64_t ahead = (g + 2) * steps * 64, params_ahead = (g + 2) * 2 * kBlock;
-  const uint8_t* next = packed + ahead + (ahead < w.block_bytes() ? 0 : (kTileVecs - 1) * w.block_bytes());
-  const float* params = w.params + tile * kTileVecs * w.block_params();
-  const float* next_params =
-      params + params_ahead + (params_ahead < w.block_params() ? 0 : (kTileVecs - 1) * w.block_params());
+  const uint8_t* next = stream_ahead(packed, (g + 2) * steps * 64, w.block_bytes(), kTileVecs);
+  const float* next_params = stream_ahead(w.params + tile * kTileVecs * w.block_params(), (g + 2) * 2 * kBlock,
+                                          w.block_params(), kTileVecs);
   for (int v = 0; v < kTileVecs; ++v) {
     for (int64_t line = 0; line < steps * 64; line += 64)
       _mm_prefetch(reinterpret_cast<const char*>(next + v * w.block_bytes() + line), _MM_HINT_T0);

@@ -43,6 +43,7 @@
 #include "amx.h"
 #include "int8_rows.h"
 #include "ops.h"
+#include "tile_stream.h"
 #include "vec.h"
 
 namespace servelab_cpu {
@@ -107,11 +108,7 @@ void tile_rows(const uint8_t* xu, int64_t padded_k, const float* x_scale, const 
     __m512i xs[R];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) xs[r] = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xu + r * padded_k + k));
-    // Past its block's end a stream's prefetch runs on into the next tile's block of the
-    // same stream (blocks are tiles' worth apart), not into the next block of this tile,
-    // which its own stream has already read.
-    const int64_t ahead = k * kBlock + kPrefetchBytes;
-    const int8_t* prefetched = w + ahead + (ahead < block_stride ? 0 : (kTileVecs - 1) * block_stride);
+    const int8_t* prefetched = stream_ahead(w, k * kBlock + kPrefetchBytes, block_stride, kTileVecs);
 #pragma GCC unroll 8
     for (int v = 0; v < kTileVecs; ++v) {
       if constexpr (R > 1) _mm_prefetch(reinterpret_cast<const char*>(prefetched + v * block_stride), _MM_HINT_T0);
