@@ -206,7 +206,8 @@ class ParallelConfig:
     ranks are processes joined by ``torch.distributed``: ``backend`` auto (NCCL on CUDA,
     gloo on the CPU), gloo or nccl; ``init_method`` spawn (the engine starts its workers
     on this node) or env (``torchrun`` started every rank; docs/parallel.md);
-    ``threads``: compute threads per rank (default: this machine's cores shared out).
+    ``threads``: compute threads per rank, or of an engine on one device (default: this
+    machine's cores shared out; restored when the engine is released).
     ``expert_parallel_size``: 1, or as many as ``tensor_parallel_size``: each rank holds
     1/N of a mixture's routed experts whole; ``expert_dispatch``: how real runs bring tokens
     to those experts, ``all_reduce`` (every rank routes every token and runs the pairs of

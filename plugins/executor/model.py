@@ -98,6 +98,9 @@ class ModelExecutor(Executor):
             problems.append(f"the model ({checkpoint.architecture} shape, {context.shape.num_parameters / 1e9:.1f}B "
                             f"parameters) has no weights: executor=model runs checkpoints; use executor=simulated "
                             f"to simulate it")
+        if parallel_cfg.threads is not None and parallel_cfg.threads < 1:
+            problems.append(f"parallel.threads must be at least 1 (or null: this machine's cores shared out), "
+                            f"got {parallel_cfg.threads}")
         if parallel_cfg.init_method not in INIT_METHODS:
             problems.append(f"parallel.init_method must be one of {', '.join(INIT_METHODS)}, "
                             f"got {parallel_cfg.init_method!r}")
@@ -117,6 +120,8 @@ class ModelExecutor(Executor):
         try:
             if topology.world_size > 1:
                 parallel = self._start_workers(parallel_cfg)
+            elif parallel_cfg.threads:
+                self.group.use_threads(parallel_cfg.threads)
             model = ResolvedModel(checkpoint=checkpoint, model_cls=context.model_cls, shape=context.shape,
                                   device=self.device, dtype=context.dtype, kv_dtype=context.kv_dtype,
                                   max_model_len=self.max_model_len)

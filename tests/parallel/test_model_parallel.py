@@ -9,6 +9,7 @@ import signal
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from servelab import ConfigError, LLM, SamplingParams
@@ -121,6 +122,7 @@ def test_tensor_and_pipeline_together_with_a_draft_model(models):
     (["parallel.pipeline_parallel_size=3"], "pipeline_parallel_size=3 exceeds the model's 2 layers"),
     (["parallel.tensor_parallel_size=2", "parallel.init_method=ssh"], "parallel.init_method must be one of"),
     (["parallel.tensor_parallel_size=2", "model.max_model_len=100000"], "exceeds the model's max_position"),
+    (["parallel.threads=0"], "parallel.threads must be at least 1 .*got 0"),
 ])
 def test_splits_that_cannot_work_name_the_numbers(models, overrides, message):
     folder = models["mqa"] if "tensor_parallel_size=4" in overrides[0] else models["llama"]
@@ -144,6 +146,17 @@ def test_family_splits_that_cannot_work_name_the_numbers(tmp_path, family, field
     with pytest.raises(ConfigError, match=message):
         LLM(folder, overrides=[*BASE, *overrides])
     assert not dist.is_initialized()
+
+
+def test_threads_set_an_engine_on_one_device_and_come_back_on_release(models):
+    before = torch.get_num_threads()
+    threads = 1 if before > 1 else 2
+    llm = LLM(models["llama"], overrides=[*BASE, f"parallel.threads={threads}"])
+    assert torch.get_num_threads() == threads
+    outputs = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(outputs[0].outputs[0].token_ids) == 3
+    llm.shutdown()
+    assert torch.get_num_threads() == before
 
 
 def test_a_dead_worker_fails_the_engine_at_once(models):
