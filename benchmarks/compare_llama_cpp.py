@@ -21,8 +21,9 @@ architecture (the weights and ids are the same; only the text a token decodes to
 
 Each repeat measures servelab (offline ``LLM``, one request: 16-token prompt then 128
 tokens, decode tokens/s = 127 / (last token time - first token time); a 256-token prompt
-alone, prefill tokens/s = 256 / its time to first token) and then ``llama-bench -t
-THREADS -p 256 -n 128 -r 1`` (tg128 and pp256). The table gives medians and every run.
+alone, prefill tokens/s = 256 / its time to first token; before them an untimed 8-token
+request, as llama-bench warms up) and then ``llama-bench -t THREADS -p 256 -n 128 -r 1``
+(tg128 and pp256, after its own warm-up). The table gives medians and every run.
 
     python benchmarks/compare_llama_cpp.py --models 26m 05b --modes float32 w8a8 --repeats 3
     python benchmarks/compare_llama_cpp.py --models 26m --modes w8a8 --overrides decoding.multi_step=8
@@ -53,6 +54,8 @@ from servelab.bench.report import render_markdown
 
 SDIST_VERSION = "0.3.36"
 PROMPT_TOKENS, DECODE_TOKENS, PREFILL_TOKENS = 16, 128, 256
+WARM_UP_TOKENS = 8
+"""The untimed request before each timed servelab run decodes this many tokens."""
 GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "int8": "q8_0", "w8a8": "q8_0", "int4": "q4_0",
               "int4-head": "q4_0", "int4-head4": "q4_0", "w4a8": "q4_0", "w4a8-head4": "q4_0"}
 """The GGUF weight type each servelab mode is compared with."""
@@ -170,11 +173,16 @@ def gguf_file(folder: Path, mode: str, source: Path, binaries: Path, packages: P
 
 def servelab_batch1(llm) -> dict[str, float]:
     """One request's decode tokens/s (16-token prompt, 128 tokens) and one 256-token
-    prompt's prefill tokens/s, offline."""
+    prompt's prefill tokens/s, offline, after an untimed request of a few tokens (as
+    ``llama-bench`` warms up before each test: the run before was the other engine's, whose
+    working set has taken the caches)."""
     from servelab import SamplingParams
 
-    decode = llm.generate([[2 + j for j in range(PROMPT_TOKENS)]],
-                          SamplingParams(temperature=0.0, max_tokens=DECODE_TOKENS, ignore_eos=True), use_tqdm=False)
+    request = [[2 + j for j in range(PROMPT_TOKENS)]]
+    llm.generate(request, SamplingParams(temperature=0.0, max_tokens=WARM_UP_TOKENS, ignore_eos=True),
+                 use_tqdm=False)
+    decode = llm.generate(request, SamplingParams(temperature=0.0, max_tokens=DECODE_TOKENS, ignore_eos=True),
+                          use_tqdm=False)
     times = decode[0].metrics.token_times
     prompt = [[2 + (j * 7) % 1000 for j in range(PREFILL_TOKENS)]]
     prefill = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), use_tqdm=False)
