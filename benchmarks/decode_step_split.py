@@ -1,6 +1,6 @@
 """Where a batch-1 decode step's time goes: the model with its LM head (the native stack's
-one call, or the layer loop), building the step's inputs, choosing the token, scheduling,
-and the rest.
+one call, or the layer loop), building the step's inputs, choosing the token (0 where a
+greedy step's token is chosen inside the model's native call), scheduling, and the rest.
 
 One request (16-token prompt, 128 tokens, greedy) through the offline ``LLM`` on one of
 ``servelab.bench.random_llama``'s models; each part is timed around its call at every step
@@ -40,27 +40,31 @@ PROMPT = [2 + j for j in range(16)]
 
 
 class StepTimer:
-    """Times calls of wrapped methods, keyed by part, one list of seconds per part."""
+    """Times calls of wrapped methods by part, summed per engine step: ``steps`` holds one
+    {part: seconds} per step (a part the step did not call is absent)."""
 
     def __init__(self) -> None:
-        self.seconds: dict[str, list[float]] = defaultdict(list)
+        self.steps: list[dict[str, float]] = []
 
     def wrap(self, owner: Any, name: str, part: str) -> None:
         """Time every call of ``owner.name`` as ``part``."""
         setattr(owner, name, self.timed(getattr(owner, name), part))
 
     def timed(self, fn: Callable, part: str) -> Callable:
-        """``fn``, timed as ``part``."""
+        """``fn``, timed as ``part`` (a ``step`` call opens the next step's record)."""
         def call(*args, **kwargs):
+            if part == "step":
+                self.steps.append(defaultdict(float))
             started = time.perf_counter()
             result = fn(*args, **kwargs)
-            self.seconds[part].append(time.perf_counter() - started)
+            self.steps[-1][part] += time.perf_counter() - started
             return result
         return call
 
-    def medians_us(self) -> dict[str, float]:
-        """Each part's median call in microseconds."""
-        return {part: 1e6 * statistics.median(values) for part, values in self.seconds.items()}
+    def medians_us(self, parts: list[str], skip: int = 1) -> dict[str, float]:
+        """Each part's median over the steps after the first ``skip`` (the prefill) in
+        microseconds, a step that did not call it counting 0."""
+        return {part: 1e6 * statistics.median(step.get(part, 0.0) for step in self.steps[skip:]) for part in parts}
 
 
 def decode_tokens_per_s(llm: LLM) -> float:
@@ -75,20 +79,20 @@ def split(llm: LLM) -> dict[str, float]:
     engine = llm.engine
     executor = engine.executor
     timer = StepTimer()
-    timer.wrap(engine, "step", "step")
-    timer.wrap(engine.scheduler, "schedule", "schedule")
-    timer.wrap(executor.worker, "hidden_and_logits", "model")
-    timer.wrap(executor.strategy, "accept", "choose token")
+    wrapped = ((engine, "step", "step"), (engine.scheduler, "schedule", "schedule"),
+               (executor.worker, "hidden_and_logits", "model"), (executor.worker, "greedy_steps", "model"),
+               (executor.strategy, "accept", "choose token"))
+    for owner, name, part in wrapped:
+        timer.wrap(owner, name, part)
     built = executor_module.build_step_inputs
     executor_module.build_step_inputs = timer.timed(built, "inputs")
     try:
         decode_tokens_per_s(llm)
     finally:
         executor_module.build_step_inputs = built
-        for owner, name in ((engine, "step"), (engine.scheduler, "schedule"), (executor.worker, "hidden_and_logits"),
-                            (executor.strategy, "accept")):
+        for owner, name, _ in wrapped:
             delattr(owner, name)
-    medians = timer.medians_us()
+    medians = timer.medians_us(["step", "schedule", "model", "choose token", "inputs"])
     medians["other"] = medians["step"] - sum(v for k, v in medians.items() if k != "step")
     return medians
 
@@ -107,20 +111,24 @@ def cold_call_us(llm: LLM) -> tuple[float, float]:
         warm.append(time.perf_counter() - started)
     cold = []
     worker = llm.engine.executor.worker
-    forward = worker.hidden_and_logits
 
-    def forward_then_probe(*args, **kwargs):
-        result = forward(*args, **kwargs)
-        started = time.perf_counter()
-        trivial()
-        cold.append(time.perf_counter() - started)
-        return result
+    def then_probe(forward: Callable) -> Callable:
+        def forward_then_probe(*args, **kwargs):
+            result = forward(*args, **kwargs)
+            started = time.perf_counter()
+            trivial()
+            cold.append(time.perf_counter() - started)
+            return result
+        return forward_then_probe
 
-    worker.hidden_and_logits = forward_then_probe
+    forwards = ("hidden_and_logits", "greedy_steps")
+    for name in forwards:
+        setattr(worker, name, then_probe(getattr(worker, name)))
     try:
         decode_tokens_per_s(llm)
     finally:
-        del worker.hidden_and_logits
+        for name in forwards:
+            delattr(worker, name)
     return 1e6 * statistics.median(warm), 1e6 * statistics.median(cold)
 
 

@@ -311,6 +311,11 @@ class ModelExecutor(Executor):
                 self._pending.append(PendingStep(output, ExecutedStep(output, result,
                                                                       (time.perf_counter() - started,))))
                 return
+            tokens = self._greedy_step(output, inputs, batch, proposal)
+            if tokens is not None:
+                self._pending.append(PendingStep(output, ExecutedStep(output, DecodeResult(tokens.t().tolist()),
+                                                                      (time.perf_counter() - started,))))
+                return
             hidden = None
             if self.strategy.reads_hidden_states:
                 hidden, logits = self._guarded(lambda: self.worker.hidden_and_logits(inputs))
@@ -340,6 +345,18 @@ class ModelExecutor(Executor):
             if request.sampling_params.max_tokens is not None:
                 steps = min(steps, request.sampling_params.max_tokens - request.num_output_tokens)
         return max(steps, 1)
+
+    def _greedy_step(self, output: SchedulerOutput, inputs: Any, batch: DecodeBatch | None,
+                     proposal: Any) -> torch.Tensor | None:
+        """A decode step whose every request takes the plain argmax, chosen in the model's one
+        native call (``greedy_steps`` of one step: no logits handed back, no sampler in
+        Python): its tokens [1, T], or None where the step needs more (a prompt, a draft, a
+        strategy that reads hidden states, several ranks) or the model has no such call."""
+        if (batch is None or proposal is not None or self.worker_ranks or self.strategy.reads_hidden_states
+                or not self.strategy.takes_plain_argmax or len(batch.requests) != len(output.scheduled)
+                or not inputs.logits_are_all_rows or not all(r.sampling_params.plain_argmax for r in batch.requests)):
+            return None
+        return self._guarded(lambda: self.worker.greedy_steps(inputs, 1))
 
     def _run_ahead(self, output: SchedulerOutput, inputs: Any, batch: DecodeBatch, steps: int) -> DecodeResult:
         """Multi-step decoding: ``steps`` forward passes over the batch, each fed the tokens

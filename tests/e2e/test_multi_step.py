@@ -1,6 +1,6 @@
 """Multi-step decoding (``decoding.multi_step``): the same tokens as one step at a time (and
 as transformers), fewer scheduled steps, stops inside a run of steps, no leaked blocks,
-clear start-up errors."""
+clear start-up errors; and one step at a time, greedy tokens chosen in the native call."""
 
 from __future__ import annotations
 
@@ -74,6 +74,33 @@ def test_greedy_steps_run_in_one_native_call(llama):
     expected = generate(LLM(llama, overrides=BASE), prompts, SamplingParams(temperature=0.0, max_tokens=15,
                                                                            ignore_eos=True))
     assert got == expected
+    assert_no_leaked_blocks(llm)
+
+
+@pytest.mark.skipif(not native_cpu_available(), reason="needs the native CPU ops")
+def test_a_greedy_step_at_a_time_chooses_its_token_in_the_native_call(llama):
+    """One step at a time, a plainly greedy decode step takes its argmax inside the model's
+    native call (no logits handed to the sampler) and gives transformers' tokens; a batch
+    with a request that asks for logprobs goes through the sampler, with the same tokens."""
+    llm = LLM(llama, overrides=BASE)
+    worker, strategy = llm.engine.executor.worker, llm.engine.executor.strategy
+    native, sampled = [], []
+    greedy_steps, accept = worker.greedy_steps, strategy.accept
+    worker.greedy_steps = lambda inputs, steps: native.append(steps) or greedy_steps(inputs, steps)
+    strategy.accept = lambda logits, batch, proposal: sampled.append(len(batch.requests)) or accept(logits, batch,
+                                                                                                      proposal)
+    assert_engine_matches_transformers(llama, llm=llm, max_tokens=9)
+    assert native and set(native) == {1}
+    assert len(sampled) == llm.engine.num_steps - len(native)  # prefill steps only
+    prompts = mixed_prompts(201, lengths=(5, 11))
+    plain = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    alone = generate(llm, prompts, plain)
+    native.clear()
+    with_logprobs = llm.generate(prompts, [plain, SamplingParams(temperature=0.0, logprobs=1, max_tokens=8,
+                                                                 ignore_eos=True)], use_tqdm=False)
+    assert not native
+    assert [o.outputs[0].token_ids for o in with_logprobs] == [tokens for tokens, _ in alone]
+    assert len(with_logprobs[1].outputs[0].logprobs) == 8
     assert_no_leaked_blocks(llm)
 
 
