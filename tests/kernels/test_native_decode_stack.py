@@ -31,7 +31,8 @@ def checkpoints(tmp_path_factory):
 
 
 class CountingStack(NativeDecodeStack):
-    """The stack, counting the steps it serves (the whole model's, or its layers')."""
+    """The stack, counting the steps it serves (the whole model's, its layers', or a
+    greedy step's with its token chosen in the call)."""
 
     served = 0
     with_head = 0
@@ -45,6 +46,12 @@ class CountingStack(NativeDecodeStack):
     def __call__(self, *args):
         CountingStack.served += 1
         return super().__call__(*args)
+
+    def greedy_steps(self, *args):
+        tokens = super().greedy_steps(*args)
+        CountingStack.served += tokens is not None
+        CountingStack.with_head += tokens is not None
+        return tokens
 
 
 def counted(llm) -> type[CountingStack]:
