@@ -308,12 +308,11 @@ class ModelExecutor(Executor):
             steps = self._decode_steps(output, batch) if self.strategy.decode_steps > 1 and batch else 1
             if steps > 1:
                 result = self._run_ahead(output, inputs, batch, steps)
+            else:
+                tokens = self._greedy_step(output, inputs, batch, proposal)
+                result = None if tokens is None else DecodeResult(tokens.t().tolist())
+            if result is not None:
                 self._pending.append(PendingStep(output, ExecutedStep(output, result,
-                                                                      (time.perf_counter() - started,))))
-                return
-            tokens = self._greedy_step(output, inputs, batch, proposal)
-            if tokens is not None:
-                self._pending.append(PendingStep(output, ExecutedStep(output, DecodeResult(tokens.t().tolist()),
                                                                       (time.perf_counter() - started,))))
                 return
             hidden = None
