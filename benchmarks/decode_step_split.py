@@ -80,7 +80,8 @@ def split(llm: LLM) -> dict[str, float]:
     executor = engine.executor
     timer = StepTimer()
     wrapped = ((engine, "step", "step"), (engine.scheduler, "schedule", "schedule"),
-               (executor.worker, "hidden_and_logits", "model"), (executor.worker, "greedy_steps", "model"),
+               (executor.worker, "hidden_and_logits", "model"), (executor.worker, "greedy_tokens_or_logits", "model"),
+               (executor.worker, "greedy_steps", "model"),
                (executor.strategy, "accept", "choose token"))
     for owner, name, part in wrapped:
         timer.wrap(owner, name, part)
@@ -121,7 +122,7 @@ def cold_call_us(llm: LLM) -> tuple[float, float]:
             return result
         return forward_then_probe
 
-    forwards = ("hidden_and_logits", "greedy_steps")
+    forwards = ("hidden_and_logits", "greedy_tokens_or_logits", "greedy_steps")
     for name in forwards:
         setattr(worker, name, then_probe(getattr(worker, name)))
     try:

@@ -154,6 +154,18 @@ class DeviceWorker:
         return self.model.greedy_steps(inputs.input_ids, inputs.positions, self.kv_caches,
                                        self._metadata(inputs.layouts), steps)
 
+    @torch.inference_mode()
+    def greedy_tokens_or_logits(self, inputs: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """A plainly greedy decode step (every row one request's only token): its tokens
+        [1, T] chosen in the model's call (``greedy_steps`` of one step; logits None), or,
+        where the model has no such call, its logits [T, vocab] (tokens None); the attention
+        metadata built once either way."""
+        meta = self._metadata(inputs.layouts)
+        tokens = self.model.greedy_steps(inputs.input_ids, inputs.positions, self.kv_caches, meta, 1)
+        if tokens is not None:
+            return tokens, None
+        return None, self.model.hidden_and_logits(inputs.input_ids, inputs.positions, self.kv_caches, meta, None)[1]
+
     def release(self) -> None:
         """Drop the model, the attention backend and the KV tensors."""
         self.model = self.attention = None

@@ -306,19 +306,19 @@ class ModelExecutor(Executor):
             return
         if self.topology.pp == 1:
             steps = self._decode_steps(output, batch) if self.strategy.decode_steps > 1 and batch else 1
+            result = logits = hidden = None
             if steps > 1:
                 result = self._run_ahead(output, inputs, batch, steps)
-            else:
-                tokens = self._greedy_step(output, inputs, batch, proposal)
+            elif self._greedy_decode_step(output, inputs, batch, proposal):
+                tokens, logits = self._guarded(lambda: self.worker.greedy_tokens_or_logits(inputs))
                 result = None if tokens is None else DecodeResult(tokens.t().tolist())
             if result is not None:
                 self._pending.append(PendingStep(output, ExecutedStep(output, result,
                                                                       (time.perf_counter() - started,))))
                 return
-            hidden = None
             if self.strategy.reads_hidden_states:
                 hidden, logits = self._guarded(lambda: self.worker.hidden_and_logits(inputs))
-            else:
+            elif logits is None:
                 logits = self._guarded(lambda: self.worker.logits(inputs))
             executed = self._finished(output, logits, batch, proposal, inputs.prompt_spans,
                                       (time.perf_counter() - started,), hidden)
@@ -345,24 +345,26 @@ class ModelExecutor(Executor):
                 steps = min(steps, request.sampling_params.max_tokens - request.num_output_tokens)
         return max(steps, 1)
 
-    def _greedy_step(self, output: SchedulerOutput, inputs: Any, batch: DecodeBatch | None,
-                     proposal: Any) -> torch.Tensor | None:
-        """A decode step whose every request takes the plain argmax, chosen in the model's one
-        native call (``greedy_steps`` of one step: no logits handed back, no sampler in
-        Python): its tokens [1, T], or None where the step needs more (a prompt, a draft, a
-        strategy that reads hidden states, several ranks) or the model has no such call."""
-        if (batch is None or proposal is not None or self.worker_ranks or self.strategy.reads_hidden_states
-                or not self.strategy.takes_plain_argmax or len(batch.requests) != len(output.scheduled)
-                or not inputs.logits_are_all_rows or not all(r.sampling_params.plain_argmax for r in batch.requests)):
-            return None
-        return self._guarded(lambda: self.worker.greedy_steps(inputs, 1))
+    def _plain_argmax(self, batch: DecodeBatch) -> bool:
+        """True when the model may choose the batch's tokens itself (``greedy_steps``): one
+        rank, and the strategy answers every request, all ``plain_argmax``, with the argmax."""
+        return (not self.worker_ranks and self.strategy.takes_plain_argmax
+                and all(r.sampling_params.plain_argmax for r in batch.requests))
+
+    def _greedy_decode_step(self, output: SchedulerOutput, inputs: Any, batch: DecodeBatch | None,
+                            proposal: Any) -> bool:
+        """True for a single step whose tokens the model may choose in its call: every grant
+        a one-token decode (no prompt rows, no draft) of a ``_plain_argmax`` batch, for a
+        strategy that reads no hidden states."""
+        return (batch is not None and proposal is None and not self.strategy.reads_hidden_states
+                and len(batch.requests) == len(output.scheduled) and inputs.logits_are_all_rows
+                and self._plain_argmax(batch))
 
     def _run_ahead(self, output: SchedulerOutput, inputs: Any, batch: DecodeBatch, steps: int) -> DecodeResult:
         """Multi-step decoding: ``steps`` forward passes over the batch, each fed the tokens
         the strategy chose from the pass before, their KV written into the lookahead slots;
         each request's tokens in order (the scheduler's stop conditions cut them)."""
-        if (not self.worker_ranks and self.strategy.takes_plain_argmax
-                and all(r.sampling_params.plain_argmax for r in batch.requests)):
+        if self._plain_argmax(batch):
             tokens = self._guarded(lambda: self.worker.greedy_steps(inputs, steps))
             if tokens is not None:  # the model ran every step in one go
                 return DecodeResult(tokens.t().tolist())

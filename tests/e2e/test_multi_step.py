@@ -83,10 +83,10 @@ def test_a_greedy_step_at_a_time_chooses_its_token_in_the_native_call(llama):
     native call (no logits handed to the sampler) and gives transformers' tokens; a batch
     with a request that asks for logprobs goes through the sampler, with the same tokens."""
     llm = LLM(llama, overrides=BASE)
-    worker, strategy = llm.engine.executor.worker, llm.engine.executor.strategy
+    model, strategy = llm.engine.executor.worker.model, llm.engine.executor.strategy
     native, sampled = [], []
-    greedy_steps, accept = worker.greedy_steps, strategy.accept
-    worker.greedy_steps = lambda inputs, steps: native.append(steps) or greedy_steps(inputs, steps)
+    greedy_steps, accept = model.greedy_steps, strategy.accept
+    model.greedy_steps = lambda *args: native.append(args[-1]) or greedy_steps(*args)
     strategy.accept = lambda logits, batch, proposal: sampled.append(len(batch.requests)) or accept(logits, batch,
                                                                                                       proposal)
     assert_engine_matches_transformers(llama, llm=llm, max_tokens=9)
